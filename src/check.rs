@@ -1,0 +1,231 @@
+//! `outbox-relay check`: everything the relay needs, verified before it runs, one line per
+//! finding, each saying what to fix. Used as systemd's `ExecStartPre`.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use crate::config::{Config, SinkTarget, TableConfig};
+use crate::sink::nats::{check_subject, NatsSink};
+use crate::source::{describe, schema, session_config, SessionLimits};
+
+/// JetStream de-duplicates re-sent messages only inside this window; shorter windows let
+/// duplicates through after a crash between publish and commit.
+const MIN_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Level {
+    Ok,
+    Warn,
+    Fail,
+}
+
+/// One line of `check` output.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub level: Level,
+    pub subject: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tag = match self.level {
+            Level::Ok => "ok  ",
+            Level::Warn => "WARN",
+            Level::Fail => "FAIL",
+        };
+        write!(f, "{tag} {}: {}", self.subject, self.message)
+    }
+}
+
+#[derive(Default)]
+struct Findings(Vec<Finding>);
+
+impl Findings {
+    fn push(&mut self, level: Level, subject: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Finding {
+            level,
+            subject: subject.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Runs every check. The configuration is already valid (it was loaded).
+pub async fn check(config: &Config) -> Vec<Finding> {
+    let mut out = Findings::default();
+    out.push(Level::Ok, "config", "valid");
+    let subjects = check_postgres(config, &mut out).await;
+    match &config.sink.target {
+        SinkTarget::Nats(nats) => {
+            match NatsSink::connect(nats, config.sink.publish_timeout.min(Duration::from_secs(5)))
+                .await
+            {
+                Ok(sink) => {
+                    out.push(Level::Ok, format!("nats {}", nats.redacted()), "reachable");
+                    check_streams(&sink, &subjects, &mut out).await;
+                }
+                Err(e) => out.push(
+                    Level::Fail,
+                    format!("nats {}", nats.redacted()),
+                    format!("{e}: start the server or fix sink.nats.url"),
+                ),
+            }
+        }
+        SinkTarget::Kafka(_) => out.push(
+            Level::Fail,
+            "sink",
+            "the kafka sink is not available in this build yet; use \"nats\" or \"stdout\"",
+        ),
+        SinkTarget::Stdout => out.push(Level::Ok, "sink", "stdout needs no checks"),
+    }
+    out.0
+}
+
+/// Checks the database and each table; returns the subjects to look for in the broker,
+/// per table.
+async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTreeSet<String>)> {
+    let target = format!("postgres {}", config.postgres.redacted());
+    let limits = SessionLimits {
+        statement_timeout: config.postgres.statement_timeout,
+        lock_timeout: Duration::from_secs(5),
+        idle_in_transaction_timeout: Duration::from_secs(60),
+    };
+    let pg = session_config(&config.postgres, limits);
+    let connected = tokio::time::timeout(
+        config.postgres.connect_timeout + Duration::from_secs(1),
+        pg.connect(tokio_postgres::NoTls),
+    )
+    .await;
+    let client = match connected {
+        Ok(Ok((client, connection))) => {
+            tokio::spawn(connection);
+            client
+        }
+        Ok(Err(e)) => {
+            out.push(Level::Fail, target, format!("cannot connect: {}", describe(&e)));
+            return Vec::new();
+        }
+        Err(_) => {
+            out.push(Level::Fail, target, "connection timed out");
+            return Vec::new();
+        }
+    };
+    match client.query_one("SHOW server_version", &[]).await {
+        Ok(row) => out.push(
+            Level::Ok,
+            target,
+            format!("reachable (PostgreSQL {})", row.get::<_, String>(0)),
+        ),
+        Err(e) => out.push(Level::Fail, target, describe(&e)),
+    }
+    let mut subjects = Vec::new();
+    for table in &config.tables {
+        let subject = format!("table {}", table.name);
+        match schema::inspect(&client, table, config.relay.on_publish).await {
+            Ok(Ok(_)) => {
+                out.push(Level::Ok, subject, "columns, types and privileges usable");
+                subjects.push((table.name.to_string(), table_subjects(&client, table).await));
+            }
+            Ok(Err(problems)) => {
+                for p in problems {
+                    out.push(Level::Fail, subject.clone(), p);
+                }
+            }
+            Err(e) => out.push(Level::Fail, subject, e.to_string()),
+        }
+    }
+    subjects
+}
+
+/// The subjects a table's rows go to: the template itself if it is literal, else the
+/// subjects of up to 100 distinct pending rows.
+async fn table_subjects(client: &tokio_postgres::Client, table: &TableConfig) -> BTreeSet<String> {
+    if let Some(literal) = table.topic.literal() {
+        return BTreeSet::from([literal.to_owned()]);
+    }
+    let columns: Vec<String> = table
+        .topic
+        .columns()
+        .iter()
+        .map(|c| format!("{}::text", c.quoted()))
+        .collect();
+    let sql = format!(
+        "SELECT DISTINCT {} FROM (SELECT * FROM {} WHERE {} IS NULL AND {} IS NULL LIMIT 10000) s LIMIT 100",
+        columns.join(", "),
+        table.name.quoted(),
+        table.columns.published_at.quoted(),
+        table.columns.dead_at.quoted(),
+    );
+    let Ok(rows) = client.query(&sql, &[]).await else {
+        return BTreeSet::new();
+    };
+    rows.iter()
+        .filter_map(|row| {
+            let values: Vec<Option<String>> = (0..row.len()).map(|i| row.get(i)).collect();
+            table.topic.render(&values).ok()
+        })
+        .collect()
+}
+
+async fn check_streams(sink: &NatsSink, subjects: &[(String, BTreeSet<String>)], out: &mut Findings) {
+    let js = sink.jetstream();
+    if let Err(e) = js.query_account().await {
+        out.push(
+            Level::Fail,
+            "jetstream",
+            format!("{e}: enable JetStream on the server (nats-server -js)"),
+        );
+        return;
+    }
+    for (table, set) in subjects {
+        if set.is_empty() {
+            out.push(
+                Level::Ok,
+                format!("table {table}"),
+                "subjects depend on row data and no row is pending; nothing to match to a stream yet",
+            );
+        }
+        let mut streams_seen = BTreeSet::new();
+        for subject in set {
+            if let Err(e) = check_subject(subject) {
+                out.push(Level::Fail, format!("subject {subject:?}"), e);
+                continue;
+            }
+            match js.stream_by_subject(subject.clone()).await {
+                Ok(stream) => {
+                    out.push(Level::Ok, format!("subject {subject}"), format!("stored by stream {stream}"));
+                    streams_seen.insert(stream);
+                }
+                Err(_) => out.push(
+                    Level::Fail,
+                    format!("subject {subject}"),
+                    "no JetStream stream captures it: create one, e.g. \
+                     `nats stream add OUTBOX --subjects '<subject or wildcard>' --dupe-window 2m`",
+                ),
+            }
+        }
+        for name in streams_seen {
+            match js.get_stream(&name).await {
+                Ok(mut stream) => match stream.info().await {
+                    Ok(info) if info.config.duplicate_window < MIN_DUPLICATE_WINDOW => out.push(
+                        Level::Warn,
+                        format!("stream {name}"),
+                        format!(
+                            "duplicate window is {:?}; under 2m a re-send after a crash may not \
+                             be de-duplicated: raise it (--dupe-window 2m)",
+                            info.config.duplicate_window
+                        ),
+                    ),
+                    Ok(info) => out.push(
+                        Level::Ok,
+                        format!("stream {name}"),
+                        format!("duplicate window {:?}", info.config.duplicate_window),
+                    ),
+                    Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
+                },
+                Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
+            }
+        }
+    }
+}

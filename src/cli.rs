@@ -1,0 +1,51 @@
+//! The command line (contract section 3).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about = "Relays transactional-outbox rows from PostgreSQL to NATS JetStream or Kafka")]
+pub struct Cli {
+    /// Config file [default: $OUTBOX_RELAY_CONFIG, else /etc/outbox-relay/relay.toml]
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    /// Log format on stderr; the level comes from RUST_LOG (default info)
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Pretty)]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Relay until SIGTERM/SIGINT, then drain in-flight batches and exit
+    Run,
+    /// Relay until no publishable row is left, then exit (0: empty; 3: --timeout reached)
+    Drain {
+        /// Give up after this long, e.g. "90s" or "5m"; the rows left stay in the table
+        #[arg(long, value_parser = parse_duration_arg, value_name = "DUR")]
+        timeout: Option<Duration>,
+    },
+    /// Create or upgrade the outbox schema (idempotent)
+    Migrate {
+        /// Leave out the NOTIFY trigger (for write-heavy databases); relays then poll
+        #[arg(long)]
+        no_notify: bool,
+    },
+    /// Validate the config, reach PostgreSQL and the broker, verify tables and streams
+    Check,
+}
+
+fn parse_duration_arg(text: &str) -> Result<Duration, String> {
+    crate::config::raw::parse_duration(text)
+}

@@ -1,0 +1,172 @@
+//! The two ways the environment reaches the configuration: `${VAR}` references inside the
+//! file, and `OUTBOX_RELAY__<SECTION>__<KEY>` variables that override keys.
+
+use toml::{Table, Value};
+
+/// Prefix of the variables that override configuration keys.
+pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
+
+/// Replaces every `${VAR}` in `text` with the variable's value; `$${` stands for a literal
+/// `${`. A reference to an unset variable is an error naming it.
+pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let tail = &rest[at..];
+        if let Some(after) = tail.strip_prefix("$${") {
+            out.push_str("${");
+            rest = after;
+        } else if let Some(after) = tail.strip_prefix("${") {
+            let end = after
+                .find('}')
+                .ok_or_else(|| "unterminated ${ in the config file: close it with }".to_owned())?;
+            let name = &after[..end];
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
+            {
+                return Err(format!(
+                    "${{{name}}} in the config file is not a valid environment variable name"
+                ));
+            }
+            let value = lookup(name).ok_or_else(|| {
+                format!("${{{name}}} is used in the config file but {name} is not set in the environment")
+            })?;
+            out.push_str(&value);
+            rest = &after[end + 1..];
+        } else {
+            out.push('$');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// One applied override, kept so that an error on its key can name the variable.
+#[derive(Debug, Clone)]
+pub struct Override {
+    pub variable: String,
+    pub path: Vec<String>,
+}
+
+/// Applies `OUTBOX_RELAY__A__B=value` as key `a.b` = value. Numbers and booleans become
+/// TOML numbers and booleans, everything else a string. A numeric path segment indexes an
+/// array (`OUTBOX_RELAY__TABLES__0__TOPIC`).
+pub fn apply_overrides(
+    root: &mut Table,
+    vars: impl IntoIterator<Item = (String, String)>,
+) -> Result<Vec<Override>, String> {
+    let mut applied = Vec::new();
+    let mut vars: Vec<_> = vars
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(OVERRIDE_PREFIX))
+        .collect();
+    vars.sort();
+    for (variable, raw) in vars {
+        let path: Vec<String> = variable[OVERRIDE_PREFIX.len()..]
+            .split("__")
+            .map(str::to_lowercase)
+            .collect();
+        if path.iter().any(String::is_empty) {
+            return Err(format!(
+                "{variable}: malformed override, write OUTBOX_RELAY__<SECTION>__<KEY>"
+            ));
+        }
+        set_path(root, &path, scalar(&raw)).map_err(|e| format!("{variable}: {e}"))?;
+        applied.push(Override { variable, path });
+    }
+    Ok(applied)
+}
+
+fn scalar(raw: &str) -> Value {
+    if let Ok(i) = raw.parse::<i64>() {
+        return Value::Integer(i);
+    }
+    match raw {
+        "true" => Value::Boolean(true),
+        "false" => Value::Boolean(false),
+        _ => Value::String(raw.to_owned()),
+    }
+}
+
+fn set_path(table: &mut Table, path: &[String], value: Value) -> Result<(), String> {
+    let (first, rest) = path.split_first().expect("path is never empty");
+    if rest.is_empty() {
+        table.insert(first.clone(), value);
+        return Ok(());
+    }
+    let child = table
+        .entry(first.clone())
+        .or_insert_with(|| Value::Table(Table::new()));
+    set_in_value(child, rest, value)
+}
+
+fn set_in_value(node: &mut Value, path: &[String], value: Value) -> Result<(), String> {
+    match node {
+        Value::Table(t) => set_path(t, path, value),
+        Value::Array(items) => {
+            let (index, rest) = path.split_first().expect("path is never empty");
+            let i: usize = index
+                .parse()
+                .map_err(|_| format!("`{index}` must be an array index here"))?;
+            let len = items.len();
+            let item = items
+                .get_mut(i)
+                .ok_or_else(|| format!("index {i} is past the {len} entries in the file"))?;
+            if rest.is_empty() {
+                *item = value;
+                Ok(())
+            } else {
+                set_in_value(item, rest, value)
+            }
+        }
+        _ => Err(format!("`{}` is not a section", path[0])),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let owned: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| owned.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+    }
+
+    #[test]
+    fn interpolation_replaces_variables_and_keeps_escapes() {
+        let out = interpolate("a=${A} b=$${B} c=$5", env(&[("A", "x")])).unwrap();
+        assert_eq!(out, "a=x b=${B} c=$5");
+    }
+
+    #[test]
+    fn interpolation_names_the_missing_variable() {
+        let err = interpolate("url = \"${PG_URL}\"", env(&[])).unwrap_err();
+        assert!(err.contains("PG_URL is not set"), "{err}");
+    }
+
+    #[test]
+    fn overrides_set_nested_keys_with_types() {
+        let mut root: Table = toml::from_str("[relay]\nworkers = 1\n[[tables]]\nname = \"a.b\"")
+            .unwrap();
+        apply_overrides(
+            &mut root,
+            vec![
+                ("OUTBOX_RELAY__RELAY__WORKERS".into(), "8".into()),
+                ("OUTBOX_RELAY__POSTGRES__URL".into(), "postgres://x".into()),
+                ("OUTBOX_RELAY__TABLES__0__TOPIC".into(), "t.{key}".into()),
+                ("UNRELATED".into(), "1".into()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(root["relay"]["workers"].as_integer(), Some(8));
+        assert_eq!(root["postgres"]["url"].as_str(), Some("postgres://x"));
+        assert_eq!(root["tables"][0]["topic"].as_str(), Some("t.{key}"));
+    }
+}

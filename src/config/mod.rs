@@ -1,0 +1,537 @@
+//! Configuration: the one place where input is checked.
+//!
+//! [`load`] reads the TOML file, replaces `${VAR}` references, applies
+//! `OUTBOX_RELAY__SECTION__KEY` overrides, deserializes into the [`raw`] types (unknown keys
+//! rejected) and validates the result into a [`Config`]. Every error names the key at
+//! fault; no error ever contains a secret.
+
+mod env;
+pub mod names;
+pub mod raw;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+pub use names::{Ident, TableName, Template};
+pub use raw::{OnPublish, Ordering, SinkKind};
+
+/// Where the config is read from when neither `--config` nor `OUTBOX_RELAY_CONFIG` is set.
+pub const DEFAULT_PATH: &str = "/etc/outbox-relay/relay.toml";
+
+/// A configuration problem: always the operator's to fix, always exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(String);
+
+/// The checked configuration. Everything in it has been validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub postgres: PostgresConfig,
+    pub relay: RelayConfig,
+    pub sink: SinkConfig,
+    pub tables: Vec<TableConfig>,
+    pub http: Option<HttpConfig>,
+    pub shutdown: ShutdownConfig,
+}
+
+#[derive(Clone)]
+pub struct PostgresConfig {
+    /// Parsed connection settings; may hold a password, so this type's `Debug` is redacted.
+    pub connection: tokio_postgres::Config,
+    pub pool_size: usize,
+    pub statement_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+impl PostgresConfig {
+    /// `postgres://user@host:port/db` without the password, for logs and `check`.
+    pub fn redacted(&self) -> String {
+        let c = &self.connection;
+        let user = c.get_user().unwrap_or("");
+        let hosts: Vec<String> = c
+            .get_hosts()
+            .iter()
+            .zip(c.get_ports().iter().chain(std::iter::repeat(&5432)))
+            .map(|(h, p)| match h {
+                tokio_postgres::config::Host::Tcp(h) => format!("{h}:{p}"),
+                tokio_postgres::config::Host::Unix(path) => format!("{}:{p}", path.display()),
+            })
+            .collect();
+        format!(
+            "postgres://{user}@{}/{}",
+            hosts.join(","),
+            c.get_dbname().unwrap_or("")
+        )
+    }
+}
+
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &self.redacted())
+            .field("pool_size", &self.pool_size)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub workers: usize,
+    pub batch_size: usize,
+    pub poll_interval: Duration,
+    pub ordering: Ordering,
+    pub on_publish: OnPublish,
+    pub max_attempts: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct SinkConfig {
+    pub target: SinkTarget,
+    pub publish_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum SinkTarget {
+    Nats(NatsConfig),
+    Kafka(KafkaConfig),
+    Stdout,
+}
+
+#[derive(Clone)]
+pub struct NatsConfig {
+    /// Server URLs; may carry `user:password@`, so `Debug` is redacted.
+    pub urls: Vec<String>,
+}
+
+impl NatsConfig {
+    /// The server URLs with any credentials removed.
+    pub fn redacted(&self) -> String {
+        self.urls
+            .iter()
+            .map(|u| redact_userinfo(u))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("urls", &self.redacted())
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+pub struct KafkaConfig {
+    pub brokers: String,
+    pub properties: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                let secret = ["password", "secret", "key", "token"]
+                    .iter()
+                    .any(|s| k.contains(s));
+                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("properties", &shown)
+            .finish()
+    }
+}
+
+/// One `[[tables]]` entry.
+#[derive(Debug, Clone)]
+pub struct TableConfig {
+    pub name: TableName,
+    pub topic: Template,
+    pub columns: Columns,
+}
+
+/// The columns the relay reads and writes. The default outbox layout (contract section 5).
+#[derive(Debug, Clone)]
+pub struct Columns {
+    pub id: Ident,
+    pub key: Ident,
+    pub payload: Ident,
+    pub headers: Ident,
+    pub created_at: Ident,
+    pub published_at: Ident,
+    pub attempts: Ident,
+    pub last_error: Ident,
+    pub dead_at: Ident,
+}
+
+impl Default for Columns {
+    fn default() -> Self {
+        let c = |n: &str| Ident::parse(n).expect("default column names are valid");
+        Columns {
+            id: c("id"),
+            key: c("key"),
+            payload: c("payload"),
+            headers: c("headers"),
+            created_at: c("created_at"),
+            published_at: c("published_at"),
+            attempts: c("attempts"),
+            last_error: c("last_error"),
+            dead_at: c("dead_at"),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct ShutdownConfig {
+    pub drain_timeout: Duration,
+}
+
+/// Chooses the config file: `--config`, else `OUTBOX_RELAY_CONFIG`, else [`DEFAULT_PATH`].
+pub fn resolve_path(flag: Option<&Path>) -> PathBuf {
+    flag.map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("OUTBOX_RELAY_CONFIG").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_PATH))
+}
+
+/// Reads, overrides and validates the configuration at `path` against the process
+/// environment.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        ConfigError(format!(
+            "cannot read config file {}: {e} (pass --config FILE or set OUTBOX_RELAY_CONFIG)",
+            path.display()
+        ))
+    })?;
+    from_str(&text, |name| std::env::var(name).ok(), std::env::vars())
+        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
+}
+
+/// [`load`] without the file system: `lookup` serves `${VAR}`, `vars` the overrides.
+pub fn from_str(
+    text: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+    vars: impl IntoIterator<Item = (String, String)>,
+) -> Result<Config, ConfigError> {
+    let text = env::interpolate(text, lookup).map_err(ConfigError)?;
+    let mut table: toml::Table = toml::from_str(&text)
+        .map_err(|e| ConfigError(format!("not valid TOML: {}", e.message())))?;
+    let overrides = env::apply_overrides(&mut table, vars).map_err(ConfigError)?;
+    let raw: raw::RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
+        .map_err(|e| ConfigError(describe_serde_error(&e, &overrides)))?;
+    validate(raw)
+}
+
+/// Turns serde's message into one that leads with the full key, e.g.
+/// `relay.workerz: unknown key` or `postgres.url: required key is missing`.
+fn describe_serde_error(
+    e: &serde_path_to_error::Error<toml::de::Error>,
+    overrides: &[env::Override],
+) -> String {
+    let path = e.path().to_string();
+    let inner = e.inner().message().to_owned();
+    let join = |key: &str| {
+        if path.ends_with(key) {
+            path.clone()
+        } else if path == "." || path.is_empty() {
+            key.to_owned()
+        } else {
+            format!("{path}.{key}")
+        }
+    };
+    let (key, message) = if let Some(field) = backticked(&inner, "missing field `") {
+        (join(field), "required key is missing".to_owned())
+    } else if let Some(field) = backticked(&inner, "unknown field `") {
+        let expected = inner
+            .split_once(", expected ")
+            .map(|(_, rest)| format!(" (expected {rest})"))
+            .unwrap_or_default();
+        (join(field), format!("unknown key{expected}"))
+    } else {
+        (path.clone(), inner)
+    };
+    let source = overrides
+        .iter()
+        .find(|o| o.path.join(".") == key.replace(['[', ']'], "."))
+        .map(|o| format!(" (set by {})", o.variable))
+        .unwrap_or_default();
+    format!("{key}: {message}{source}")
+}
+
+fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
+    text.strip_prefix(prefix)?.split('`').next()
+}
+
+fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
+    let err = |key: &str, msg: String| ConfigError(format!("{key}: {msg}"));
+
+    let connection = tokio_postgres::Config::from_str(&raw.postgres.url).map_err(|e| {
+        // tokio-postgres names the option at fault without echoing values.
+        err(
+            "postgres.url",
+            format!("not a valid PostgreSQL connection URL ({e})"),
+        )
+    })?;
+    if connection.get_hosts().is_empty() {
+        return Err(err(
+            "postgres.url",
+            "names no host: write postgres://user@host:5432/db".into(),
+        ));
+    }
+    let relay = raw.relay;
+    if relay.workers == 0 || relay.workers > 256 {
+        return Err(err("relay.workers", "must be between 1 and 256".into()));
+    }
+    if relay.batch_size == 0 || relay.batch_size > 10_000 {
+        return Err(err("relay.batch_size", "must be between 1 and 10000".into()));
+    }
+    if relay.max_attempts == 0 {
+        return Err(err("relay.max_attempts", "must be at least 1".into()));
+    }
+    if relay.poll_interval.0 < Duration::from_millis(1) {
+        return Err(err("relay.poll_interval", "must be at least 1ms".into()));
+    }
+    if raw.postgres.pool_size < relay.workers {
+        return Err(err(
+            "postgres.pool_size",
+            format!(
+                "is {} but must be at least relay.workers ({}): each worker holds a connection",
+                raw.postgres.pool_size, relay.workers
+            ),
+        ));
+    }
+    let postgres = PostgresConfig {
+        connection,
+        pool_size: raw.postgres.pool_size,
+        statement_timeout: positive("postgres.statement_timeout", raw.postgres.statement_timeout)?,
+        connect_timeout: positive("postgres.connect_timeout", raw.postgres.connect_timeout)?,
+    };
+
+    let target = match raw.sink.kind {
+        SinkKind::Nats => {
+            let url = raw.sink.nats.map(|n| n.url).unwrap_or_else(|| "nats://127.0.0.1:4222".into());
+            let urls: Vec<String> = url.split(',').map(|u| u.trim().to_owned()).collect();
+            if urls.iter().any(String::is_empty) {
+                return Err(err("sink.nats.url", "contains an empty server URL".into()));
+            }
+            SinkTarget::Nats(NatsConfig { urls })
+        }
+        SinkKind::Kafka => {
+            let kafka = raw.sink.kafka.ok_or_else(|| {
+                err(
+                    "sink.kafka.brokers",
+                    "required key is missing when sink.kind = \"kafka\"".into(),
+                )
+            })?;
+            SinkTarget::Kafka(KafkaConfig {
+                brokers: kafka.brokers,
+                properties: kafka
+                    .properties
+                    .into_iter()
+                    .map(|(k, v)| (k, v.0))
+                    .collect(),
+            })
+        }
+        SinkKind::Stdout => SinkTarget::Stdout,
+    };
+    let sink = SinkConfig {
+        target,
+        publish_timeout: positive("sink.publish_timeout", raw.sink.publish_timeout)?,
+    };
+
+    if raw.tables.is_empty() {
+        return Err(err(
+            "tables",
+            "at least one [[tables]] entry is required".into(),
+        ));
+    }
+    let mut tables: Vec<TableConfig> = Vec::new();
+    for (i, t) in raw.tables.into_iter().enumerate() {
+        let name = TableName::parse(&t.name).map_err(|e| err(&format!("tables[{i}].name"), e))?;
+        if tables.iter().any(|other| other.name == name) {
+            return Err(err(
+                &format!("tables[{i}].name"),
+                format!("{name} is listed twice"),
+            ));
+        }
+        let topic = Template::parse(&t.topic).map_err(|e| err(&format!("tables[{i}].topic"), e))?;
+        tables.push(TableConfig {
+            name,
+            topic,
+            columns: Columns::default(),
+        });
+    }
+
+    let http = match raw.http.listen {
+        None => None,
+        Some(listen) => Some(HttpConfig {
+            listen: listen.parse().map_err(|_| {
+                err(
+                    "http.listen",
+                    format!("{listen:?} is not an address: write host:port, e.g. 127.0.0.1:9187"),
+                )
+            })?,
+        }),
+    };
+
+    let shutdown = ShutdownConfig {
+        drain_timeout: positive("shutdown.drain_timeout", raw.shutdown.drain_timeout)?,
+    };
+
+    Ok(Config {
+        postgres,
+        relay: RelayConfig {
+            workers: relay.workers,
+            batch_size: relay.batch_size,
+            poll_interval: relay.poll_interval.0,
+            ordering: relay.ordering,
+            on_publish: relay.on_publish,
+            max_attempts: relay.max_attempts,
+        },
+        sink,
+        tables,
+        http,
+        shutdown,
+    })
+}
+
+fn positive(key: &str, value: raw::DurationValue) -> Result<Duration, ConfigError> {
+    if value.0.is_zero() {
+        Err(ConfigError(format!("{key}: must be longer than 0ms")))
+    } else {
+        Ok(value.0)
+    }
+}
+
+/// Removes `user:password@` from a URL.
+pub fn redact_userinfo(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            format!("{}://<redacted>@{}", &url[..scheme_end], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+        [postgres]
+        url = "postgres://relay:hunter2@127.0.0.1:5432/app"
+        [sink]
+        kind = "nats"
+        [[tables]]
+        name = "public.outbox"
+    "#;
+
+    fn load(text: &str, vars: &[(&str, &str)]) -> Result<Config, String> {
+        let vars: Vec<(String, String)> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let lookup = vars.clone();
+        from_str(
+            text,
+            move |n| lookup.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()),
+            vars,
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn minimal_config_gets_the_documented_defaults() {
+        let c = load(MINIMAL, &[]).unwrap();
+        assert_eq!(c.relay.workers, 4);
+        assert_eq!(c.relay.batch_size, 500);
+        assert_eq!(c.relay.poll_interval, Duration::from_millis(100));
+        assert_eq!(c.relay.ordering, Ordering::Key);
+        assert_eq!(c.relay.on_publish, OnPublish::Delete);
+        assert_eq!(c.relay.max_attempts, 10);
+        assert_eq!(c.postgres.pool_size, 8);
+        assert_eq!(c.shutdown.drain_timeout, Duration::from_secs(25));
+        assert!(c.http.is_none());
+        assert_eq!(c.tables[0].name.to_string(), "public.outbox");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = load(&format!("{MINIMAL}\n[relay]\nworkerz = 3\n"), &[]).unwrap_err();
+        assert!(e.starts_with("relay.workerz: unknown key"), "{e}");
+    }
+
+    #[test]
+    fn missing_required_key_is_named() {
+        let e = load("[postgres]\n[sink]\nkind = \"nats\"\n", &[]).unwrap_err();
+        assert!(e.starts_with("postgres.url: required key is missing"), "{e}");
+    }
+
+    #[test]
+    fn bad_duration_is_named() {
+        let e = load(&format!("{MINIMAL}\n[shutdown]\ndrain_timeout = \"soon\"\n"), &[]).unwrap_err();
+        assert!(e.starts_with("shutdown.drain_timeout: invalid duration"), "{e}");
+    }
+
+    #[test]
+    fn bad_enum_value_is_named() {
+        let e = load(&format!("{MINIMAL}\n[relay]\nordering = \"kye\"\n"), &[]).unwrap_err();
+        assert!(e.starts_with("relay.ordering:"), "{e}");
+        assert!(e.contains("key"), "{e}");
+    }
+
+    #[test]
+    fn environment_overrides_keys_and_is_named_in_errors() {
+        let c = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "2")]).unwrap();
+        assert_eq!(c.relay.workers, 2);
+        let e = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "many")]).unwrap_err();
+        assert!(e.contains("relay.workers"), "{e}");
+        assert!(e.contains("OUTBOX_RELAY__RELAY__WORKERS"), "{e}");
+    }
+
+    #[test]
+    fn interpolated_secret_is_used_but_never_shown() {
+        let text = MINIMAL.replace("relay:hunter2@", "relay:${PGPASS}@");
+        let c = load(&text, &[("PGPASS", "s3cr3t")]).unwrap();
+        assert_eq!(c.postgres.connection.get_password(), Some(&b"s3cr3t"[..]));
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cr3t"), "{shown}");
+        assert!(shown.contains("postgres://relay@127.0.0.1:5432/app"), "{shown}");
+    }
+
+    #[test]
+    fn bad_postgres_url_does_not_echo_the_password() {
+        let text = MINIMAL.replace("127.0.0.1:5432", "127.0.0.1:notaport");
+        let e = load(&text, &[]).unwrap_err();
+        assert!(e.starts_with("postgres.url:"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn pool_smaller_than_workers_is_rejected() {
+        let e = load(&format!("{MINIMAL}\n[relay]\nworkers = 16\n"), &[]).unwrap_err();
+        assert!(e.starts_with("postgres.pool_size:"), "{e}");
+    }
+
+    #[test]
+    fn nats_credentials_are_redacted() {
+        assert_eq!(
+            redact_userinfo("nats://u:p@127.0.0.1:4222"),
+            "nats://<redacted>@127.0.0.1:4222"
+        );
+    }
+}

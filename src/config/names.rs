@@ -1,0 +1,260 @@
+//! Names that come from configuration and end up in SQL or in a topic: table names, column
+//! names and topic templates. They are checked here once; SQL only ever sees them quoted.
+
+use std::fmt;
+
+/// A PostgreSQL identifier as PostgreSQL itself resolves it: unquoted names fold to lower
+/// case, `"Quoted"` names are kept exactly.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Ident(String);
+
+impl Ident {
+    /// Parses one identifier, quoted or not.
+    pub fn parse(text: &str) -> Result<Ident, String> {
+        let (ident, rest) = Self::parse_prefix(text)?;
+        if !rest.is_empty() {
+            return Err(format!("unexpected {rest:?} after identifier"));
+        }
+        Ok(ident)
+    }
+
+    /// Parses an identifier at the start of `text`, returning the unparsed rest.
+    fn parse_prefix(text: &str) -> Result<(Ident, &str), String> {
+        let name;
+        let rest;
+        if let Some(quoted) = text.strip_prefix('"') {
+            let mut value = String::new();
+            let mut chars = quoted.char_indices();
+            loop {
+                match chars.next() {
+                    None => return Err("unterminated quoted identifier".to_owned()),
+                    Some((i, '"')) => {
+                        if quoted[i + 1..].starts_with('"') {
+                            value.push('"');
+                            chars.next();
+                        } else {
+                            rest = &quoted[i + 1..];
+                            break;
+                        }
+                    }
+                    Some((_, c)) => value.push(c),
+                }
+            }
+            name = value;
+        } else {
+            let end = text
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
+                .unwrap_or(text.len());
+            let word = &text[..end];
+            if word.is_empty() || word.starts_with(|c: char| c.is_ascii_digit() || c == '$') {
+                return Err(format!(
+                    "{text:?} is not an identifier: start with a letter or _, or quote it"
+                ));
+            }
+            name = word.to_ascii_lowercase();
+            rest = &text[end..];
+        }
+        if name.is_empty() || name.contains('\0') || name.len() > 63 {
+            return Err(format!(
+                "{name:?} is not a usable identifier (1 to 63 bytes, no NUL)"
+            ));
+        }
+        Ok((Ident(name), rest))
+    }
+
+    /// The name as PostgreSQL stores it in the catalog.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The identifier quoted for SQL: `"name"` with inner quotes doubled.
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.0.replace('"', "\"\""))
+    }
+}
+
+impl fmt::Display for Ident {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A schema-qualified table name. `outbox` alone means `public.outbox`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TableName {
+    pub schema: Ident,
+    pub table: Ident,
+}
+
+impl TableName {
+    pub fn parse(text: &str) -> Result<TableName, String> {
+        let (first, rest) = Ident::parse_prefix(text.trim())?;
+        if rest.is_empty() {
+            return Ok(TableName {
+                schema: Ident("public".to_owned()),
+                table: first,
+            });
+        }
+        let second = rest
+            .strip_prefix('.')
+            .ok_or_else(|| format!("unexpected {rest:?}: write schema.table"))?;
+        Ok(TableName {
+            schema: first,
+            table: Ident::parse(second)?,
+        })
+    }
+
+    /// `"schema"."table"`, for SQL.
+    pub fn quoted(&self) -> String {
+        format!("{}.{}", self.schema.quoted(), self.table.quoted())
+    }
+}
+
+/// `schema.table`: the form used in message ids (`public.outbox:42`) and in logs.
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.schema, self.table)
+    }
+}
+
+/// A topic or subject template such as `outbox.event.{aggregatetype}`: literal text and
+/// `{column}` references, `{{` and `}}` for literal braces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    parts: Vec<Part>,
+    columns: Vec<Ident>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    /// Index into [`Template::columns`].
+    Column(usize),
+}
+
+impl Template {
+    pub fn parse(text: &str) -> Result<Template, String> {
+        let mut parts = Vec::new();
+        let mut columns: Vec<Ident> = Vec::new();
+        let mut literal = String::new();
+        let mut rest = text;
+        while !rest.is_empty() {
+            if let Some(after) = rest.strip_prefix("{{") {
+                literal.push('{');
+                rest = after;
+            } else if let Some(after) = rest.strip_prefix("}}") {
+                literal.push('}');
+                rest = after;
+            } else if let Some(after) = rest.strip_prefix('{') {
+                let end = after
+                    .find('}')
+                    .ok_or_else(|| format!("unclosed {{ in template {text:?}"))?;
+                let column = Ident::parse(&after[..end])
+                    .map_err(|e| format!("bad column reference in template {text:?}: {e}"))?;
+                if !literal.is_empty() {
+                    parts.push(Part::Literal(std::mem::take(&mut literal)));
+                }
+                let index = match columns.iter().position(|c| *c == column) {
+                    Some(i) => i,
+                    None => {
+                        columns.push(column);
+                        columns.len() - 1
+                    }
+                };
+                parts.push(Part::Column(index));
+                rest = &after[end + 1..];
+            } else if rest.starts_with('}') {
+                return Err(format!(
+                    "stray }} in template {text:?}: write }}}} for a literal brace"
+                ));
+            } else {
+                let c = rest.chars().next().expect("rest is not empty");
+                literal.push(c);
+                rest = &rest[c.len_utf8()..];
+            }
+        }
+        if !literal.is_empty() {
+            parts.push(Part::Literal(literal));
+        }
+        if parts.is_empty() {
+            return Err("the topic template is empty".to_owned());
+        }
+        Ok(Template { parts, columns })
+    }
+
+    /// The columns referenced, in the order [`Template::render`] expects their values.
+    pub fn columns(&self) -> &[Ident] {
+        &self.columns
+    }
+
+    /// Renders the template from the values of [`Template::columns`]; a NULL value is an
+    /// error naming the column.
+    pub fn render(&self, values: &[Option<String>]) -> Result<String, String> {
+        let mut out = String::new();
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                Part::Column(i) => match values.get(*i).and_then(Option::as_deref) {
+                    Some(v) => out.push_str(v),
+                    None => {
+                        return Err(format!(
+                            "column {} used in the topic template is NULL",
+                            self.columns[*i]
+                        ))
+                    }
+                },
+            }
+        }
+        Ok(out)
+    }
+
+    /// The topic when the template has no column references.
+    pub fn literal(&self) -> Option<&str> {
+        match self.parts.as_slice() {
+            [Part::Literal(s)] => Some(s),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_fold_unquoted_and_keep_quoted() {
+        let t = TableName::parse("Public.Outbox").unwrap();
+        assert_eq!(t.to_string(), "public.outbox");
+        assert_eq!(t.quoted(), "\"public\".\"outbox\"");
+        let t = TableName::parse("\"My Schema\".\"we\"\"ird\"").unwrap();
+        assert_eq!(t.schema.as_str(), "My Schema");
+        assert_eq!(t.quoted(), "\"My Schema\".\"we\"\"ird\"");
+        assert_eq!(TableName::parse("outbox").unwrap().to_string(), "public.outbox");
+    }
+
+    #[test]
+    fn table_names_reject_injection_attempts() {
+        for bad in ["public.outbox; drop table x", "a.b.c", "", "1abc", "a.\"b", "a b"] {
+            assert!(TableName::parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn templates_render_columns_and_escaped_braces() {
+        let t = Template::parse("outbox.{aggregatetype}.{{x}}.{type}.{aggregatetype}").unwrap();
+        assert_eq!(t.columns().len(), 2);
+        let out = t
+            .render(&[Some("order".into()), Some("created".into())])
+            .unwrap();
+        assert_eq!(out, "outbox.order.{x}.created.order");
+        assert!(t.render(&[None, Some("x".into())]).unwrap_err().contains("aggregatetype"));
+        assert_eq!(Template::parse("fixed").unwrap().literal(), Some("fixed"));
+    }
+
+    #[test]
+    fn templates_reject_malformed_input() {
+        for bad in ["", "a.{", "a.}", "{1x}", "{a b}"] {
+            assert!(Template::parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+}

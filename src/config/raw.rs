@@ -1,0 +1,302 @@
+//! The configuration file exactly as written: serde types with `deny_unknown_fields` and a
+//! documented default on every field. Nothing here is trusted; [`super::validate`] turns it
+//! into a checked [`super::Config`].
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// `[postgres]`, required (it holds the required `url`).
+    pub postgres: RawPostgres,
+    /// `[relay]`, every key defaulted.
+    #[serde(default)]
+    pub relay: RawRelay,
+    /// `[sink]`, required (`kind` has no sensible default).
+    pub sink: RawSink,
+    /// `[[tables]]`, at least one.
+    pub tables: Vec<RawTable>,
+    /// `[http]`; no server unless `listen` is set.
+    #[serde(default)]
+    pub http: RawHttp,
+    /// `[shutdown]`.
+    #[serde(default)]
+    pub shutdown: RawShutdown,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPostgres {
+    /// Connection URL or key=value string. Required. May hold a password: never printed.
+    pub url: String,
+    /// Connections in the pool. Default 8; must be at least `relay.workers`.
+    #[serde(default = "defaults::pool_size")]
+    pub pool_size: usize,
+    /// Client and server-side deadline for one statement. Default `30s`.
+    #[serde(default = "defaults::statement_timeout")]
+    pub statement_timeout: DurationValue,
+    /// Deadline for opening a connection. Default `10s`.
+    #[serde(default = "defaults::connect_timeout")]
+    pub connect_timeout: DurationValue,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRelay {
+    /// Concurrent claim/publish loops. Default 4.
+    #[serde(default = "defaults::workers")]
+    pub workers: usize,
+    /// Rows claimed per transaction. Default 500.
+    #[serde(default = "defaults::batch_size")]
+    pub batch_size: usize,
+    /// Idle re-check when no NOTIFY arrives. Default `100ms`.
+    #[serde(default = "defaults::poll_interval")]
+    pub poll_interval: DurationValue,
+    /// `key` (default): same-key rows in id order; `none`: no order promise.
+    #[serde(default)]
+    pub ordering: Ordering,
+    /// `delete` (default) or `mark` (sets `published_at`).
+    #[serde(default)]
+    pub on_publish: OnPublish,
+    /// Failed attempts before a row is dead-lettered. Default 10.
+    #[serde(default = "defaults::max_attempts")]
+    pub max_attempts: u32,
+}
+
+impl Default for RawRelay {
+    fn default() -> Self {
+        RawRelay {
+            workers: defaults::workers(),
+            batch_size: defaults::batch_size(),
+            poll_interval: defaults::poll_interval(),
+            ordering: Ordering::default(),
+            on_publish: OnPublish::default(),
+            max_attempts: defaults::max_attempts(),
+        }
+    }
+}
+
+/// Which rows must reach the broker in `id` order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ordering {
+    /// Rows sharing a non-NULL key are published in id order.
+    #[default]
+    Key,
+    /// No order promise: every worker claims freely.
+    None,
+}
+
+/// What happens to a row once the broker acknowledged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnPublish {
+    /// Delete the row.
+    #[default]
+    Delete,
+    /// Keep the row and set `published_at`.
+    Mark,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkKind {
+    Kafka,
+    Nats,
+    Stdout,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSink {
+    /// `kafka`, `nats` or `stdout`. Required.
+    pub kind: SinkKind,
+    /// Longest wait for the broker to acknowledge a batch; rows still unacknowledged then
+    /// stay in the table. Default `10s`.
+    #[serde(default = "defaults::publish_timeout")]
+    pub publish_timeout: DurationValue,
+    pub kafka: Option<RawKafka>,
+    pub nats: Option<RawNats>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKafka {
+    /// `bootstrap.servers`. Required when `sink.kind = "kafka"`.
+    pub brokers: String,
+    /// Passed through to librdkafka.
+    #[serde(default)]
+    pub properties: BTreeMap<String, PropertyValue>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNats {
+    /// Server URL(s), comma separated. Default `nats://127.0.0.1:4222`.
+    #[serde(default = "defaults::nats_url")]
+    pub url: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTable {
+    /// Schema-qualified table name, e.g. `public.outbox`. Required.
+    pub name: String,
+    /// Topic or subject template: literals and `{column}` references. Default `{topic}`.
+    #[serde(default = "defaults::topic")]
+    pub topic: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHttp {
+    /// Address for /metrics, /healthz, /readyz. Default: no HTTP server.
+    pub listen: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShutdown {
+    /// After the first SIGTERM, how long in-flight batches may take. Default `25s`.
+    #[serde(default = "defaults::drain_timeout")]
+    pub drain_timeout: DurationValue,
+}
+
+impl Default for RawShutdown {
+    fn default() -> Self {
+        RawShutdown {
+            drain_timeout: defaults::drain_timeout(),
+        }
+    }
+}
+
+/// A librdkafka property: written as a string, number or boolean, passed on as a string.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PropertyValue(pub String);
+
+impl<'de> Deserialize<'de> for PropertyValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Scalar {
+            S(String),
+            I(i64),
+            F(f64),
+            B(bool),
+        }
+        Ok(PropertyValue(match Scalar::deserialize(d).map_err(|_| {
+            serde::de::Error::custom("a property must be a string, number or boolean")
+        })? {
+            Scalar::S(s) => s,
+            Scalar::I(i) => i.to_string(),
+            Scalar::F(f) => f.to_string(),
+            Scalar::B(b) => b.to_string(),
+        }))
+    }
+}
+
+/// A duration written as `"250ms"`, `"25s"`, `"5m"` or `"1h"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DurationValue(pub Duration);
+
+impl<'de> Deserialize<'de> for DurationValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "a duration must be a quoted string such as \"250ms\", \"25s\" or \"5m\"",
+            )
+        })?;
+        parse_duration(&text)
+            .map(DurationValue)
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"` (a whole number and a unit).
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let bad = || {
+        format!(
+            "invalid duration {text:?}: write a whole number followed by ms, s, m or h, \
+             e.g. \"250ms\", \"25s\", \"5m\""
+        )
+    };
+    let text_trimmed = text.trim();
+    let split = text_trimmed
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(bad)?;
+    let (number, unit) = text_trimmed.split_at(split);
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let millis_per_unit = match unit.trim() {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(millis_per_unit)
+        .map(Duration::from_millis)
+        .ok_or_else(bad)
+}
+
+mod defaults {
+    use super::DurationValue;
+    use std::time::Duration;
+
+    pub fn pool_size() -> usize {
+        8
+    }
+    pub fn statement_timeout() -> DurationValue {
+        DurationValue(Duration::from_secs(30))
+    }
+    pub fn connect_timeout() -> DurationValue {
+        DurationValue(Duration::from_secs(10))
+    }
+    pub fn workers() -> usize {
+        4
+    }
+    pub fn batch_size() -> usize {
+        500
+    }
+    pub fn poll_interval() -> DurationValue {
+        DurationValue(Duration::from_millis(100))
+    }
+    pub fn max_attempts() -> u32 {
+        10
+    }
+    pub fn publish_timeout() -> DurationValue {
+        DurationValue(Duration::from_secs(10))
+    }
+    pub fn nats_url() -> String {
+        "nats://127.0.0.1:4222".to_owned()
+    }
+    pub fn topic() -> String {
+        "{topic}".to_owned()
+    }
+    pub fn drain_timeout() -> DurationValue {
+        DurationValue(Duration::from_secs(25))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_in_every_unit() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("25s"), Ok(Duration::from_secs(25)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+    }
+
+    #[test]
+    fn bad_durations_say_how_to_write_one() {
+        for bad in ["", "10", "ms", "1.5s", "10x", "-1s", "99999999999999999999h"] {
+            let err = parse_duration(bad).unwrap_err();
+            assert!(err.contains("e.g. \"250ms\""), "{bad}: {err}");
+        }
+    }
+}

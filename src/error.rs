@@ -1,0 +1,49 @@
+//! The one question every error answers: what should the relay do about it?
+
+/// How the relay reacts to a failure. Every module's errors map onto these three.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// The dependency is unwell (connection reset, timeout, broker unavailable): back off
+    /// and try the same rows again later. Does not count against a row's attempts.
+    Transient,
+    /// This row cannot be published as it is (too large, invalid subject, bad headers):
+    /// count an attempt, dead-letter it after `max_attempts`.
+    BadRow,
+    /// Retrying cannot help (table missing, permission denied): stop the process with a
+    /// message that says what to fix.
+    Fatal,
+}
+
+/// PostgreSQL SQLSTATE codes that no retry can fix.
+const FATAL_SQLSTATES: &[&str] = &[
+    "28000", // invalid_authorization_specification
+    "28P01", // invalid_password
+    "3D000", // invalid_catalog_name (database does not exist)
+    "3F000", // invalid_schema_name
+    "42501", // insufficient_privilege
+    "42P01", // undefined_table
+    "42703", // undefined_column
+    "42804", // datatype_mismatch
+    "42883", // undefined_function
+];
+
+/// Classifies a PostgreSQL error: SQLSTATEs in [`FATAL_SQLSTATES`] are fatal; everything
+/// else (connection loss, statement timeout, serialization failure, shutdown) is transient.
+pub fn classify_postgres(e: &tokio_postgres::Error) -> ErrorClass {
+    match e.code() {
+        Some(code) if FATAL_SQLSTATES.contains(&code.code()) => ErrorClass::Fatal,
+        _ => ErrorClass::Transient,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fatal_sqlstates_are_well_formed() {
+        for code in FATAL_SQLSTATES {
+            assert_eq!(code.len(), 5, "{code}");
+        }
+    }
+}

@@ -1,0 +1,26 @@
+//! outbox-relay moves rows from transactional outbox tables in PostgreSQL to NATS
+//! JetStream (and Kafka), at least once, in per-key order, and drains cleanly on SIGTERM.
+//!
+//! # Module map
+//!
+//! - [`cli`]: the command line (clap).
+//! - [`config`]: TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a validated [`config::Config`].
+//!   The only place that checks input.
+//! - [`source`]: PostgreSQL. Pool and session deadlines, table inspection, the SQL, the
+//!   key-ordered claim (its invariant is documented in [`source::claim`]), migrations,
+//!   LISTEN/NOTIFY.
+//! - [`sink`]: the sink contract and its implementations: NATS JetStream, stdout, memory.
+//! - [`relay`]: supervisor and workers: claim -> publish -> await acks -> mark -> commit;
+//!   per-key publish order in [`relay::order`].
+//! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
+//! - [`check`]: the `check` command's findings.
+//! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
+
+pub mod check;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod relay;
+pub mod shutdown;
+pub mod sink;
+pub mod source;

@@ -1,0 +1,176 @@
+//! The `outbox-relay` binary: parse the command line, set up logging, load the config,
+//! run the command, map the outcome to an exit code (contract section 3).
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use outbox_relay::cli::{Cli, Command, LogFormat};
+use outbox_relay::config::{self, Config};
+use outbox_relay::relay::{self, Mode, Report};
+use outbox_relay::shutdown::Shutdown;
+use outbox_relay::source::{describe, migrate, session_config, SessionLimits};
+use outbox_relay::check;
+
+/// Exit codes, fixed by the contract.
+const EXIT_OK: u8 = 0;
+const EXIT_FAILURE: u8 = 1;
+const EXIT_CONFIG: u8 = 2;
+const EXIT_DEADLINE: u8 = 3;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    let path = config::resolve_path(cli.config.as_deref());
+    let config = match config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: invalid config: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    let code = runtime.block_on(execute(cli.command, config));
+    // Do not wait for tasks that ignore shutdown (none should); the process is done.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    ExitCode::from(code)
+}
+
+async fn execute(command: Command, config: Config) -> u8 {
+    match command {
+        Command::Run => relay_until_stopped(&config, Mode::Run, None).await,
+        Command::Drain { timeout } => relay_until_stopped(&config, Mode::Drain, timeout).await,
+        Command::Migrate { no_notify } => run_migrate(&config, !no_notify).await,
+        Command::Check => {
+            let findings = check::check(&config).await;
+            for f in &findings {
+                println!("{f}");
+            }
+            if findings.iter().any(|f| f.level == check::Level::Fail) {
+                EXIT_FAILURE
+            } else {
+                EXIT_OK
+            }
+        }
+    }
+}
+
+async fn relay_until_stopped(
+    config: &Config,
+    mode: Mode,
+    timeout: Option<std::time::Duration>,
+) -> u8 {
+    let shutdown = Shutdown::new();
+    if let Err(e) = shutdown.install_signal_handlers() {
+        eprintln!("error: cannot install signal handlers: {e}");
+        return EXIT_FAILURE;
+    }
+    if let Some(limit) = timeout {
+        let s = shutdown.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(limit).await;
+            tracing::warn!(timeout = ?limit, "Drain timeout reached; stopping");
+            s.request_stop();
+        });
+    }
+    match relay::run(config, mode, shutdown).await {
+        Ok(report) => {
+            if mode == Mode::Drain {
+                print_summary(config, &report);
+            }
+            exit_code(mode, &report)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            EXIT_FAILURE
+        }
+    }
+}
+
+fn exit_code(mode: Mode, report: &Report) -> u8 {
+    match mode {
+        _ if report.aborted => EXIT_DEADLINE,
+        Mode::Drain if !report.drained => EXIT_DEADLINE,
+        _ => EXIT_OK,
+    }
+}
+
+/// One line: rows, rate, time. On stderr when the sink itself writes to stdout.
+fn print_summary(config: &Config, report: &Report) {
+    let secs = report.elapsed.as_secs_f64();
+    let rate = if secs > 0.0 { report.published as f64 / secs } else { 0.0 };
+    let state = if report.drained {
+        "drained".to_owned()
+    } else {
+        "stopped with publishable rows left".to_owned()
+    };
+    let line = format!(
+        "{state}: {} rows published in {secs:.2}s ({rate:.0} rows/s), {} failed, {} dead-lettered",
+        report.published, report.failed, report.dead
+    );
+    if matches!(config.sink.target, config::SinkTarget::Stdout) {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+async fn run_migrate(config: &Config, notify: bool) -> u8 {
+    let limits = SessionLimits {
+        statement_timeout: config.postgres.statement_timeout,
+        lock_timeout: config.postgres.statement_timeout,
+        idle_in_transaction_timeout: std::time::Duration::from_secs(60),
+    };
+    let pg = session_config(&config.postgres, limits);
+    let (mut client, connection) = match pg.connect(tokio_postgres::NoTls).await {
+        Ok(pair) => pair,
+        Err(e) => {
+            eprintln!(
+                "error: cannot connect to {}: {}",
+                config.postgres.redacted(),
+                describe(&e)
+            );
+            return EXIT_FAILURE;
+        }
+    };
+    tokio::spawn(connection);
+    for table in &config.tables {
+        match migrate::migrate_table(&mut client, table, notify).await {
+            Ok(report) => {
+                let applied = if report.applied.is_empty() {
+                    "up to date".to_owned()
+                } else {
+                    format!("applied {}", report.applied.join(", "))
+                };
+                let trigger = if report.notify {
+                    "NOTIFY trigger installed"
+                } else {
+                    "no NOTIFY trigger (relays will poll)"
+                };
+                println!("{}: {applied}; {trigger}", report.table);
+            }
+            Err(e) => {
+                eprintln!("error: migrating {}: {e}", table.name);
+                return EXIT_FAILURE;
+            }
+        }
+    }
+    EXIT_OK
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}

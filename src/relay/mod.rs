@@ -1,0 +1,291 @@
+//! The supervisor: prepares the tables, connects the sink, runs the workers and the
+//! LISTEN task under one [`TaskTracker`], and reports how the run ended.
+//!
+//! `run` relays until stopped; `drain` relays until no publishable row is left. Either
+//! way, stopping means: stop claiming, let in-flight batches commit, flush the sink. If
+//! the deadline (`abort`) comes first, in-flight batches roll back and the report says so.
+
+mod message;
+pub mod order;
+mod worker;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Config, RelayConfig, TableConfig};
+use crate::error::ErrorClass;
+use crate::shutdown::Shutdown;
+use crate::sink::{Sink, SinkError};
+use crate::source::schema;
+use crate::source::sql::TableSql;
+use crate::source::{session_config, SessionLimits, Source, SourceError};
+
+pub use worker::Backoff;
+
+/// A failure that ends the run (exit code 1).
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    #[error("{0}")]
+    Fatal(String),
+}
+
+/// What a run or drain achieved.
+#[derive(Debug, Clone, Default)]
+pub struct Report {
+    pub published: u64,
+    pub failed: u64,
+    pub dead: u64,
+    pub elapsed: Duration,
+    /// The deadline cut in-flight batches short: they were rolled back.
+    pub aborted: bool,
+    /// `drain` only: no publishable row was left when it finished.
+    pub drained: bool,
+}
+
+/// An outbox table, ready to relay.
+pub struct TablePlan {
+    pub config: TableConfig,
+    pub sql: TableSql,
+}
+
+#[derive(Default)]
+struct Stats {
+    published: AtomicU64,
+    failed: AtomicU64,
+    dead: AtomicU64,
+}
+
+/// State shared by the workers.
+struct Shared {
+    source: Source,
+    sink: Sink,
+    tables: Vec<TablePlan>,
+    relay: RelayConfig,
+    publish_timeout: Duration,
+    shutdown: Shutdown,
+    /// Woken by NOTIFY.
+    wake: Arc<Notify>,
+    /// Workers inside a batch (claim to commit).
+    active: AtomicUsize,
+    /// Drain mode: stop once nothing publishable is left.
+    drain: bool,
+    drained: AtomicBool,
+    aborted: AtomicBool,
+    fatal: Mutex<Option<String>>,
+    stats: Stats,
+}
+
+impl Shared {
+    /// Records a fatal error and stops the relay.
+    fn fail(&self, message: String) {
+        tracing::error!(error = %message, "Stopping: this needs an operator");
+        self.fatal.lock().unwrap().get_or_insert(message);
+        self.shutdown.request_stop();
+    }
+
+    /// True when no worker is inside a batch and no table has a row a relay could publish.
+    async fn nothing_publishable(&self) -> bool {
+        if self.active.load(Relaxed) > 0 {
+            return false;
+        }
+        let check = async {
+            let session = self.source.session().await?;
+            for table in &self.tables {
+                let row = session.query_one(&table.sql.publishable_exists, &[]).await?;
+                if row.get::<_, bool>(0) {
+                    return Ok(false);
+                }
+            }
+            Ok::<_, SourceError>(self.active.load(Relaxed) == 0)
+        };
+        match self.source.bounded(check).await {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not check for remaining rows");
+                false
+            }
+        }
+    }
+}
+
+/// How long the relay keeps a transaction open at most besides publishing: claim,
+/// mark and commit each take one statement deadline at most.
+fn session_limits(config: &Config) -> SessionLimits {
+    SessionLimits {
+        statement_timeout: config.postgres.statement_timeout,
+        lock_timeout: Duration::from_secs(5).min(config.postgres.statement_timeout),
+        idle_in_transaction_timeout: config.sink.publish_timeout + Duration::from_secs(10),
+    }
+}
+
+/// Whether the relay runs until stopped or until the outbox is empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Run,
+    Drain,
+}
+
+/// Checks every table and returns its statements; waits out transient failures (the
+/// database may still be starting) until `shutdown` stops it.
+pub async fn prepare_tables(
+    source: &Source,
+    config: &Config,
+    shutdown: &Shutdown,
+) -> Result<Vec<TablePlan>, RelayError> {
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    loop {
+        match try_prepare_tables(source, config).await {
+            Ok(plans) => return Ok(plans),
+            Err(e) if e.class() == ErrorClass::Transient => {
+                let pause = backoff.next();
+                tracing::warn!(error = %e, retry_in = ?pause, "PostgreSQL not reachable yet");
+                tokio::select! {
+                    _ = shutdown.stop_token().cancelled() => return Err(RelayError::Source(e)),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            Err(e) => return Err(RelayError::Source(e)),
+        }
+    }
+}
+
+async fn try_prepare_tables(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
+    let session = source.bounded(source.session()).await?;
+    let mut plans = Vec::new();
+    for table in &config.tables {
+        let shape = source
+            .bounded(async { schema::inspect(&**session, table, config.relay.on_publish).await })
+            .await?
+            .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
+        plans.push(TablePlan {
+            sql: TableSql::new(table, &shape, config.relay.ordering),
+            config: table.clone(),
+        });
+    }
+    Ok(plans)
+}
+
+/// Connects the configured sink, retrying transient failures until `shutdown` stops it.
+pub async fn connect_sink(config: &Config, shutdown: &Shutdown) -> Result<Sink, RelayError> {
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    loop {
+        match Sink::connect(&config.sink).await {
+            Ok(sink) => return Ok(sink),
+            Err(e) if e.class == ErrorClass::Transient => {
+                let pause = backoff.next();
+                tracing::warn!(error = %e, retry_in = ?pause, "Broker not reachable yet");
+                tokio::select! {
+                    _ = shutdown.stop_token().cancelled() => return Err(RelayError::Sink(e)),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            Err(e) => return Err(RelayError::Sink(e)),
+        }
+    }
+}
+
+/// Runs the relay with the sink the configuration names.
+pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
+    let sink = connect_sink(config, &shutdown).await?;
+    run_with_sink(config, mode, sink, shutdown).await
+}
+
+/// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
+/// publishable is left (`Mode::Drain`).
+pub async fn run_with_sink(
+    config: &Config,
+    mode: Mode,
+    sink: Sink,
+    shutdown: Shutdown,
+) -> Result<Report, RelayError> {
+    let started = Instant::now();
+    let limits = session_limits(config);
+    let source = Source::new(&config.postgres, limits)?;
+    let tables = prepare_tables(&source, config, &shutdown).await?;
+    shutdown.arm_deadline(config.shutdown.drain_timeout);
+
+    let shared = Arc::new(Shared {
+        source,
+        sink,
+        tables,
+        relay: config.relay.clone(),
+        publish_timeout: config.sink.publish_timeout,
+        shutdown: shutdown.clone(),
+        wake: Arc::new(Notify::new()),
+        active: AtomicUsize::new(0),
+        drain: mode == Mode::Drain,
+        drained: AtomicBool::new(false),
+        aborted: AtomicBool::new(false),
+        fatal: Mutex::new(None),
+        stats: Stats::default(),
+    });
+    tracing::info!(
+        tables = shared.tables.len(),
+        workers = config.relay.workers,
+        sink = shared.sink.name(),
+        postgres = %config.postgres.redacted(),
+        ?mode,
+        "Relaying"
+    );
+
+    let tracker = TaskTracker::new();
+    tracker.spawn(crate::source::listen::listen(
+        session_config(&config.postgres, limits),
+        shared.wake.clone(),
+        shutdown.stop_token().clone(),
+    ));
+    for id in 0..config.relay.workers {
+        tracker.spawn(
+            worker::Worker {
+                id,
+                shared: shared.clone(),
+            }
+            .run(),
+        );
+    }
+    tracker.close();
+
+    tokio::select! {
+        _ = tracker.wait() => {}
+        _ = shutdown.abort_token().cancelled() => {
+            // Workers drop their transactions on abort; give them a moment to say so.
+            if tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await.is_err() {
+                tracing::warn!(tasks = tracker.len(), "Tasks still running at the deadline; exiting anyway");
+                shared.aborted.store(true, Relaxed);
+            }
+        }
+    }
+    if let Err(e) = tokio::time::timeout(Duration::from_secs(2), shared.sink.close()).await {
+        tracing::warn!(error = %e, "Sink did not flush in time");
+    }
+
+    if let Some(message) = shared.fatal.lock().unwrap().take() {
+        return Err(RelayError::Fatal(message));
+    }
+    let aborted = shared.aborted.load(Relaxed);
+    let report = Report {
+        published: shared.stats.published.load(Relaxed),
+        failed: shared.stats.failed.load(Relaxed),
+        dead: shared.stats.dead.load(Relaxed),
+        elapsed: started.elapsed(),
+        aborted,
+        drained: shared.drained.load(Relaxed) && !aborted,
+    };
+    tracing::info!(
+        published = report.published,
+        failed = report.failed,
+        dead = report.dead,
+        aborted = report.aborted,
+        elapsed = ?report.elapsed,
+        "Relay stopped"
+    );
+    Ok(report)
+}

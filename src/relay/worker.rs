@@ -1,0 +1,303 @@
+//! One worker: claim -> publish -> await acks -> mark -> commit, in a loop.
+//!
+//! Only the idle wait and the claim race against `stop`; once rows are claimed, the batch
+//! runs to its commit unless `abort` fires, in which case the transaction is dropped and
+//! rolled back: every row not committed as published stays pending. The publish phase is
+//! bounded by `sink.publish_timeout`, so a stalled broker never holds the transaction and
+//! its row locks longer than that.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::order::{publish_in_order, RowOutcome};
+use super::{message::to_message, Shared, TablePlan};
+use crate::config::OnPublish;
+use crate::error::ErrorClass;
+use crate::sink::SinkError;
+use crate::source::claim::claim_batch;
+use crate::source::SourceError;
+
+/// Why a batch could not run; each maps to retry-later or stop-the-process.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("{0}")]
+    Sink(SinkError),
+}
+
+impl WorkerError {
+    fn class(&self) -> ErrorClass {
+        match self {
+            WorkerError::Source(e) => e.class(),
+            WorkerError::Sink(e) => e.class,
+        }
+    }
+}
+
+/// How one attempt at a table ended.
+enum Batch {
+    /// Nothing to claim in this table.
+    Empty,
+    /// Claimed, published what it could, committed. `trouble` is set when some rows failed
+    /// for a transient reason: the worker backs off before claiming again.
+    Done { trouble: Option<SinkError> },
+    /// `stop` fired during the claim: nothing was claimed.
+    Stopped,
+    /// `abort` fired with rows in flight: rolled back.
+    Aborted,
+}
+
+pub(super) struct Worker {
+    pub id: usize,
+    pub shared: Arc<Shared>,
+}
+
+impl Worker {
+    pub async fn run(self) {
+        let shared = &self.shared;
+        let stop = shared.shutdown.stop_token().clone();
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
+        let tables = shared.tables.len();
+        let mut next = self.id % tables;
+        while !stop.is_cancelled() {
+            // Registered before the claim, so a NOTIFY during the claim is not missed.
+            let notified = shared.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+
+            let mut worked = false;
+            let mut trouble: Option<String> = None;
+            for k in 0..tables {
+                let t = (next + k) % tables;
+                match self.relay_batch(&shared.tables[t]).await {
+                    Ok(Batch::Empty) => continue,
+                    Ok(Batch::Done { trouble: t_err }) => {
+                        worked = true;
+                        next = (t + 1) % tables; // the next cycle starts at another table
+                        trouble = t_err.map(|e| e.message);
+                        break;
+                    }
+                    Ok(Batch::Stopped) => return,
+                    Ok(Batch::Aborted) => {
+                        shared.aborted.store(true, Relaxed);
+                        return;
+                    }
+                    Err(e) if e.class() == ErrorClass::Fatal => {
+                        shared.fail(format!("table {}: {e}", shared.tables[t].config.name));
+                        return;
+                    }
+                    Err(e) => {
+                        trouble = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            if let Some(error) = trouble {
+                let pause = backoff.next();
+                tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Publishing failed; backing off");
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                continue;
+            }
+            backoff.reset();
+            if worked {
+                continue;
+            }
+            if shared.drain && shared.nothing_publishable().await {
+                shared.drained.store(true, Relaxed);
+                shared.shutdown.request_stop();
+                return;
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = &mut notified => {}
+                _ = tokio::time::sleep(shared.relay.poll_interval) => {}
+            }
+        }
+    }
+
+    async fn relay_batch(&self, table: &TablePlan) -> Result<Batch, WorkerError> {
+        let shared = &self.shared;
+        let stop = shared.shutdown.stop_token();
+        let abort = shared.shutdown.abort_token();
+        let _active = ActiveGuard::enter(shared);
+
+        let mut session = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(Batch::Stopped),
+            s = shared.source.session() => s?,
+        };
+        let claim = async {
+            let tx = session.transaction().await?;
+            let rows = claim_batch(&tx, &table.sql, shared.relay.ordering, shared.relay.batch_size)
+                .await?;
+            Ok::<_, SourceError>((tx, rows))
+        };
+        // Dropping the transaction on `stop` rolls the claim back: nothing was sent yet.
+        let (tx, mut rows) = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Ok(Batch::Stopped),
+            r = shared.source.bounded(claim) => r?,
+        };
+        if rows.is_empty() {
+            shared.source.bounded(async { Ok(tx.rollback().await?) }).await?;
+            return Ok(Batch::Empty);
+        }
+        let started = Instant::now();
+
+        let messages: Vec<_> = rows
+            .iter_mut()
+            .map(|row| to_message(&table.config, row))
+            .collect();
+        let keys: Vec<Option<&str>> = rows.iter().map(|r| r.key.as_deref()).collect();
+        let mut outcomes = vec![RowOutcome::Pending; rows.len()];
+        let publish = tokio::time::timeout(
+            shared.publish_timeout,
+            publish_in_order(&shared.sink, &keys, &messages, &mut outcomes),
+        );
+        tokio::select! {
+            _ = abort.cancelled() => return Ok(Batch::Aborted),
+            r = publish => if r.is_err() {
+                tracing::warn!(timeout = ?shared.publish_timeout, "Broker did not acknowledge in time; unacknowledged rows stay pending");
+            }
+        }
+
+        let mut published: Vec<i64> = Vec::new();
+        let mut bad_ids: Vec<i64> = Vec::new();
+        let mut bad_errors: Vec<String> = Vec::new();
+        let mut trouble: Option<SinkError> = None;
+        for (row, outcome) in rows.iter().zip(&outcomes) {
+            match outcome {
+                RowOutcome::Published => published.push(row.id),
+                RowOutcome::Failed(e) => match e.class {
+                    ErrorClass::BadRow => {
+                        bad_ids.push(row.id);
+                        bad_errors.push(e.message.clone());
+                    }
+                    ErrorClass::Fatal => return Err(WorkerError::Sink(e.clone())),
+                    ErrorClass::Transient => trouble = Some(e.clone()),
+                },
+                RowOutcome::Pending => {
+                    trouble.get_or_insert_with(|| SinkError::transient("publish timed out"));
+                }
+                RowOutcome::HeldBack => {}
+            }
+        }
+
+        let finalize = async {
+            if !published.is_empty() {
+                let sql = match shared.relay.on_publish {
+                    OnPublish::Delete => &table.sql.delete,
+                    OnPublish::Mark => &table.sql.mark,
+                };
+                tx.execute(sql, &[&published]).await?;
+            }
+            let mut dead = Vec::new();
+            if !bad_ids.is_empty() {
+                let max = shared.relay.max_attempts as i32;
+                for r in tx
+                    .query(&table.sql.record_failures, &[&bad_ids, &bad_errors, &max])
+                    .await?
+                {
+                    if r.get::<_, bool>(1) {
+                        dead.push(r.get::<_, i64>(0));
+                    }
+                }
+            }
+            tx.commit().await?;
+            Ok::<_, SourceError>(dead)
+        };
+        let dead = tokio::select! {
+            _ = abort.cancelled() => return Ok(Batch::Aborted),
+            r = shared.source.bounded(finalize) => r?,
+        };
+
+        shared.stats.published.fetch_add(published.len() as u64, Relaxed);
+        shared.stats.failed.fetch_add(bad_ids.len() as u64, Relaxed);
+        shared.stats.dead.fetch_add(dead.len() as u64, Relaxed);
+        for (id, error) in bad_ids.iter().zip(&bad_errors) {
+            if dead.contains(id) {
+                tracing::error!(table = %table.config.name, id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
+            } else {
+                tracing::warn!(table = %table.config.name, id, %error, "Row failed; will retry");
+            }
+        }
+        tracing::debug!(
+            worker = self.id,
+            table = %table.config.name,
+            rows = rows.len(),
+            published = published.len(),
+            elapsed = ?started.elapsed(),
+            "Batch committed"
+        );
+        Ok(Batch::Done { trouble })
+    }
+}
+
+/// Counts the worker as busy with a batch, for drain detection.
+struct ActiveGuard<'a>(&'a Shared);
+
+impl<'a> ActiveGuard<'a> {
+    fn enter(shared: &'a Shared) -> Self {
+        shared.active.fetch_add(1, Relaxed);
+        ActiveGuard(shared)
+    }
+}
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Capped exponential backoff with full jitter.
+pub struct Backoff {
+    base: Duration,
+    cap: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    pub fn new(base: Duration, cap: Duration) -> Backoff {
+        Backoff {
+            base,
+            cap,
+            attempt: 0,
+        }
+    }
+
+    /// A random pause in `[0, min(cap, base * 2^attempt)]`, at least 10ms.
+    pub fn next(&mut self) -> Duration {
+        let ceiling = self
+            .base
+            .saturating_mul(1u32 << self.attempt.min(16))
+            .min(self.cap);
+        self.attempt = self.attempt.saturating_add(1);
+        let millis = rand::random_range(0..=ceiling.as_millis() as u64);
+        Duration::from_millis(millis.max(10))
+    }
+
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_its_cap_and_resets() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        for _ in 0..20 {
+            assert!(b.next() <= Duration::from_secs(2));
+        }
+        assert!(b.attempt >= 20);
+        b.reset();
+        assert!(b.next() <= Duration::from_millis(100));
+    }
+}

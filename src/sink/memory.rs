@@ -1,0 +1,74 @@
+//! An in-memory sink for tests: records what it acknowledged and fails the messages a
+//! test tells it to, so the relay's handling of failures can be checked exactly.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use super::{Message, SinkError};
+
+#[derive(Default)]
+pub struct MemorySink {
+    published: Mutex<Vec<Message>>,
+    /// Message id -> the error its publish returns (each time).
+    failures: Mutex<HashMap<String, SinkError>>,
+    /// Message id -> the error `check` returns.
+    rejections: Mutex<HashMap<String, SinkError>>,
+    keeps_order: bool,
+}
+
+impl MemorySink {
+    /// `keeps_order_in_flight`: whether the relay may send a key's messages all at once.
+    pub fn new(keeps_order_in_flight: bool) -> MemorySink {
+        MemorySink {
+            keeps_order: keeps_order_in_flight,
+            ..Default::default()
+        }
+    }
+
+    /// Makes every publish of message `id` fail with `error`.
+    pub fn fail(&self, id: &str, error: SinkError) {
+        self.failures.lock().unwrap().insert(id.to_owned(), error);
+    }
+
+    /// Makes `check` reject message `id`, as a sink does for a message bad on its face.
+    pub fn reject(&self, id: &str, error: SinkError) {
+        self.rejections.lock().unwrap().insert(id.to_owned(), error);
+    }
+
+    /// Stops failing message `id`.
+    pub fn heal(&self, id: &str) {
+        self.failures.lock().unwrap().remove(id);
+        self.rejections.lock().unwrap().remove(id);
+    }
+
+    /// Everything acknowledged so far, in acknowledgement order.
+    pub fn published(&self) -> Vec<Message> {
+        self.published.lock().unwrap().clone()
+    }
+
+    pub fn keeps_order_in_flight(&self) -> bool {
+        self.keeps_order
+    }
+
+    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+        match self.rejections.lock().unwrap().get(&message.id) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let failures = self.failures.lock().unwrap().clone();
+        let mut published = self.published.lock().unwrap();
+        messages
+            .iter()
+            .map(|m| match failures.get(&m.id) {
+                Some(e) => Err(e.clone()),
+                None => {
+                    published.push((*m).clone());
+                    Ok(())
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,139 @@
+//! Sinks: where messages go. A closed set behind one contract:
+//!
+//! - [`Sink::check`] catches a message that is bad on its face before anything is sent;
+//! - [`Sink::publish_batch`] sends a batch and returns one result per message, `Ok` only
+//!   for a positive broker acknowledgement (JetStream PubAck, Kafka delivery report);
+//! - [`Sink::healthcheck`] and [`Sink::close`] (flush, within a deadline).
+//!
+//! Only rows whose message got `Ok` are ever marked or deleted.
+
+pub mod memory;
+pub mod nats;
+pub mod stdout;
+
+use bytes::Bytes;
+
+use crate::config::{SinkConfig, SinkTarget};
+use crate::error::ErrorClass;
+
+/// One message, ready for any sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// `<table>:<id>`: Kafka header `outbox-id`, NATS `Nats-Msg-Id`.
+    pub id: String,
+    /// Kafka topic or NATS subject.
+    pub topic: String,
+    pub key: Option<String>,
+    pub payload: Bytes,
+    /// From the row's `headers` column, in the column's order.
+    pub headers: Vec<(String, String)>,
+}
+
+/// A publish failure with its class.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SinkError {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl SinkError {
+    pub fn transient(message: impl Into<String>) -> SinkError {
+        SinkError {
+            class: ErrorClass::Transient,
+            message: message.into(),
+        }
+    }
+    pub fn bad_row(message: impl Into<String>) -> SinkError {
+        SinkError {
+            class: ErrorClass::BadRow,
+            message: message.into(),
+        }
+    }
+    pub fn fatal(message: impl Into<String>) -> SinkError {
+        SinkError {
+            class: ErrorClass::Fatal,
+            message: message.into(),
+        }
+    }
+}
+
+/// Every sink the relay can publish to.
+pub enum Sink {
+    Nats(nats::NatsSink),
+    Stdout(stdout::StdoutSink),
+    Memory(memory::MemorySink),
+}
+
+impl Sink {
+    /// Connects the sink named by the configuration.
+    pub async fn connect(config: &SinkConfig) -> Result<Sink, SinkError> {
+        match &config.target {
+            SinkTarget::Nats(nats) => Ok(Sink::Nats(
+                nats::NatsSink::connect(nats, config.publish_timeout).await?,
+            )),
+            SinkTarget::Stdout => Ok(Sink::Stdout(stdout::StdoutSink::new())),
+            SinkTarget::Kafka(_) => Err(SinkError::fatal(
+                "sink.kind = \"kafka\" is not available in this build yet; use \"nats\" or \
+                 \"stdout\"",
+            )),
+        }
+    }
+
+    /// The name used in logs and metrics labels.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Sink::Nats(_) => "nats",
+            Sink::Stdout(_) => "stdout",
+            Sink::Memory(_) => "memory",
+        }
+    }
+
+    /// Whether messages of one key stay in order when a whole batch is in flight at once,
+    /// even if one of them fails. JetStream gives no such promise across a reconnect, so
+    /// for NATS the relay sends a key's next message only after the previous one's ack.
+    pub fn keeps_order_in_flight(&self) -> bool {
+        match self {
+            Sink::Nats(_) => false,
+            Sink::Stdout(_) => true,
+            Sink::Memory(m) => m.keeps_order_in_flight(),
+        }
+    }
+
+    /// Rejects a message the broker would refuse for itself (size, subject), before any
+    /// message of its batch is sent.
+    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+        match self {
+            Sink::Nats(s) => s.check(message),
+            Sink::Stdout(_) => Ok(()),
+            Sink::Memory(m) => m.check(message),
+        }
+    }
+
+    /// Publishes `messages` and waits for every acknowledgement; the result at index i
+    /// belongs to message i.
+    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        match self {
+            Sink::Nats(s) => s.publish_batch(messages).await,
+            Sink::Stdout(s) => s.publish_batch(messages).await,
+            Sink::Memory(m) => m.publish_batch(messages).await,
+        }
+    }
+
+    /// Whether the broker is reachable now.
+    pub async fn healthcheck(&self) -> Result<(), SinkError> {
+        match self {
+            Sink::Nats(s) => s.healthcheck().await,
+            Sink::Stdout(_) | Sink::Memory(_) => Ok(()),
+        }
+    }
+
+    /// Flushes what is buffered and disconnects.
+    pub async fn close(&self) -> Result<(), SinkError> {
+        match self {
+            Sink::Nats(s) => s.close().await,
+            Sink::Stdout(s) => s.close().await,
+            Sink::Memory(_) => Ok(()),
+        }
+    }
+}

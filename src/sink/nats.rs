@@ -1,0 +1,240 @@
+//! NATS JetStream: every message carries `Nats-Msg-Id: <table>:<id>` (JetStream drops a
+//! re-send inside the stream's duplicate window) and counts only once its PubAck arrived.
+
+use std::time::Duration;
+
+use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::{HeaderMap, ServerAddr};
+
+use super::{Message, SinkError};
+use crate::config::NatsConfig;
+
+/// The header JetStream de-duplicates on.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// JetStream API error: message larger than the stream's `max_msg_size`.
+const JS_MESSAGE_SIZE_EXCEEDS: u64 = 10054;
+
+pub struct NatsSink {
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    /// Strings that must never reach a log line: passwords and tokens from the URLs.
+    secrets: Vec<String>,
+}
+
+impl NatsSink {
+    /// Connects to the servers; fails (transient) if none answers within `timeout`.
+    pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
+        let (addrs, secrets) = parse_servers(config)?;
+        let scrub = |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets);
+        let client = async_nats::ConnectOptions::new()
+            .name("outbox-relay")
+            .connection_timeout(timeout)
+            .max_reconnects(None)
+            .connect(addrs)
+            .await
+            .map_err(|e| {
+                SinkError::transient(format!(
+                    "cannot connect to NATS at {}: {}",
+                    config.redacted(),
+                    scrub(&e)
+                ))
+            })?;
+        let js = ContextBuilder::new().timeout(timeout).build(client.clone());
+        Ok(NatsSink {
+            client,
+            js,
+            secrets,
+        })
+    }
+
+    /// The JetStream context, for `check`.
+    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
+        &self.js
+    }
+
+    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_subject(&message.topic).map_err(SinkError::bad_row)?;
+        let mut header_bytes = "NATS/1.0\r\n\r\n".len();
+        for (name, value) in message
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain([(MSG_ID_HEADER, message.id.as_str())])
+        {
+            if name.is_empty()
+                || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+            {
+                return Err(SinkError::bad_row(format!(
+                    "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
+                )));
+            }
+            if value.contains(['\r', '\n']) {
+                return Err(SinkError::bad_row(format!(
+                    "value of header {name:?} contains a line break"
+                )));
+            }
+            header_bytes += name.len() + value.len() + 4;
+        }
+        let max = self.client.max_payload();
+        let size = header_bytes + message.payload.len();
+        if max > 0 && size > max {
+            return Err(SinkError::bad_row(format!(
+                "message is {size} bytes with headers; the NATS server accepts at most {max} \
+                 (max_payload)"
+            )));
+        }
+        Ok(())
+    }
+
+    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
+        let mut acks = Vec::with_capacity(messages.len());
+        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
+        for message in messages {
+            let mut headers = HeaderMap::new();
+            for (name, value) in &message.headers {
+                headers.insert(name.as_str(), value.as_str());
+            }
+            headers.insert(MSG_ID_HEADER, message.id.as_str());
+            let publish = PublishMessage::build()
+                .payload(message.payload.clone())
+                .headers(headers);
+            match self.js.send_publish(message.topic.clone(), publish).await {
+                Ok(ack) => acks.push(Some(ack)),
+                Err(e) => {
+                    acks.push(None);
+                    results.push(Err(self.classify(&message.topic, &e)));
+                    continue;
+                }
+            }
+            results.push(Ok(()));
+        }
+        for (i, ack) in acks.into_iter().enumerate() {
+            if let Some(ack) = ack {
+                if let Err(e) = ack.await {
+                    results[i] = Err(self.classify(&messages[i].topic, &e));
+                }
+            }
+        }
+        results
+    }
+
+    fn classify(
+        &self,
+        subject: &str,
+        e: &async_nats::jetstream::context::PublishError,
+    ) -> SinkError {
+        let text = scrub(&e.to_string(), &self.secrets);
+        match e.kind() {
+            PublishErrorKind::MaxPayloadExceeded => SinkError::bad_row(text),
+            // A missing stream is an operator's to fix, not the row's fault: never let it
+            // dead-letter every row; retry until a stream exists.
+            PublishErrorKind::StreamNotFound => SinkError::transient(format!(
+                "no JetStream stream captures subject {subject:?}: create one \
+                 (`outbox-relay check` lists what is missing)"
+            )),
+            PublishErrorKind::Other => {
+                let code = std::error::Error::source(e)
+                    .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+                    .map(|js| js.error_code().0);
+                if code == Some(JS_MESSAGE_SIZE_EXCEEDS) {
+                    SinkError::bad_row(text)
+                } else {
+                    SinkError::transient(text)
+                }
+            }
+            _ => SinkError::transient(text),
+        }
+    }
+
+    pub async fn healthcheck(&self) -> Result<(), SinkError> {
+        match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::transient(format!(
+                "NATS flush failed: {}",
+                scrub(&e.to_string(), &self.secrets)
+            ))),
+            Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
+        }
+    }
+
+    pub async fn close(&self) -> Result<(), SinkError> {
+        self.healthcheck().await
+    }
+}
+
+/// Parses the configured URLs, collecting any passwords or tokens they carry.
+fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), SinkError> {
+    let mut addrs = Vec::new();
+    let mut secrets = Vec::new();
+    for url in &config.urls {
+        let addr: ServerAddr = url.parse().map_err(|_| {
+            SinkError::fatal(format!(
+                "sink.nats.url: {} is not a NATS URL (write nats://host:4222)",
+                crate::config::redact_userinfo(url)
+            ))
+        })?;
+        if let Some(password) = addr.password() {
+            secrets.push(password.to_owned());
+        }
+        if let Some(user) = addr.username() {
+            // A bare token is written as the user part: nats://TOKEN@host.
+            secrets.push(user.to_owned());
+        }
+        addrs.push(addr);
+    }
+    Ok((addrs, secrets))
+}
+
+fn scrub(text: &str, secrets: &[String]) -> String {
+    secrets
+        .iter()
+        .filter(|s| !s.is_empty())
+        .fold(text.to_owned(), |t, s| t.replace(s.as_str(), "<redacted>"))
+}
+
+/// A subject a message may be published to: dot-separated tokens, none empty, no
+/// wildcards, no white space.
+pub fn check_subject(subject: &str) -> Result<(), String> {
+    if subject.is_empty() {
+        return Err("the subject is empty".to_owned());
+    }
+    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!("subject {subject:?} contains white space"));
+    }
+    for token in subject.split('.') {
+        match token {
+            "" => return Err(format!("subject {subject:?} has an empty token")),
+            "*" | ">" => {
+                return Err(format!(
+                    "subject {subject:?} contains a wildcard; messages need a literal subject"
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_are_checked_before_sending() {
+        assert!(check_subject("orders.created").is_ok());
+        for bad in ["", "a..b", ".a", "a.", "a b", "a.*", "a.>", "a\tb"] {
+            assert!(check_subject(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn secrets_are_scrubbed() {
+        assert_eq!(
+            scrub("auth failed for s3cret", &["s3cret".to_owned()]),
+            "auth failed for <redacted>"
+        );
+    }
+}

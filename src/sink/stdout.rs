@@ -1,0 +1,70 @@
+//! `stdout`: one JSON line per message, for local debugging. A message counts as published
+//! once its line was written and flushed.
+
+use tokio::io::AsyncWriteExt;
+use tokio::sync::Mutex;
+
+use super::{Message, SinkError};
+
+pub struct StdoutSink {
+    out: Mutex<tokio::io::Stdout>,
+}
+
+impl Default for StdoutSink {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StdoutSink {
+    pub fn new() -> StdoutSink {
+        StdoutSink {
+            out: Mutex::new(tokio::io::stdout()),
+        }
+    }
+
+    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut buf = Vec::new();
+        for m in messages {
+            serde_json::to_writer(&mut buf, &line(m)).expect("JSON values always serialize");
+            buf.push(b'\n');
+        }
+        let mut out = self.out.lock().await;
+        let written = async {
+            out.write_all(&buf).await?;
+            out.flush().await
+        }
+        .await;
+        let result = written.map_err(|e| SinkError::transient(format!("stdout: {e}")));
+        messages.iter().map(|_| result.clone()).collect()
+    }
+
+    pub async fn close(&self) -> Result<(), SinkError> {
+        self.out
+            .lock()
+            .await
+            .flush()
+            .await
+            .map_err(|e| SinkError::transient(format!("stdout: {e}")))
+    }
+}
+
+fn line(m: &Message) -> serde_json::Value {
+    let headers: serde_json::Map<String, serde_json::Value> = m
+        .headers
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
+    // Payloads that are not UTF-8 are shown as a list of bytes rather than mangled.
+    let payload = match std::str::from_utf8(&m.payload) {
+        Ok(text) => serde_json::Value::String(text.to_owned()),
+        Err(_) => serde_json::Value::from(m.payload.to_vec()),
+    };
+    serde_json::json!({
+        "id": m.id,
+        "topic": m.topic,
+        "key": m.key,
+        "headers": headers,
+        "payload": payload,
+    })
+}

@@ -1,0 +1,374 @@
+//! Claiming a batch: which rows one transaction takes, and why per-key order survives any
+//! number of workers and relay processes.
+//!
+//! # The invariant (`ordering = "key"`)
+//!
+//! Call a row *pending* while `published_at` and `dead_at` are NULL, and the *head* of a key
+//! its pending row with the lowest id. Then:
+//!
+//! > A transaction publishes a row of key K only while it holds the row lock on K's head,
+//! > and on every pending row of K between the head and that row, all taken with
+//! > `FOR UPDATE SKIP LOCKED` in that same transaction.
+//!
+//! The head's row lock *is* the key's ownership token. No table of leases, no advisory
+//! lock (those break behind PgBouncer in transaction mode), no hash to keep stable across
+//! versions: the rows themselves are the locks, and they work wherever row locks work.
+//!
+//! Why order follows. Take rows a < b of key K, both committed. While a is pending, a (or
+//! a lower pending row) is K's head, so the only transaction that may publish b is one
+//! holding a's lock, and it holds the lock on every pending row between the head and b,
+//! a included: it publishes a before b in the same batch (the relay sends a key's rows in
+//! id order and sends b only after a was acknowledged, see `relay::order`), or, if a failed,
+//! does not publish b at all. Ownership moves only when the owner's transaction ends:
+//! rows it published are deleted or marked in that commit, rows it did not stay pending
+//! and stay the head. A second claimer either finds the head locked (`SKIP LOCKED`:
+//! skips the key) or, after the commit, finds the new head. A dead row keeps its later rows
+//! out of the window (see `sql::TableSql::window`), so they wait for re-queue or deletion.
+//!
+//! The claim reads a *window* of pending `(id, key)` pairs in id order without locks, picks
+//! heads from it (a key's first row in the window is its head: the window is a prefix of
+//! the pending rows, so nothing earlier is pending), locks those heads, and only then locks
+//! the rows after each owned head, keeping for each key the unbroken run it got. Keys whose
+//! head is locked elsewhere are skipped, so one hot key never stalls the others: other
+//! workers take other keys.
+//!
+//! # What the invariant cannot cover
+//!
+//! Ids are handed out when a row is inserted, but rows become visible when their
+//! transaction commits. If two transactions insert rows of one key and the one holding
+//! the lower id commits later, the relay may already have published the higher id: no
+//! relay can publish a row it cannot see. Application writers keep same-key rows in commit
+//! order by inserting the outbox row *after* locking the aggregate it describes (e.g.
+//! `SELECT ... FOR UPDATE` on the order row, then the business write, then the outbox
+//! insert), so same-key transactions are serialized and commit in id order. Rows without a
+//! key carry no order promise at all. Either way no row is skipped: the claim never keeps a
+//! high-water mark, it always scans from the lowest pending id.
+
+use std::collections::{HashMap, HashSet};
+
+use tokio_postgres::{Row, Transaction};
+
+use super::sql::TableSql;
+use super::SourceError;
+use crate::config::Ordering;
+
+/// One claimed row, as read from the table.
+#[derive(Debug, Clone)]
+pub struct ClaimedRow {
+    pub id: i64,
+    pub key: Option<String>,
+    pub payload: Vec<u8>,
+    /// The headers column as JSON text, unchecked.
+    pub headers: Option<String>,
+    /// Values of the topic template's columns, in template order.
+    pub topic_values: Vec<Option<String>>,
+}
+
+impl ClaimedRow {
+    fn from_row(row: &Row) -> ClaimedRow {
+        ClaimedRow {
+            id: row.get(0),
+            key: row.get(1),
+            payload: row.get::<_, Option<Vec<u8>>>(2).unwrap_or_default(),
+            headers: row.get(3),
+            topic_values: (4..row.len()).map(|i| row.get(i)).collect(),
+        }
+    }
+}
+
+/// Rows read per window, as a multiple of the batch size: large enough to find free keys
+/// past the heads other workers hold.
+const WINDOW_FACTOR: usize = 4;
+/// Windows scanned per claim before settling for a smaller batch.
+const MAX_WINDOWS: usize = 4;
+/// Lock rounds per claim: each round locks the heads planned from what is left.
+const MAX_ROUNDS: usize = 8;
+
+/// Claims up to `limit` rows in the open transaction `tx`, returned in id order.
+pub async fn claim_batch(
+    tx: &Transaction<'_>,
+    sql: &TableSql,
+    ordering: Ordering,
+    limit: usize,
+) -> Result<Vec<ClaimedRow>, SourceError> {
+    match ordering {
+        Ordering::None => {
+            let rows = tx.query(&sql.claim_unordered, &[&(limit as i64)]).await?;
+            Ok(rows.iter().map(ClaimedRow::from_row).collect())
+        }
+        Ordering::Key => claim_by_key(tx, sql, limit).await,
+    }
+}
+
+async fn claim_by_key(
+    tx: &Transaction<'_>,
+    sql: &TableSql,
+    limit: usize,
+) -> Result<Vec<ClaimedRow>, SourceError> {
+    let window_size = (limit * WINDOW_FACTOR) as i64;
+    let mut plan = KeyPlan::new(limit);
+    let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
+    let mut after = i64::MIN;
+    let mut rounds = 0;
+    for _ in 0..MAX_WINDOWS {
+        let window: Vec<Candidate> = tx
+            .query(&sql.window, &[&after, &window_size])
+            .await?
+            .iter()
+            .map(|r| Candidate {
+                id: r.get(0),
+                key: r.get(1),
+            })
+            .collect();
+        let mut cursor = 0;
+        while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
+            let heads = plan.plan_round(&window, &mut cursor);
+            if heads.is_empty() {
+                break;
+            }
+            rounds += 1;
+            let locked = tx.query(&sql.lock_rows, &[&heads]).await?;
+            let locked_ids: HashSet<i64> = locked.iter().map(|r| r.get(0)).collect();
+            plan.settle_round(&locked_ids);
+            rows.extend(locked.iter().map(|r| (r.get(0), ClaimedRow::from_row(r))));
+        }
+        let exhausted = (window.len() as i64) < window_size;
+        match window.last() {
+            Some(last) if !exhausted && plan.has_room() && rounds < MAX_ROUNDS => after = last.id,
+            _ => break,
+        }
+    }
+    let tails = plan.tails();
+    let mut locked_tails = HashSet::new();
+    if !tails.is_empty() {
+        for r in tx.query(&sql.lock_rows, &[&tails]).await? {
+            locked_tails.insert(r.get::<_, i64>(0));
+            rows.insert(r.get(0), ClaimedRow::from_row(&r));
+        }
+    }
+    let mut batch: Vec<ClaimedRow> = plan
+        .finish(&locked_tails)
+        .into_iter()
+        .filter_map(|id| rows.remove(&id))
+        .collect();
+    batch.sort_unstable_by_key(|r| r.id);
+    Ok(batch)
+}
+
+/// A pending row seen in a window: its id and key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: i64,
+    pub key: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyState {
+    /// Head planned in the current round, lock not yet tried.
+    Planned { head: i64 },
+    /// Head locked by this transaction.
+    Owned { head: i64 },
+    /// Head locked by someone else, or seen in an earlier window and not owned.
+    Blocked,
+}
+
+/// The pure part of a key-ordered claim: which heads to lock, which rows follow them.
+#[derive(Debug)]
+pub struct KeyPlan {
+    capacity: usize,
+    reserved: usize,
+    keys: HashMap<String, KeyState>,
+    /// Rows after the head, per key, in id order.
+    tails: HashMap<String, Vec<i64>>,
+    /// Rows without a key locked so far.
+    unkeyed: Vec<i64>,
+    /// Rows without a key planned in the current round.
+    unkeyed_planned: Vec<i64>,
+}
+
+impl KeyPlan {
+    pub fn new(capacity: usize) -> KeyPlan {
+        KeyPlan {
+            capacity,
+            reserved: 0,
+            keys: HashMap::new(),
+            tails: HashMap::new(),
+            unkeyed: Vec::new(),
+            unkeyed_planned: Vec::new(),
+        }
+    }
+
+    pub fn has_room(&self) -> bool {
+        self.reserved < self.capacity
+    }
+
+    /// Walks `window` from `cursor`, reserving rows until the batch is full, and returns
+    /// the heads (and key-less rows) to lock in this round. Every key met in a window is
+    /// settled at that point: its first row is its head.
+    pub fn plan_round(&mut self, window: &[Candidate], cursor: &mut usize) -> Vec<i64> {
+        let mut heads = Vec::new();
+        while self.has_room() && *cursor < window.len() {
+            let row = &window[*cursor];
+            *cursor += 1;
+            match &row.key {
+                None => {
+                    self.unkeyed_planned.push(row.id);
+                    heads.push(row.id);
+                    self.reserved += 1;
+                }
+                Some(key) => match self.keys.get(key) {
+                    Some(KeyState::Blocked) => {}
+                    Some(KeyState::Owned { .. } | KeyState::Planned { .. }) => {
+                        self.tails.entry(key.clone()).or_default().push(row.id);
+                        self.reserved += 1;
+                    }
+                    None => {
+                        self.keys
+                            .insert(key.clone(), KeyState::Planned { head: row.id });
+                        heads.push(row.id);
+                        self.reserved += 1;
+                    }
+                },
+            }
+        }
+        heads
+    }
+
+    /// Records which of the round's heads this transaction locked; keys whose head it did
+    /// not get are blocked and their reserved rows released.
+    pub fn settle_round(&mut self, locked: &HashSet<i64>) {
+        for id in std::mem::take(&mut self.unkeyed_planned) {
+            if locked.contains(&id) {
+                self.unkeyed.push(id);
+            } else {
+                self.reserved -= 1;
+            }
+        }
+        for (key, state) in self.keys.iter_mut() {
+            if let KeyState::Planned { head } = *state {
+                if locked.contains(&head) {
+                    *state = KeyState::Owned { head };
+                } else {
+                    *state = KeyState::Blocked;
+                    let released = self.tails.remove(key).map_or(0, |t| t.len());
+                    self.reserved -= 1 + released;
+                }
+            }
+        }
+    }
+
+    /// Rows after owned heads, to lock once all rounds are done.
+    pub fn tails(&self) -> Vec<i64> {
+        let mut ids: Vec<i64> = self.tails.values().flatten().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The batch: key-less rows locked, owned heads, and for each owned key the unbroken
+    /// run of tail rows locked after its head. A tail row someone else holds (possible
+    /// only for a row that committed late, below a head another claimer already took)
+    /// ends its key's run there.
+    pub fn finish(&self, locked_tails: &HashSet<i64>) -> Vec<i64> {
+        let mut ids = self.unkeyed.clone();
+        for (key, state) in &self.keys {
+            if let KeyState::Owned { head } = state {
+                ids.push(*head);
+                if let Some(tail) = self.tails.get(key) {
+                    ids.extend(tail.iter().take_while(|id| locked_tails.contains(id)));
+                }
+            }
+        }
+        ids.sort_unstable();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn window(rows: &[(i64, Option<&str>)]) -> Vec<Candidate> {
+        rows.iter()
+            .map(|(id, key)| Candidate {
+                id: *id,
+                key: key.map(str::to_owned),
+            })
+            .collect()
+    }
+
+    fn all(ids: &[i64]) -> HashSet<i64> {
+        ids.iter().copied().collect()
+    }
+
+    #[test]
+    fn heads_are_first_rows_of_each_key_and_tails_follow() {
+        let w = window(&[(1, Some("a")), (2, Some("b")), (3, Some("a")), (4, None), (5, Some("a"))]);
+        let mut plan = KeyPlan::new(10);
+        let mut cursor = 0;
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![1, 2, 4]);
+        plan.settle_round(&all(&[1, 2, 4]));
+        assert_eq!(plan.tails(), vec![3, 5]);
+        assert_eq!(plan.finish(&all(&[3, 5])), vec![1, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn a_key_whose_head_is_held_elsewhere_is_skipped_whole() {
+        let w = window(&[(1, Some("a")), (2, Some("b")), (3, Some("a")), (4, Some("b"))]);
+        let mut plan = KeyPlan::new(10);
+        let mut cursor = 0;
+        plan.plan_round(&w, &mut cursor);
+        plan.settle_round(&all(&[2])); // someone else holds row 1, head of "a"
+        assert_eq!(plan.tails(), vec![4]);
+        assert_eq!(plan.finish(&all(&[4])), vec![2, 4]);
+    }
+
+    #[test]
+    fn capacity_freed_by_a_blocked_key_goes_to_later_keys() {
+        let w = window(&[(1, Some("a")), (2, Some("a")), (3, Some("b")), (4, Some("c"))]);
+        let mut plan = KeyPlan::new(2);
+        let mut cursor = 0;
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![1]);
+        plan.settle_round(&HashSet::new()); // "a" is owned elsewhere
+        assert!(plan.has_room());
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![3, 4]);
+        plan.settle_round(&all(&[3, 4]));
+        assert_eq!(plan.finish(&HashSet::new()), vec![3, 4]);
+    }
+
+    #[test]
+    fn a_keys_run_stops_at_the_first_tail_row_it_could_not_lock() {
+        let w = window(&[(1, Some("a")), (2, Some("a")), (3, Some("a")), (4, Some("a"))]);
+        let mut plan = KeyPlan::new(10);
+        let mut cursor = 0;
+        plan.plan_round(&w, &mut cursor);
+        plan.settle_round(&all(&[1]));
+        // Row 3 is held by another transaction: 4 must not be published before it.
+        assert_eq!(plan.finish(&all(&[2, 4])), vec![1, 2]);
+    }
+
+    #[test]
+    fn keys_seen_in_an_earlier_window_stay_blocked_in_later_ones() {
+        let mut plan = KeyPlan::new(10);
+        let first = window(&[(1, Some("a"))]);
+        let mut cursor = 0;
+        plan.plan_round(&first, &mut cursor);
+        plan.settle_round(&HashSet::new());
+        let second = window(&[(7, Some("a")), (8, Some("b"))]);
+        let mut cursor = 0;
+        assert_eq!(plan.plan_round(&second, &mut cursor), vec![8]);
+    }
+
+    #[test]
+    fn the_batch_never_exceeds_its_capacity() {
+        let rows: Vec<(i64, Option<&str>)> = (1..=100)
+            .map(|i| (i, if i % 3 == 0 { None } else { Some(["a", "b", "c", "d"][i as usize % 4]) }))
+            .collect();
+        let w = window(&rows);
+        let mut plan = KeyPlan::new(17);
+        let mut cursor = 0;
+        let heads = plan.plan_round(&w, &mut cursor);
+        plan.settle_round(&heads.iter().copied().collect());
+        let tails: HashSet<i64> = plan.tails().into_iter().collect();
+        assert_eq!(plan.finish(&tails).len(), 17);
+    }
+}

@@ -1,0 +1,72 @@
+//! LISTEN/NOTIFY: wakes idle workers the moment new outbox rows commit.
+//!
+//! One dedicated connection (outside the pool) listens on channel `outbox_relay`. A
+//! notification is only a hint: workers also poll at `relay.poll_interval`, so a lost
+//! notification, a dropped listener connection or `migrate --no-notify` only costs latency.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::Notify;
+use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_util::sync::CancellationToken;
+
+use super::describe;
+
+/// The channel the trigger in `migrations/notify.sql` notifies.
+pub const CHANNEL: &str = "outbox_relay";
+
+/// Listens until `stop` is cancelled, reconnecting with a capped backoff; every
+/// notification calls `wake.notify_waiters()`.
+pub async fn listen(config: tokio_postgres::Config, wake: Arc<Notify>, stop: CancellationToken) {
+    let mut backoff = Duration::from_millis(250);
+    while !stop.is_cancelled() {
+        match listen_once(&config, &wake, &stop).await {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection lost; polling meanwhile");
+            }
+        }
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    }
+}
+
+/// One connection's life: returns `Ok` when stopped, `Err` when the connection failed.
+async fn listen_once(
+    config: &tokio_postgres::Config,
+    wake: &Notify,
+    stop: &CancellationToken,
+) -> Result<(), String> {
+    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| describe(&e))?;
+    let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+    let statement = format!("LISTEN {CHANNEL}");
+    let subscribe = client.batch_execute(&statement);
+    tokio::pin!(subscribe);
+    let mut subscribed = false;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(()),
+            result = &mut subscribe, if !subscribed => {
+                result.map_err(|e| describe(&e))?;
+                subscribed = true;
+                tracing::debug!(channel = CHANNEL, "Listening for new outbox rows");
+                // Rows may have committed while we were not listening.
+                wake.notify_waiters();
+            }
+            message = messages.next() => match message {
+                Some(Ok(AsyncMessage::Notification(n))) => {
+                    tracing::trace!(table = n.payload(), "Outbox rows committed");
+                    wake.notify_waiters();
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(describe(&e)),
+                None => return Err("connection closed".to_owned()),
+            },
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! PostgreSQL: the connection pool, the outbox table's shape, claiming rows, marking or
+//! deleting them, schema migrations and LISTEN/NOTIFY wake-ups.
+//!
+//! Every session the relay opens carries `statement_timeout`, `lock_timeout` and
+//! `idle_in_transaction_session_timeout`, so no statement and no forgotten transaction can
+//! outlive its deadline on the server, whatever happens to the client.
+
+pub mod claim;
+pub mod listen;
+pub mod migrate;
+pub mod schema;
+pub mod sql;
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+use crate::config::PostgresConfig;
+use crate::error::{classify_postgres, ErrorClass};
+
+/// A PostgreSQL failure, with the class that says what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("PostgreSQL: {}", describe(.0))]
+    Db(#[from] tokio_postgres::Error),
+    #[error("PostgreSQL connection pool: {0}")]
+    Pool(String),
+    #[error("PostgreSQL did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The table is missing, lacks a column or has one of an unusable type.
+    #[error("{0}")]
+    Schema(String),
+}
+
+impl SourceError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            SourceError::Db(e) => classify_postgres(e),
+            SourceError::Pool(_) | SourceError::Timeout(_) => ErrorClass::Transient,
+            SourceError::Schema(_) => ErrorClass::Fatal,
+        }
+    }
+}
+
+impl From<PoolError> for SourceError {
+    fn from(e: PoolError) -> Self {
+        match e {
+            PoolError::Backend(e) => SourceError::Db(e),
+            other => SourceError::Pool(other.to_string()),
+        }
+    }
+}
+
+/// Renders a tokio-postgres error with the server's message and SQLSTATE, or the I/O cause.
+pub fn describe(e: &tokio_postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+        if let Some(hint) = db.hint() {
+            s.push_str(&format!("; hint: {hint}"));
+        }
+        return s;
+    }
+    match std::error::Error::source(e) {
+        Some(cause) => format!("{e}: {cause}"),
+        None => e.to_string(),
+    }
+}
+
+/// Server-side deadlines for the relay's sessions.
+#[derive(Debug, Clone, Copy)]
+pub struct SessionLimits {
+    pub statement_timeout: Duration,
+    pub lock_timeout: Duration,
+    /// Backstop for a transaction the client forgot: longer than any publish may take.
+    pub idle_in_transaction_timeout: Duration,
+}
+
+/// The connection settings the relay uses for every session: the operator's URL plus
+/// deadlines, keepalives and an application name.
+pub fn session_config(pg: &PostgresConfig, limits: SessionLimits) -> tokio_postgres::Config {
+    let mut cfg = pg.connection.clone();
+    let mut options = cfg.get_options().map(str::to_owned).unwrap_or_default();
+    for (name, value) in [
+        ("statement_timeout", limits.statement_timeout),
+        ("lock_timeout", limits.lock_timeout),
+        (
+            "idle_in_transaction_session_timeout",
+            limits.idle_in_transaction_timeout,
+        ),
+    ] {
+        options.push_str(&format!(" -c {name}={}", value.as_millis()));
+    }
+    cfg.options(options.trim());
+    if cfg.get_application_name().is_none() {
+        cfg.application_name("outbox-relay");
+    }
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(pg.connect_timeout);
+    }
+    cfg.keepalives(true);
+    cfg.keepalives_idle(Duration::from_secs(30));
+    cfg
+}
+
+/// The relay's pool of PostgreSQL sessions.
+#[derive(Clone)]
+pub struct Source {
+    pool: Pool,
+    statement_timeout: Duration,
+}
+
+impl Source {
+    /// Builds the pool. Connections are opened lazily, on first use.
+    pub fn new(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
+        let manager = Manager::from_config(
+            session_config(pg, limits),
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(pg.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(limits.statement_timeout))
+            .create_timeout(Some(pg.connect_timeout))
+            .recycle_timeout(Some(pg.connect_timeout))
+            .build()
+            .map_err(|e| SourceError::Pool(e.to_string()))?;
+        Ok(Source {
+            pool,
+            statement_timeout: limits.statement_timeout,
+        })
+    }
+
+    /// A session from the pool.
+    pub async fn session(&self) -> Result<deadpool_postgres::Object, SourceError> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Client-side deadline for one statement: the server's plus a margin for the network.
+    pub fn deadline(&self) -> Duration {
+        self.statement_timeout + Duration::from_secs(2)
+    }
+
+    /// Runs `fut` under [`Source::deadline`].
+    pub async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, SourceError>>,
+    ) -> Result<T, SourceError> {
+        let limit = self.deadline();
+        tokio::time::timeout(limit, fut)
+            .await
+            .map_err(|_| SourceError::Timeout(limit))?
+    }
+}

@@ -1,0 +1,125 @@
+//! What an outbox table looks like in the catalog, and whether the relay can use it.
+
+use std::collections::HashMap;
+
+use tokio_postgres::GenericClient;
+
+use super::SourceError;
+use crate::config::{OnPublish, TableConfig};
+
+/// How the payload column is turned into message bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadType {
+    /// Sent as stored.
+    Bytea,
+    /// `text`, `varchar`, `json` or `jsonb`: sent as its UTF-8 text.
+    Text,
+}
+
+/// The parts of a table's catalog entry the relay's SQL depends on.
+#[derive(Debug, Clone)]
+pub struct TableShape {
+    pub payload: PayloadType,
+}
+
+const COLUMNS_SQL: &str = "\
+SELECT a.attname::text, t.typname::text
+FROM pg_catalog.pg_attribute a
+JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped";
+
+const PRIVILEGES_SQL: &str = "\
+SELECT has_table_privilege(to_regclass($1::text), 'SELECT'),
+       has_table_privilege(to_regclass($1::text), 'UPDATE'),
+       has_table_privilege(to_regclass($1::text), 'DELETE')";
+
+/// Every problem found with one table, each a sentence saying what to fix.
+pub async fn inspect(
+    client: &impl GenericClient,
+    table: &TableConfig,
+    on_publish: OnPublish,
+) -> Result<Result<TableShape, Vec<String>>, SourceError> {
+    let name = table.name.quoted();
+    let rows = client.query(COLUMNS_SQL, &[&name]).await?;
+    if rows.is_empty() {
+        return Ok(Err(vec![format!(
+            "table {} does not exist (or this role cannot see it): run `outbox-relay migrate`, \
+             or fix tables.name",
+            table.name
+        )]));
+    }
+    let types: HashMap<String, String> = rows
+        .iter()
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
+        .collect();
+    let mut problems = Vec::new();
+    let mut expect = |column: &str, role: &str, allowed: &[&str]| -> Option<String> {
+        match types.get(column) {
+            None => {
+                problems.push(format!(
+                    "table {}: column {column} ({role}) is missing: run `outbox-relay migrate` \
+                     or add it",
+                    table.name
+                ));
+                None
+            }
+            Some(ty) if !allowed.is_empty() && !allowed.contains(&ty.as_str()) => {
+                problems.push(format!(
+                    "table {}: column {column} ({role}) has type {ty}; use one of {}",
+                    table.name,
+                    allowed.join(", ")
+                ));
+                None
+            }
+            Some(ty) => Some(ty.clone()),
+        }
+    };
+    let c = &table.columns;
+    expect(c.id.as_str(), "message id and order", &["int8", "int4", "int2"]);
+    expect(c.key.as_str(), "ordering key", &[]);
+    let payload = expect(
+        c.payload.as_str(),
+        "message body",
+        &["bytea", "text", "varchar", "json", "jsonb"],
+    );
+    expect(c.headers.as_str(), "message headers", &["jsonb", "json"]);
+    expect(c.attempts.as_str(), "failed attempts", &["int4", "int2", "int8"]);
+    expect(c.last_error.as_str(), "last error", &["text", "varchar"]);
+    expect(c.dead_at.as_str(), "dead-letter time", &["timestamptz", "timestamp"]);
+    let published_role = match on_publish {
+        OnPublish::Mark => "publish time, set in mark mode",
+        OnPublish::Delete => "publish time",
+    };
+    expect(
+        c.published_at.as_str(),
+        published_role,
+        &["timestamptz", "timestamp"],
+    );
+    for column in table.topic.columns() {
+        expect(column.as_str(), "used in the topic template", &[]);
+    }
+
+    let privileges = client.query_one(PRIVILEGES_SQL, &[&name]).await?;
+    let needed: &[(usize, &str)] = match on_publish {
+        OnPublish::Delete => &[(0, "SELECT"), (1, "UPDATE"), (2, "DELETE")],
+        OnPublish::Mark => &[(0, "SELECT"), (1, "UPDATE")],
+    };
+    for (i, privilege) in needed {
+        if !privileges.get::<_, bool>(*i) {
+            problems.push(format!(
+                "table {}: this role lacks {privilege}: GRANT {privilege} ON {} TO <relay role>",
+                table.name,
+                table.name.quoted()
+            ));
+        }
+    }
+
+    if !problems.is_empty() {
+        return Ok(Err(problems));
+    }
+    let payload = match payload.as_deref() {
+        Some("bytea") => PayloadType::Bytea,
+        _ => PayloadType::Text,
+    };
+    Ok(Ok(TableShape { payload }))
+}

@@ -1,0 +1,90 @@
+//! Every statement the relay runs against an outbox table, built once at start-up from the
+//! validated configuration. Identifiers are quoted by [`crate::config::Ident`]; every value
+//! is a bound parameter.
+
+use crate::config::{Ordering, TableConfig};
+
+use super::schema::{PayloadType, TableShape};
+
+/// Statements for one outbox table.
+#[derive(Debug, Clone)]
+pub struct TableSql {
+    /// `ordering = "none"`: lock the oldest pending rows, skipping locked ones.
+    /// `$1` = limit. Returns [`TableSql::row_columns`].
+    pub claim_unordered: String,
+    /// `ordering = "key"`: ids and keys of pending rows after `$1`, at most `$2`, without
+    /// locking, leaving out rows held back by an earlier dead row of their key.
+    pub window: String,
+    /// Locks the rows `$1` that are still pending, skipping locked ones.
+    /// Returns [`TableSql::row_columns`].
+    pub lock_rows: String,
+    /// Deletes the published rows `$1`.
+    pub delete: String,
+    /// Sets `published_at` on the published rows `$1`.
+    pub mark: String,
+    /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
+    /// reach `$3` attempts. Returns each row's id and whether it is now dead.
+    pub record_failures: String,
+    /// Whether any row is left that a relay could publish now.
+    pub publishable_exists: String,
+}
+
+impl TableSql {
+    pub fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
+        let t = table.name.quoted();
+        let c = &table.columns;
+        let id = c.id.quoted();
+        let key = c.key.quoted();
+        let published_at = c.published_at.quoted();
+        let dead_at = c.dead_at.quoted();
+        let attempts = c.attempts.quoted();
+        let last_error = c.last_error.quoted();
+        let payload = match shape.payload {
+            PayloadType::Bytea => c.payload.quoted(),
+            PayloadType::Text => format!("convert_to({}::text, 'UTF8')", c.payload.quoted()),
+        };
+        let mut columns = format!(
+            "{id}::bigint, {key}::text, {payload}, {}::text",
+            c.headers.quoted()
+        );
+        for column in table.topic.columns() {
+            columns.push_str(&format!(", {}::text", column.quoted()));
+        }
+        let pending = format!("{published_at} IS NULL AND {dead_at} IS NULL");
+        // A dead row holds back the later rows of its key until it is re-queued or deleted.
+        let not_held_back = format!(
+            "NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND d.{dead_at} IS NOT NULL \
+             AND d.{published_at} IS NULL AND d.{id} < o.{id})"
+        );
+        TableSql {
+            claim_unordered: format!(
+                "SELECT {columns} FROM {t} WHERE {pending} ORDER BY {id} LIMIT $1 \
+                 FOR UPDATE SKIP LOCKED"
+            ),
+            window: format!(
+                "SELECT o.{id}::bigint, o.{key}::text FROM {t} o \
+                 WHERE o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{id} > $1 \
+                 AND (o.{key} IS NULL OR {not_held_back}) ORDER BY o.{id} LIMIT $2"
+            ),
+            lock_rows: format!(
+                "SELECT {columns} FROM {t} WHERE {id} = ANY($1::bigint[]) AND {pending} \
+                 ORDER BY {id} FOR UPDATE SKIP LOCKED"
+            ),
+            delete: format!("DELETE FROM {t} WHERE {id} = ANY($1::bigint[])"),
+            mark: format!("UPDATE {t} SET {published_at} = now() WHERE {id} = ANY($1::bigint[])"),
+            record_failures: format!(
+                "UPDATE {t} AS o SET {attempts} = o.{attempts} + 1, {last_error} = f.err, \
+                 {dead_at} = CASE WHEN o.{attempts} + 1 >= $3 THEN now() END \
+                 FROM unnest($1::bigint[], $2::text[]) AS f(id, err) WHERE o.{id} = f.id \
+                 RETURNING o.{id}::bigint, o.{dead_at} IS NOT NULL"
+            ),
+            publishable_exists: match ordering {
+                Ordering::Key => format!(
+                    "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.{published_at} IS NULL \
+                     AND o.{dead_at} IS NULL AND (o.{key} IS NULL OR {not_held_back}))"
+                ),
+                Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
+            },
+        }
+    }
+}
