@@ -58,8 +58,11 @@ pub async fn check(config: &Config) -> Vec<Finding> {
     let subjects = check_postgres(config, &mut out).await;
     match &config.sink.target {
         SinkTarget::Nats(nats) => {
-            match NatsSink::connect(nats, config.sink.publish_timeout.min(Duration::from_secs(5)))
-                .await
+            match NatsSink::connect(
+                nats,
+                config.sink.publish_timeout.min(Duration::from_secs(5)),
+            )
+            .await
             {
                 Ok(sink) => {
                     out.push(Level::Ok, format!("nats {}", nats.redacted()), "reachable");
@@ -103,7 +106,11 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
             client
         }
         Ok(Err(e)) => {
-            out.push(Level::Fail, target, format!("cannot connect: {}", describe(&e)));
+            out.push(
+                Level::Fail,
+                target,
+                format!("cannot connect: {}", describe(&e)),
+            );
             return Vec::new();
         }
         Err(_) => {
@@ -168,16 +175,29 @@ async fn table_subjects(client: &tokio_postgres::Client, table: &TableConfig) ->
         .collect()
 }
 
-async fn check_streams(sink: &NatsSink, subjects: &[(String, BTreeSet<String>)], out: &mut Findings) {
+async fn check_streams(
+    sink: &NatsSink,
+    subjects: &[(String, BTreeSet<String>)],
+    out: &mut Findings,
+) {
     let js = sink.jetstream();
-    if let Err(e) = js.query_account().await {
+    let info = sink.server_info();
+    if !info.jetstream {
         out.push(
             Level::Fail,
             "jetstream",
-            format!("{e}: enable JetStream on the server (nats-server -js)"),
+            format!(
+                "server {} has JetStream disabled: start it with -js (or jetstream {{}} in its config)",
+                info.version
+            ),
         );
         return;
     }
+    out.push(
+        Level::Ok,
+        "jetstream",
+        format!("enabled (nats-server {})", info.version),
+    );
     for (table, set) in subjects {
         if set.is_empty() {
             out.push(
@@ -194,7 +214,11 @@ async fn check_streams(sink: &NatsSink, subjects: &[(String, BTreeSet<String>)],
             }
             match js.stream_by_subject(subject.clone()).await {
                 Ok(stream) => {
-                    out.push(Level::Ok, format!("subject {subject}"), format!("stored by stream {stream}"));
+                    out.push(
+                        Level::Ok,
+                        format!("subject {subject}"),
+                        format!("stored by stream {stream}"),
+                    );
                     streams_seen.insert(stream);
                 }
                 Err(_) => out.push(

@@ -6,7 +6,11 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "outbox-relay", version, about = "Relays transactional-outbox rows from PostgreSQL to NATS JetStream or Kafka")]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Relays transactional-outbox rows from PostgreSQL to NATS JetStream or Kafka"
+)]
 pub struct Cli {
     /// Config file [default: $OUTBOX_RELAY_CONFIG, else /etc/outbox-relay/relay.toml]
     #[arg(long, global = true, value_name = "FILE")]

@@ -4,12 +4,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use outbox_relay::check;
 use outbox_relay::cli::{Cli, Command, LogFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
 use outbox_relay::source::{describe, migrate, session_config, SessionLimits};
-use outbox_relay::check;
 
 /// Exit codes, fixed by the contract.
 const EXIT_OK: u8 = 0;
@@ -28,7 +28,10 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -103,7 +106,11 @@ fn exit_code(mode: Mode, report: &Report) -> u8 {
 /// One line: rows, rate, time. On stderr when the sink itself writes to stdout.
 fn print_summary(config: &Config, report: &Report) {
     let secs = report.elapsed.as_secs_f64();
-    let rate = if secs > 0.0 { report.published as f64 / secs } else { 0.0 };
+    let rate = if secs > 0.0 {
+        report.published as f64 / secs
+    } else {
+        0.0
+    };
     let state = if report.drained {
         "drained".to_owned()
     } else {

@@ -22,11 +22,7 @@ pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Resul
                 .find('}')
                 .ok_or_else(|| "unterminated ${ in the config file: close it with }".to_owned())?;
             let name = &after[..end];
-            if name.is_empty()
-                || !name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
-            {
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
                 return Err(format!(
                     "${{{name}}} in the config file is not a valid environment variable name"
                 ));
@@ -136,7 +132,12 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        move |name| owned.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+        move |name| {
+            owned
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
     }
 
     #[test]
@@ -153,8 +154,8 @@ mod tests {
 
     #[test]
     fn overrides_set_nested_keys_with_types() {
-        let mut root: Table = toml::from_str("[relay]\nworkers = 1\n[[tables]]\nname = \"a.b\"")
-            .unwrap();
+        let mut root: Table =
+            toml::from_str("[relay]\nworkers = 1\n[[tables]]\nname = \"a.b\"").unwrap();
         apply_overrides(
             &mut root,
             vec![

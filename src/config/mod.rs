@@ -297,7 +297,10 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         return Err(err("relay.workers", "must be between 1 and 256".into()));
     }
     if relay.batch_size == 0 || relay.batch_size > 10_000 {
-        return Err(err("relay.batch_size", "must be between 1 and 10000".into()));
+        return Err(err(
+            "relay.batch_size",
+            "must be between 1 and 10000".into(),
+        ));
     }
     if relay.max_attempts == 0 {
         return Err(err("relay.max_attempts", "must be at least 1".into()));
@@ -323,7 +326,11 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
 
     let target = match raw.sink.kind {
         SinkKind::Nats => {
-            let url = raw.sink.nats.map(|n| n.url).unwrap_or_else(|| "nats://127.0.0.1:4222".into());
+            let url = raw
+                .sink
+                .nats
+                .map(|n| n.url)
+                .unwrap_or_else(|| "nats://127.0.0.1:4222".into());
             let urls: Vec<String> = url.split(',').map(|u| u.trim().to_owned()).collect();
             if urls.iter().any(String::is_empty) {
                 return Err(err("sink.nats.url", "contains an empty server URL".into()));
@@ -478,13 +485,23 @@ mod tests {
     #[test]
     fn missing_required_key_is_named() {
         let e = load("[postgres]\n[sink]\nkind = \"nats\"\n", &[]).unwrap_err();
-        assert!(e.starts_with("postgres.url: required key is missing"), "{e}");
+        assert!(
+            e.starts_with("postgres.url: required key is missing"),
+            "{e}"
+        );
     }
 
     #[test]
     fn bad_duration_is_named() {
-        let e = load(&format!("{MINIMAL}\n[shutdown]\ndrain_timeout = \"soon\"\n"), &[]).unwrap_err();
-        assert!(e.starts_with("shutdown.drain_timeout: invalid duration"), "{e}");
+        let e = load(
+            &format!("{MINIMAL}\n[shutdown]\ndrain_timeout = \"soon\"\n"),
+            &[],
+        )
+        .unwrap_err();
+        assert!(
+            e.starts_with("shutdown.drain_timeout: invalid duration"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -510,7 +527,10 @@ mod tests {
         assert_eq!(c.postgres.connection.get_password(), Some(&b"s3cr3t"[..]));
         let shown = format!("{c:?}");
         assert!(!shown.contains("s3cr3t"), "{shown}");
-        assert!(shown.contains("postgres://relay@127.0.0.1:5432/app"), "{shown}");
+        assert!(
+            shown.contains("postgres://relay@127.0.0.1:5432/app"),
+            "{shown}"
+        );
     }
 
     #[test]

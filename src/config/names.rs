@@ -229,12 +229,22 @@ mod tests {
         let t = TableName::parse("\"My Schema\".\"we\"\"ird\"").unwrap();
         assert_eq!(t.schema.as_str(), "My Schema");
         assert_eq!(t.quoted(), "\"My Schema\".\"we\"\"ird\"");
-        assert_eq!(TableName::parse("outbox").unwrap().to_string(), "public.outbox");
+        assert_eq!(
+            TableName::parse("outbox").unwrap().to_string(),
+            "public.outbox"
+        );
     }
 
     #[test]
     fn table_names_reject_injection_attempts() {
-        for bad in ["public.outbox; drop table x", "a.b.c", "", "1abc", "a.\"b", "a b"] {
+        for bad in [
+            "public.outbox; drop table x",
+            "a.b.c",
+            "",
+            "1abc",
+            "a.\"b",
+            "a b",
+        ] {
             assert!(TableName::parse(bad).is_err(), "{bad} was accepted");
         }
     }
@@ -247,7 +257,10 @@ mod tests {
             .render(&[Some("order".into()), Some("created".into())])
             .unwrap();
         assert_eq!(out, "outbox.order.{x}.created.order");
-        assert!(t.render(&[None, Some("x".into())]).unwrap_err().contains("aggregatetype"));
+        assert!(t
+            .render(&[None, Some("x".into())])
+            .unwrap_err()
+            .contains("aggregatetype"));
         assert_eq!(Template::parse("fixed").unwrap().literal(), Some("fixed"));
     }
 

@@ -187,14 +187,16 @@ impl<'de> Deserialize<'de> for PropertyValue {
             F(f64),
             B(bool),
         }
-        Ok(PropertyValue(match Scalar::deserialize(d).map_err(|_| {
-            serde::de::Error::custom("a property must be a string, number or boolean")
-        })? {
-            Scalar::S(s) => s,
-            Scalar::I(i) => i.to_string(),
-            Scalar::F(f) => f.to_string(),
-            Scalar::B(b) => b.to_string(),
-        }))
+        Ok(PropertyValue(
+            match Scalar::deserialize(d).map_err(|_| {
+                serde::de::Error::custom("a property must be a string, number or boolean")
+            })? {
+                Scalar::S(s) => s,
+                Scalar::I(i) => i.to_string(),
+                Scalar::F(f) => f.to_string(),
+                Scalar::B(b) => b.to_string(),
+            },
+        ))
     }
 }
 
@@ -294,7 +296,15 @@ mod tests {
 
     #[test]
     fn bad_durations_say_how_to_write_one() {
-        for bad in ["", "10", "ms", "1.5s", "10x", "-1s", "99999999999999999999h"] {
+        for bad in [
+            "",
+            "10",
+            "ms",
+            "1.5s",
+            "10x",
+            "-1s",
+            "99999999999999999999h",
+        ] {
             let err = parse_duration(bad).unwrap_err();
             assert!(err.contains("e.g. \"250ms\""), "{bad}: {err}");
         }

@@ -71,7 +71,9 @@ mod tests {
             vec![("a".into(), "1".into()), ("b".into(), "2".into())]
         );
         assert!(parse_headers("null").unwrap().is_empty());
-        assert!(parse_headers(r#"{"a":1}"#).unwrap_err().contains("\"a\" is a number"));
+        assert!(parse_headers(r#"{"a":1}"#)
+            .unwrap_err()
+            .contains("\"a\" is a number"));
         assert!(parse_headers(r#"["a"]"#).unwrap_err().contains("an array"));
     }
 }

@@ -99,7 +99,9 @@ impl Shared {
         let check = async {
             let session = self.source.session().await?;
             for table in &self.tables {
-                let row = session.query_one(&table.sql.publishable_exists, &[]).await?;
+                let row = session
+                    .query_one(&table.sql.publishable_exists, &[])
+                    .await?;
                 if row.get::<_, bool>(0) {
                     return Ok(false);
                 }
@@ -145,7 +147,7 @@ pub async fn prepare_tables(
         match try_prepare_tables(source, config).await {
             Ok(plans) => return Ok(plans),
             Err(e) if e.class() == ErrorClass::Transient => {
-                let pause = backoff.next();
+                let pause = backoff.next_pause();
                 tracing::warn!(error = %e, retry_in = ?pause, "PostgreSQL not reachable yet");
                 tokio::select! {
                     _ = shutdown.stop_token().cancelled() => return Err(RelayError::Source(e)),
@@ -157,7 +159,10 @@ pub async fn prepare_tables(
     }
 }
 
-async fn try_prepare_tables(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
+async fn try_prepare_tables(
+    source: &Source,
+    config: &Config,
+) -> Result<Vec<TablePlan>, SourceError> {
     let session = source.bounded(source.session()).await?;
     let mut plans = Vec::new();
     for table in &config.tables {
@@ -180,7 +185,7 @@ pub async fn connect_sink(config: &Config, shutdown: &Shutdown) -> Result<Sink, 
         match Sink::connect(&config.sink).await {
             Ok(sink) => return Ok(sink),
             Err(e) if e.class == ErrorClass::Transient => {
-                let pause = backoff.next();
+                let pause = backoff.next_pause();
                 tracing::warn!(error = %e, retry_in = ?pause, "Broker not reachable yet");
                 tokio::select! {
                     _ = shutdown.stop_token().cancelled() => return Err(RelayError::Sink(e)),

@@ -157,11 +157,19 @@ mod tests {
             let keys = [Some("a"), Some("a"), Some("b"), Some("a"), Some("b")];
             let outcomes = run(&sink, &keys).await;
             assert_eq!(outcomes[0], RowOutcome::Published);
-            assert!(matches!(&outcomes[1], RowOutcome::Failed(e) if e.class == ErrorClass::Transient));
+            assert!(
+                matches!(&outcomes[1], RowOutcome::Failed(e) if e.class == ErrorClass::Transient)
+            );
             assert_eq!(outcomes[2], RowOutcome::Published);
-            assert_eq!(outcomes[3], RowOutcome::HeldBack, "keeps_order={keeps_order}");
+            assert_eq!(
+                outcomes[3],
+                RowOutcome::HeldBack,
+                "keeps_order={keeps_order}"
+            );
             assert_eq!(outcomes[4], RowOutcome::Published);
-            let Sink::Memory(m) = &sink else { unreachable!() };
+            let Sink::Memory(m) = &sink else {
+                unreachable!()
+            };
             let sent: Vec<String> = m.published().into_iter().map(|m| m.id).collect();
             // Without in-flight order the held-back row is never even sent.
             assert_eq!(sent.contains(&"t:3".to_owned()), keeps_order);
@@ -177,7 +185,9 @@ mod tests {
         assert!(matches!(&outcomes[0], RowOutcome::Failed(e) if e.class == ErrorClass::BadRow));
         assert_eq!(outcomes[1], RowOutcome::HeldBack);
         assert_eq!(outcomes[2], RowOutcome::Published);
-        let Sink::Memory(m) = &sink else { unreachable!() };
+        let Sink::Memory(m) = &sink else {
+            unreachable!()
+        };
         assert_eq!(m.published().len(), 1);
     }
 }

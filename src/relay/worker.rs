@@ -95,7 +95,7 @@ impl Worker {
                 }
             }
             if let Some(error) = trouble {
-                let pause = backoff.next();
+                let pause = backoff.next_pause();
                 tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Publishing failed; backing off");
                 tokio::select! {
                     _ = stop.cancelled() => return,
@@ -133,8 +133,13 @@ impl Worker {
         };
         let claim = async {
             let tx = session.transaction().await?;
-            let rows = claim_batch(&tx, &table.sql, shared.relay.ordering, shared.relay.batch_size)
-                .await?;
+            let rows = claim_batch(
+                &tx,
+                &table.sql,
+                shared.relay.ordering,
+                shared.relay.batch_size,
+            )
+            .await?;
             Ok::<_, SourceError>((tx, rows))
         };
         // Dropping the transaction on `stop` rolls the claim back: nothing was sent yet.
@@ -144,7 +149,10 @@ impl Worker {
             r = shared.source.bounded(claim) => r?,
         };
         if rows.is_empty() {
-            shared.source.bounded(async { Ok(tx.rollback().await?) }).await?;
+            shared
+                .source
+                .bounded(async { Ok(tx.rollback().await?) })
+                .await?;
             return Ok(Batch::Empty);
         }
         let started = Instant::now();
@@ -216,7 +224,10 @@ impl Worker {
             r = shared.source.bounded(finalize) => r?,
         };
 
-        shared.stats.published.fetch_add(published.len() as u64, Relaxed);
+        shared
+            .stats
+            .published
+            .fetch_add(published.len() as u64, Relaxed);
         shared.stats.failed.fetch_add(bad_ids.len() as u64, Relaxed);
         shared.stats.dead.fetch_add(dead.len() as u64, Relaxed);
         for (id, error) in bad_ids.iter().zip(&bad_errors) {
@@ -271,7 +282,7 @@ impl Backoff {
     }
 
     /// A random pause in `[0, min(cap, base * 2^attempt)]`, at least 10ms.
-    pub fn next(&mut self) -> Duration {
+    pub fn next_pause(&mut self) -> Duration {
         let ceiling = self
             .base
             .saturating_mul(1u32 << self.attempt.min(16))
@@ -294,10 +305,10 @@ mod tests {
     fn backoff_grows_to_its_cap_and_resets() {
         let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         for _ in 0..20 {
-            assert!(b.next() <= Duration::from_secs(2));
+            assert!(b.next_pause() <= Duration::from_secs(2));
         }
         assert!(b.attempt >= 20);
         b.reset();
-        assert!(b.next() <= Duration::from_millis(100));
+        assert!(b.next_pause() <= Duration::from_millis(100));
     }
 }

@@ -60,7 +60,7 @@ impl SinkError {
 
 /// Every sink the relay can publish to.
 pub enum Sink {
-    Nats(nats::NatsSink),
+    Nats(Box<nats::NatsSink>),
     Stdout(stdout::StdoutSink),
     Memory(memory::MemorySink),
 }
@@ -69,9 +69,9 @@ impl Sink {
     /// Connects the sink named by the configuration.
     pub async fn connect(config: &SinkConfig) -> Result<Sink, SinkError> {
         match &config.target {
-            SinkTarget::Nats(nats) => Ok(Sink::Nats(
+            SinkTarget::Nats(nats) => Ok(Sink::Nats(Box::new(
                 nats::NatsSink::connect(nats, config.publish_timeout).await?,
-            )),
+            ))),
             SinkTarget::Stdout => Ok(Sink::Stdout(stdout::StdoutSink::new())),
             SinkTarget::Kafka(_) => Err(SinkError::fatal(
                 "sink.kind = \"kafka\" is not available in this build yet; use \"nats\" or \

@@ -54,6 +54,11 @@ impl NatsSink {
         &self.js
     }
 
+    /// What the server said about itself when we connected.
+    pub fn server_info(&self) -> async_nats::ServerInfo {
+        self.client.server_info()
+    }
+
     pub fn check(&self, message: &Message) -> Result<(), SinkError> {
         check_subject(&message.topic).map_err(SinkError::bad_row)?;
         let mut header_bytes = "NATS/1.0\r\n\r\n".len();
@@ -63,9 +68,7 @@ impl NatsSink {
             .map(|(n, v)| (n.as_str(), v.as_str()))
             .chain([(MSG_ID_HEADER, message.id.as_str())])
         {
-            if name.is_empty()
-                || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
-            {
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
                 return Err(SinkError::bad_row(format!(
                     "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
                 )));

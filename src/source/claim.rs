@@ -302,7 +302,13 @@ mod tests {
 
     #[test]
     fn heads_are_first_rows_of_each_key_and_tails_follow() {
-        let w = window(&[(1, Some("a")), (2, Some("b")), (3, Some("a")), (4, None), (5, Some("a"))]);
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("b")),
+            (3, Some("a")),
+            (4, None),
+            (5, Some("a")),
+        ]);
         let mut plan = KeyPlan::new(10);
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&w, &mut cursor), vec![1, 2, 4]);
@@ -313,7 +319,12 @@ mod tests {
 
     #[test]
     fn a_key_whose_head_is_held_elsewhere_is_skipped_whole() {
-        let w = window(&[(1, Some("a")), (2, Some("b")), (3, Some("a")), (4, Some("b"))]);
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("b")),
+            (3, Some("a")),
+            (4, Some("b")),
+        ]);
         let mut plan = KeyPlan::new(10);
         let mut cursor = 0;
         plan.plan_round(&w, &mut cursor);
@@ -324,7 +335,12 @@ mod tests {
 
     #[test]
     fn capacity_freed_by_a_blocked_key_goes_to_later_keys() {
-        let w = window(&[(1, Some("a")), (2, Some("a")), (3, Some("b")), (4, Some("c"))]);
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("a")),
+            (3, Some("b")),
+            (4, Some("c")),
+        ]);
         let mut plan = KeyPlan::new(2);
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&w, &mut cursor), vec![1]);
@@ -337,7 +353,12 @@ mod tests {
 
     #[test]
     fn a_keys_run_stops_at_the_first_tail_row_it_could_not_lock() {
-        let w = window(&[(1, Some("a")), (2, Some("a")), (3, Some("a")), (4, Some("a"))]);
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("a")),
+            (3, Some("a")),
+            (4, Some("a")),
+        ]);
         let mut plan = KeyPlan::new(10);
         let mut cursor = 0;
         plan.plan_round(&w, &mut cursor);
@@ -361,7 +382,16 @@ mod tests {
     #[test]
     fn the_batch_never_exceeds_its_capacity() {
         let rows: Vec<(i64, Option<&str>)> = (1..=100)
-            .map(|i| (i, if i % 3 == 0 { None } else { Some(["a", "b", "c", "d"][i as usize % 4]) }))
+            .map(|i| {
+                (
+                    i,
+                    if i % 3 == 0 {
+                        None
+                    } else {
+                        Some(["a", "b", "c", "d"][i as usize % 4])
+                    },
+                )
+            })
             .collect();
         let w = window(&rows);
         let mut plan = KeyPlan::new(17);

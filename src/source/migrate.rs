@@ -127,7 +127,11 @@ mod tests {
             topic: Template::parse("{topic}").unwrap(),
             columns: Columns::default(),
         };
-        for sql in MIGRATIONS.iter().map(|m| m.sql).chain([NOTIFY_SQL, DROP_NOTIFY_SQL]) {
+        for sql in MIGRATIONS
+            .iter()
+            .map(|m| m.sql)
+            .chain([NOTIFY_SQL, DROP_NOTIFY_SQL])
+        {
             let out = render(sql, &table);
             assert!(!out.contains("{{"), "{out}");
         }

@@ -96,6 +96,8 @@ pub fn session_config(pg: &PostgresConfig, limits: SessionLimits) -> tokio_postg
     ] {
         options.push_str(&format!(" -c {name}={}", value.as_millis()));
     }
+    // NOTICEs (e.g. "trigger does not exist, skipping" from migrate) are not for operators.
+    options.push_str(" -c client_min_messages=warning");
     cfg.options(options.trim());
     if cfg.get_application_name().is_none() {
         cfg.application_name("outbox-relay");

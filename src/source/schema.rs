@@ -75,7 +75,11 @@ pub async fn inspect(
         }
     };
     let c = &table.columns;
-    expect(c.id.as_str(), "message id and order", &["int8", "int4", "int2"]);
+    expect(
+        c.id.as_str(),
+        "message id and order",
+        &["int8", "int4", "int2"],
+    );
     expect(c.key.as_str(), "ordering key", &[]);
     let payload = expect(
         c.payload.as_str(),
@@ -83,9 +87,17 @@ pub async fn inspect(
         &["bytea", "text", "varchar", "json", "jsonb"],
     );
     expect(c.headers.as_str(), "message headers", &["jsonb", "json"]);
-    expect(c.attempts.as_str(), "failed attempts", &["int4", "int2", "int8"]);
+    expect(
+        c.attempts.as_str(),
+        "failed attempts",
+        &["int4", "int2", "int8"],
+    );
     expect(c.last_error.as_str(), "last error", &["text", "varchar"]);
-    expect(c.dead_at.as_str(), "dead-letter time", &["timestamptz", "timestamp"]);
+    expect(
+        c.dead_at.as_str(),
+        "dead-letter time",
+        &["timestamptz", "timestamp"],
+    );
     let published_role = match on_publish {
         OnPublish::Mark => "publish time, set in mark mode",
         OnPublish::Delete => "publish time",

@@ -1,1 +1,419 @@
+//! Throwaway servers for tests, the demo and benchmarks: a PostgreSQL cluster made with
+//! `initdb` and a `nats-server -js`, each on a free 127.0.0.1 port in its own temp dir.
+//!
+//! Every server is a child process that dies with its owner: dropping the handle kills it
+//! and removes its directory, and `PR_SET_PDEATHSIG` kills it even if the owning thread
+//! dies without unwinding (a test killed by a timeout, `kill -9` of the demo).
 
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port on 127.0.0.1")
+}
+
+/// A fresh empty directory under the system temp dir, removed by the server's Drop.
+fn scratch_dir(kind: &str) -> Result<PathBuf> {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-relay-{kind}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Makes the child receive SIGKILL when the thread that spawned it exits.
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+fn wait_for_port(port: u16, child: &mut Child, what: &str, log: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("{what} exited with {status} before accepting connections:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("{what} did not accept connections on port {port} within 30s")
+}
+
+/// Where the PostgreSQL server binaries are: `$PG_BIN`, else the newest
+/// `/usr/lib/postgresql/*/bin`, else `$PATH`.
+pub fn pg_bin(name: &str) -> PathBuf {
+    if let Some(dir) = std::env::var_os("PG_BIN") {
+        return Path::new(&dir).join(name);
+    }
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let v = e.file_name().to_str()?.parse::<u32>().ok()?;
+            Some((v, e.path().join("bin")))
+        })
+        .collect();
+    versions.sort();
+    match versions.pop() {
+        Some((_, dir)) => dir.join(name),
+        None => PathBuf::from(name),
+    }
+}
+
+/// The uid/gid to run PostgreSQL as: ourselves, or the `postgres` user when we are root
+/// (initdb and postgres refuse to run as root).
+fn pg_identity() -> Result<Option<(u32, u32)>> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(None);
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd")?;
+    for line in passwd.lines() {
+        let fields: Vec<&str> = line.split(':').collect();
+        if fields.first() == Some(&"postgres") && fields.len() > 3 {
+            return Ok(Some((fields[2].parse()?, fields[3].parse()?)));
+        }
+    }
+    bail!("running as root, but there is no `postgres` user to run PostgreSQL as: install the postgresql package")
+}
+
+/// A throwaway PostgreSQL cluster. Superuser `postgres`, trust authentication, on
+/// 127.0.0.1 only.
+pub struct Postgres {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+    identity: Option<(u32, u32)>,
+}
+
+impl Postgres {
+    /// initdb + start. Durability is relaxed (`fsync=off`) unless `durable` is set.
+    pub fn start() -> Result<Postgres> {
+        Self::start_with(false)
+    }
+
+    pub fn start_with(durable: bool) -> Result<Postgres> {
+        let dir = scratch_dir("pg")?;
+        let identity = pg_identity()?;
+        if let Some((uid, gid)) = identity {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid))?;
+        }
+        let data = dir.join("data");
+        let mut initdb = Command::new(pg_bin("initdb"));
+        initdb
+            .args(["-D"])
+            .arg(&data)
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+                "--locale=C",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        if let Some((uid, gid)) = identity {
+            initdb.uid(uid).gid(gid);
+        }
+        let out = initdb
+            .output()
+            .with_context(|| format!("run {}", pg_bin("initdb").display()))?;
+        if !out.status.success() {
+            bail!("initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let mut pg = Postgres {
+            dir,
+            port: free_port(),
+            child: None,
+            identity,
+        };
+        let mut conf = String::from(
+            "listen_addresses = '127.0.0.1'\nmax_connections = 200\nshared_buffers = 128MB\n",
+        );
+        if !durable {
+            conf.push_str("fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n");
+        }
+        std::fs::write(data.join("postgresql.auto.conf"), conf)?;
+        pg.spawn()?;
+        Ok(pg)
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let log = self.dir.join("postgres.log");
+        let log_file = std::fs::File::create(&log)?;
+        if let Some((uid, gid)) = self.identity {
+            std::os::unix::fs::chown(&log, Some(uid), Some(gid))?;
+        }
+        let mut cmd = Command::new(pg_bin("postgres"));
+        cmd.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-p", &self.port.to_string(), "-k"])
+            .arg(&self.dir)
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file);
+        if let Some((uid, gid)) = self.identity {
+            cmd.uid(uid).gid(gid);
+        }
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().context("start postgres")?;
+        wait_for_port(self.port, &mut child, "postgres", &log)?;
+        self.child = Some(child);
+        // Accepting TCP is not yet accepting queries: wait until a query succeeds.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = Command::new(pg_bin("pg_isready"))
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &self.port.to_string(),
+                    "-U",
+                    "postgres",
+                ])
+                .stdout(Stdio::null())
+                .status()
+                .map(|s| s.success())
+                .unwrap_or(false);
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("postgres did not become ready within 30s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// URL of `database` as the superuser.
+    pub fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Connects to `database` as the superuser.
+    pub async fn connect(&self, database: &str) -> Result<tokio_postgres::Client> {
+        let (client, connection) =
+            tokio_postgres::connect(&self.url(database), tokio_postgres::NoTls)
+                .await
+                .context("connect to the throwaway postgres")?;
+        tokio::spawn(connection);
+        Ok(client)
+    }
+
+    /// Creates an empty database and returns its URL.
+    pub async fn create_database(&self, name: &str) -> Result<String> {
+        let admin = self.connect("postgres").await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE \"{name}\""))
+            .await?;
+        Ok(self.url(name))
+    }
+
+    /// Stops the server the hard way (SIGQUIT: immediate shutdown, crash recovery on start).
+    pub fn stop_immediate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: sending a signal to our own child.
+            unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and data.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop_immediate();
+        self.spawn()
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        self.stop_immediate();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A throwaway `nats-server -js`.
+pub struct NatsServer {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    pub fn start() -> Result<NatsServer> {
+        let mut server = NatsServer {
+            dir: scratch_dir("nats")?,
+            port: free_port(),
+            child: None,
+        };
+        server.spawn()?;
+        Ok(server)
+    }
+
+    fn spawn(&mut self) -> Result<()> {
+        let log = self.dir.join("nats.log");
+        let log_file = std::fs::File::create(&log)?;
+        let binary = std::env::var_os("NATS_SERVER").unwrap_or_else(|| "nats-server".into());
+        let mut cmd = Command::new(&binary);
+        cmd.args([
+            "-js",
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &self.port.to_string(),
+            "-sd",
+        ])
+        .arg(self.dir.join("js"))
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+        die_with_parent(&mut cmd);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("start {binary:?} (install the nats-server package)"))?;
+        wait_for_port(self.port, &mut child, "nats-server", &log)?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL); JetStream data on disk survives for [`Self::start_again`].
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again on the same port and store.
+    pub fn start_again(&mut self) -> Result<()> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// Creates a file-backed stream capturing `subjects` with a 2-minute duplicate window.
+    pub async fn create_stream(&self, name: &str, subjects: &[&str]) -> Result<()> {
+        let client = async_nats::connect(self.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: subjects.iter().map(|s| s.to_string()).collect(),
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("create stream {name}: {e}"))?;
+        Ok(())
+    }
+
+    /// Every message stored in `stream`, in stream order, read by an ordered consumer.
+    pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
+        use futures_util::StreamExt;
+        let client = async_nats::connect(self.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        let mut s = js
+            .get_stream(stream)
+            .await
+            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+        let total = s
+            .info()
+            .await
+            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?
+            .state
+            .messages;
+        let mut out = Vec::with_capacity(total as usize);
+        if total == 0 {
+            return Ok(out);
+        }
+        let consumer = s
+            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
+            .await
+            .map_err(|e| anyhow::anyhow!("create consumer: {e}"))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| anyhow::anyhow!("consume: {e}"))?;
+        while (out.len() as u64) < total {
+            let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .context("timed out reading the stream")?;
+            let m = match next {
+                Some(Ok(m)) => m,
+                Some(Err(e)) => bail!("reading the stream: {e}"),
+                None => break,
+            };
+            let headers: Vec<(String, String)> = m
+                .headers
+                .iter()
+                .flat_map(|h| {
+                    h.iter()
+                        .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+                })
+                .collect();
+            out.push(StoredMessage {
+                subject: m.subject.to_string(),
+                headers,
+                payload: m.payload.to_vec(),
+            });
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A message as JetStream stored it.
+#[derive(Debug, Clone)]
+pub struct StoredMessage {
+    pub subject: String,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+}
+
+impl StoredMessage {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}

@@ -1,0 +1,201 @@
+//! Helpers shared by the integration tests: a throwaway PostgreSQL and nats-server, a
+//! migrated outbox, a config file, the built binary, and a checker that compares what the
+//! table held with what the stream stored.
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use testkit::{NatsServer, Postgres, StoredMessage};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+pub const STREAM: &str = "OUTBOX";
+
+/// A database with a migrated `public.outbox`, a nats-server with stream `OUTBOX` on
+/// `events.>`, and a config file pointing at both.
+pub struct Env {
+    pub pg: Postgres,
+    pub nats: NatsServer,
+    pub db_url: String,
+    pub config: PathBuf,
+    _dir: TempDir,
+}
+
+pub struct TempDir(pub PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Env {
+    /// Servers up, table migrated, config written with `extra` appended to `[relay]`.
+    pub async fn new(relay: &str) -> Env {
+        let pg = Postgres::start().expect("start postgres");
+        let nats = NatsServer::start().expect("start nats-server");
+        let db_url = pg.create_database("app").await.expect("create database");
+        nats.create_stream(STREAM, &["events.>"])
+            .await
+            .expect("stream");
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-relay-test-cfg-{}-{}",
+            std::process::id(),
+            testkit::free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let env = Env {
+            config: dir.join("relay.toml"),
+            _dir: TempDir(dir),
+            db_url,
+            pg,
+            nats,
+        };
+        env.write_config(relay, "");
+        let out = env.relay(&["migrate"]);
+        assert!(out.status.success(), "migrate failed: {}", text(&out));
+        env
+    }
+
+    /// Rewrites the config; `relay` goes into `[relay]`, `more` is appended.
+    pub fn write_config(&self, relay: &str, more: &str) {
+        let config = format!(
+            r#"
+[postgres]
+url = "{db}"
+pool_size = 16
+
+[relay]
+{poll}
+{relay}
+
+[sink]
+kind = "nats"
+publish_timeout = "5s"
+
+[sink.nats]
+url = "{nats}"
+
+[[tables]]
+name = "public.outbox"
+topic = "{{topic}}"
+
+[shutdown]
+drain_timeout = "10s"
+{more}
+"#,
+            db = self.db_url,
+            nats = self.nats.url(),
+            poll = if relay.contains("poll_interval") {
+                ""
+            } else {
+                "poll_interval = \"50ms\""
+            },
+        );
+        std::fs::write(&self.config, config).unwrap();
+    }
+
+    /// Runs the built binary with this env's config and waits for it.
+    pub fn relay(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run outbox-relay")
+    }
+
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args).arg("--config").arg(&self.config);
+        cmd.env_remove("RUST_LOG");
+        cmd
+    }
+
+    pub async fn client(&self) -> tokio_postgres::Client {
+        self.pg.connect("app").await.expect("connect")
+    }
+
+    pub async fn stored(&self) -> Vec<StoredMessage> {
+        self.nats.read_stream(STREAM).await.expect("read stream")
+    }
+}
+
+pub fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// Inserts `rows` rows spread over `keys` keys (`k0`..), and, every `null_every` rows, one
+/// row with a NULL key. Headers carry `n` and the key, so the checker reads the key back
+/// from the stream.
+pub async fn seed(client: &tokio_postgres::Client, rows: i64, keys: i64, null_every: i64) {
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers)
+             SELECT topic, key, convert_to(n::text, 'UTF8'),
+                    jsonb_strip_nulls(jsonb_build_object('n', n::text, 'key', key))
+             FROM (SELECT n, 'events.' || (n % 3) AS topic,
+                          CASE WHEN $3::bigint > 0 AND n % $3::bigint = 0 THEN NULL ELSE 'k' || (n % $2::bigint) END AS key
+                   FROM generate_series(1, $1::bigint) AS n) s
+             ORDER BY n",
+            &[&rows, &keys, &null_every],
+        )
+        .await
+        .expect("seed rows");
+}
+
+/// What the stream holds, checked against the ids that were in the table.
+#[derive(Debug, Default)]
+pub struct Delivery {
+    /// Message id (`public.outbox:42`) -> how often it is stored.
+    pub counts: HashMap<String, usize>,
+    /// Key -> ids in stream order (first occurrences only).
+    pub by_key: BTreeMap<String, Vec<i64>>,
+}
+
+pub fn analyse(stored: &[StoredMessage]) -> Delivery {
+    let mut d = Delivery::default();
+    for m in stored {
+        let id = m
+            .header("Nats-Msg-Id")
+            .expect("every message has Nats-Msg-Id")
+            .to_owned();
+        let count = d.counts.entry(id.clone()).or_insert(0);
+        *count += 1;
+        if *count > 1 {
+            continue;
+        }
+        if let Some(key) = m.header("key") {
+            let n: i64 = id.rsplit(':').next().unwrap().parse().unwrap();
+            d.by_key.entry(key.to_owned()).or_default().push(n);
+        }
+    }
+    d
+}
+
+impl Delivery {
+    /// Keys whose ids are not strictly increasing in stream order.
+    pub fn order_violations(&self) -> Vec<String> {
+        self.by_key
+            .iter()
+            .filter(|(_, ids)| ids.windows(2).any(|w| w[0] >= w[1]))
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+
+    pub fn duplicates(&self) -> usize {
+        self.counts.values().map(|c| c - 1).sum()
+    }
+}
+
+/// All ids in the table, in order.
+pub async fn ids(client: &tokio_postgres::Client) -> Vec<i64> {
+    client
+        .query("SELECT id FROM public.outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}

@@ -1,0 +1,438 @@
+//! The contract's promises, end to end: the built binary against a throwaway PostgreSQL
+//! and a real `nats-server -js`.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn signal(child: &Child, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
+fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status.code(), start.elapsed());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("relay did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_row_is_delivered_once_with_its_nats_msg_id() {
+    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let client = env.client().await;
+    seed(&client, 3_000, 50, 7).await;
+    let before = ids(&client).await;
+
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("drained: 3000 rows published"),
+        "{}",
+        text(&out)
+    );
+
+    let stored = env.stored().await;
+    let delivery = analyse(&stored);
+    assert_eq!(stored.len(), 3_000, "each row stored exactly once");
+    let expected: HashSet<String> = before
+        .iter()
+        .map(|id| format!("public.outbox:{id}"))
+        .collect();
+    let got: HashSet<String> = delivery.counts.keys().cloned().collect();
+    assert_eq!(got, expected, "Nats-Msg-Id is <table>:<id> for every row");
+    for m in &stored {
+        // Headers come from the column, the payload is the row's bytes.
+        let n = m.header("n").expect("header from the headers column");
+        assert_eq!(m.payload, n.as_bytes());
+        assert!(m.subject.starts_with("events."));
+    }
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0,
+        "delete mode empties the table"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mark_mode_keeps_rows_and_sets_published_at() {
+    let env = Env::new("on_publish = \"mark\"").await;
+    let client = env.client().await;
+    seed(&client, 1_000, 10, 0).await;
+
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        1_000
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox WHERE published_at IS NULL"
+        )
+        .await,
+        0,
+        "every row marked"
+    );
+    assert_eq!(env.stored().await.len(), 1_000);
+    // A second drain finds nothing to do and publishes nothing again.
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(env.stored().await.len(), 1_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn same_key_rows_arrive_in_id_order_across_workers_and_processes() {
+    let env = Env::new("workers = 6\nbatch_size = 40").await;
+    let client = env.client().await;
+    seed(&client, 6_000, 20, 11).await;
+
+    // Three processes of six workers each, all on the same table at once.
+    let children: Vec<Child> = (0..3)
+        .map(|_| {
+            env.command(&["drain"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        let (code, _) = wait_exit(&mut child, Duration::from_secs(120));
+        assert_eq!(code, Some(0));
+    }
+
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 6_000, "no row lost");
+    assert_eq!(
+        delivery.order_violations(),
+        Vec::<String>::new(),
+        "per-key id order"
+    );
+    assert_eq!(delivery.by_key.len(), 20);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_committed_after_later_ids_is_still_published() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    // A long transaction takes an id first and commits last.
+    let mut late = env.client().await;
+    let tx = late.transaction().await.unwrap();
+    let late_id: i64 = tx
+        .query_one(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.late', NULL, 'late') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    seed(&client, 500, 5, 0).await;
+
+    let mut relay = env
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_until(
+        "the committed rows to be published",
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    tx.commit().await.unwrap();
+    wait_until(
+        "the late row to be published",
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    signal(&relay, "TERM");
+    let (code, _) = wait_exit(&mut relay, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+
+    let delivery = analyse(&env.stored().await);
+    assert!(delivery
+        .counts
+        .contains_key(&format!("public.outbox:{late_id}")));
+    assert_eq!(delivery.counts.len(), 501);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_exits_3_at_its_timeout_and_leaves_the_rows_intact() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    seed(&client, 100, 5, 0).await;
+    // No stream captures this subject: the row can only be retried.
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('nostream.x', 'k1', 'x')",
+            &[],
+        )
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let out = env.relay(&["drain", "--timeout", "2s"]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(started.elapsed() < Duration::from_secs(15));
+    let left: Vec<String> = client
+        .query("SELECT topic FROM public.outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    // The stuck row stays, and so do later rows of its key (k1): the rest went out.
+    assert!(left.contains(&"nostream.x".to_owned()), "{left:?}");
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox WHERE attempts <> 0 OR dead_at IS NOT NULL"
+        )
+        .await,
+        0,
+        "a broker-side outage counts no attempts"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
+    let env = Env::new("workers = 4").await;
+    let client = env.client().await;
+    seed(&client, 200_000, 200, 13).await;
+    let before: HashSet<i64> = ids(&client).await.into_iter().collect();
+
+    let mut relay = env
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("publishing to start", Duration::from_secs(30), async || {
+        count(&client, "SELECT count(*) FROM public.outbox").await < 195_000
+    })
+    .await;
+    signal(&relay, "TERM");
+    // drain_timeout is 10s in the test config.
+    let (code, took) = wait_exit(&mut relay, Duration::from_secs(12));
+    assert!(matches!(code, Some(0) | Some(3)), "exit code {code:?}");
+    assert!(took < Duration::from_secs(12), "took {took:?}");
+
+    let left: HashSet<i64> = ids(&client).await.into_iter().collect();
+    let delivery = analyse(&env.stored().await);
+    let published: HashSet<i64> = delivery
+        .counts
+        .keys()
+        .map(|id| id.rsplit(':').next().unwrap().parse().unwrap())
+        .collect();
+    assert!(left.len() < before.len(), "something was published");
+    for id in &before {
+        assert!(left.contains(id) || published.contains(id), "row {id} lost");
+    }
+    assert!(
+        left.is_disjoint(&published) || code == Some(3),
+        "a row both published and left, without abort"
+    );
+    let idle_in_tx = count(
+        &client,
+        "SELECT count(*) FROM pg_stat_activity WHERE state LIKE 'idle in transaction%' AND application_name = 'outbox-relay'",
+    )
+    .await;
+    assert_eq!(idle_in_tx, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn notify_wakes_an_idle_relay_at_once() {
+    let env = Env::new("").await;
+    env.write_config("poll_interval = \"30s\"", "");
+    let client = env.client().await;
+    let mut relay = env
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Let the relay go idle, listening.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(relay.try_wait().unwrap().is_none(), "relay exited early");
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.x', 'a', 'hi')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let inserted = Instant::now();
+    wait_until(
+        "the row to be published",
+        Duration::from_secs(5),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    assert!(
+        inserted.elapsed() < Duration::from_secs(5),
+        "published long before the 30s poll"
+    );
+    signal(&relay, "TERM");
+    let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
+    assert_eq!(code, Some(0));
+    assert!(
+        took < Duration::from_secs(2),
+        "idle relay exits at once, took {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
+    let env = Env::new("max_attempts = 3\nbatch_size = 10").await;
+    let client = env.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers) VALUES
+               ('events.a', 'poison', '1', NULL),
+               ('events.a', 'poison', '2', '{\"n\": 2}'),
+               ('events.a', 'poison', '3', NULL),
+               ('events.a', 'fine', '4', NULL),
+               ('bad subject', NULL, '5', NULL),
+               ('events.a', 'fine', '6', NULL)",
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "held-back rows are not publishable: {}",
+        text(&out)
+    );
+    let left: Vec<(Vec<u8>, i32, bool, Option<String>)> = client
+        .query("SELECT payload, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(left.len(), 3, "{left:?}");
+    // Row 2: headers not an object of strings -> dead after 3 attempts, error kept.
+    assert_eq!(left[0].0, b"2");
+    assert_eq!((left[0].1, left[0].2), (3, true));
+    assert!(left[0]
+        .3
+        .as_deref()
+        .unwrap()
+        .contains("headers must be a JSON object of strings"));
+    // Row 3 waits behind it, untouched.
+    assert_eq!(
+        (left[1].0.as_slice(), left[1].1, left[1].2),
+        (&b"3"[..], 0, false)
+    );
+    // The key-less row with an invalid subject is dead too; its failure held back nothing.
+    assert_eq!((left[2].0.as_slice(), left[2].2), (&b"5"[..], true));
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 3, "rows 1, 4 and 6 arrived");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    let out = env.relay(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("public.outbox: up to date"));
+    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_notify'";
+    assert_eq!(count(&client, triggers).await, 1);
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox_relay_migrations"
+        )
+        .await,
+        1
+    );
+
+    let out = env.relay(&["migrate", "--no-notify"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(count(&client, triggers).await, 0);
+    let out = env.relay(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(count(&client, triggers).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_passes_when_ready_and_names_each_problem() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    client
+        .execute("INSERT INTO public.outbox (topic, key, payload) VALUES ('events.1', 'a', 'x'), ('orphan.1', 'a', 'y')", &[])
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        stdout.contains("ok   subject events.1: stored by stream OUTBOX"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("FAIL subject orphan.1: no JetStream stream captures it"),
+        "{stdout}"
+    );
+
+    client
+        .execute("DELETE FROM public.outbox WHERE topic = 'orphan.1'", &[])
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    client
+        .batch_execute("ALTER TABLE public.outbox DROP COLUMN attempts")
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout)
+        .contains("column attempts (failed attempts) is missing"));
+    // `run` refuses the table too, with the same reason, exit 1.
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("column attempts"),
+        "{}",
+        text(&out)
+    );
+}
