@@ -436,3 +436,171 @@ async fn check_passes_when_ready_and_names_each_problem() {
         text(&out)
     );
 }
+
+/// Sessions of the relay that sit in a transaction, with how long it has been open.
+async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
+    client
+        .query(
+            "SELECT extract(epoch FROM now() - xact_start)::float8 FROM pg_stat_activity
+             WHERE application_name = 'outbox-relay' AND xact_start IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Starts `run` and waits until it has connected to both services and gone idle.
+async fn start_connected_relay(env: &Env) -> Child {
+    let mut relay = env
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let client = env.client().await;
+    wait_until("the relay to connect", Duration::from_secs(10), async || {
+        count(&client, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND query LIKE 'LISTEN%'").await > 0
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(relay.try_wait().unwrap().is_none(), "relay exited early");
+    relay
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stalled_broker_never_holds_a_transaction_past_the_publish_timeout() {
+    let env = Env::new("").await;
+    env.write_config("", "");
+    let config = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("publish_timeout = \"5s\"", "publish_timeout = \"1s\"");
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    let mut relay = start_connected_relay(&env).await;
+    env.nats.pause();
+    seed(&client, 2_000, 20, 0).await;
+    wait_until(
+        "a batch to be in flight",
+        Duration::from_secs(10),
+        async || !relay_transactions(&client).await.is_empty(),
+    )
+    .await;
+    // Watch for 4 seconds: no relay transaction may stay open much past 1s.
+    let mut longest: f64 = 0.0;
+    let watch = Instant::now();
+    while watch.elapsed() < Duration::from_secs(4) {
+        for age in relay_transactions(&client).await {
+            longest = longest.max(age);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        longest < 2.5,
+        "a transaction stayed open {longest:.1}s with publish_timeout = 1s"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        2_000,
+        "nothing marked without an ack"
+    );
+
+    env.nats.resume();
+    wait_until(
+        "the backlog to drain after the broker returns",
+        Duration::from_secs(60),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    signal(&relay, "TERM");
+    let (code, _) = wait_exit(&mut relay, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 2_000);
+    assert_eq!(delivery.order_violations(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_row() {
+    let env = Env::new("").await;
+    let config = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("publish_timeout = \"5s\"", "publish_timeout = \"30s\"")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"2s\"");
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    let mut relay = start_connected_relay(&env).await;
+    env.nats.pause();
+    seed(&client, 1_000, 10, 0).await;
+    // Past its claim (which a signal may cancel), waiting for acks that cannot come.
+    wait_until(
+        "a batch to be publishing",
+        Duration::from_secs(15),
+        async || {
+            relay_transactions(&client)
+                .await
+                .iter()
+                .any(|age| *age > 0.5)
+        },
+    )
+    .await;
+    signal(&relay, "TERM");
+    let (code, took) = wait_exit(&mut relay, Duration::from_secs(6));
+    assert_eq!(code, Some(3), "deadline reached with rows unacknowledged");
+    assert!(
+        took < Duration::from_secs(4),
+        "exit within drain_timeout + 2s, took {took:?}"
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        1_000,
+        "every row kept"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        relay_transactions(&client).await.is_empty(),
+        "no transaction left open"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_signal_rolls_back_at_once_and_exits_3() {
+    let env = Env::new("").await;
+    let config = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("publish_timeout = \"5s\"", "publish_timeout = \"30s\"")
+        .replace("drain_timeout = \"10s\"", "drain_timeout = \"60s\"");
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    let mut relay = start_connected_relay(&env).await;
+    env.nats.pause();
+    seed(&client, 1_000, 10, 0).await;
+    // Past its claim (which a signal may cancel), waiting for acks that cannot come.
+    wait_until(
+        "a batch to be publishing",
+        Duration::from_secs(15),
+        async || {
+            relay_transactions(&client)
+                .await
+                .iter()
+                .any(|age| *age > 0.5)
+        },
+    )
+    .await;
+    signal(&relay, "TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        relay.try_wait().unwrap().is_none(),
+        "the first signal waits for in-flight batches"
+    );
+    signal(&relay, "INT");
+    let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
+    assert_eq!(code, Some(3));
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        1_000
+    );
+}

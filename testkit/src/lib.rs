@@ -319,6 +319,24 @@ impl NatsServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open, nothing is answered. The
+    /// shape of a broker that stalls.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Thaws a paused server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        if let Some(child) = &self.child {
+            // SAFETY: sending a signal to our own child.
+            unsafe { libc::kill(child.id() as i32, signal) };
+        }
+    }
+
     /// Starts it again on the same port and store.
     pub fn start_again(&mut self) -> Result<()> {
         self.kill();
@@ -396,6 +414,7 @@ impl NatsServer {
 
 impl Drop for NatsServer {
     fn drop(&mut self) {
+        self.resume();
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
