@@ -84,7 +84,7 @@ async fn main() -> Result<()> {
     println!("    late row id {late_id} is still uncommitted; {rows} later rows are committed");
 
     step("outbox-relay drain (the late transaction commits while it runs)");
-    let mut drain = Command::new(&relay)
+    let drain = Command::new(&relay)
         .args(["drain", "--config", config.to_str().unwrap()])
         .stdout(Stdio::piped())
         .spawn()?;
