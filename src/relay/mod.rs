@@ -241,6 +241,10 @@ pub async fn run_with_sink(
         "Relaying"
     );
 
+    if let Some(http) = &config.http {
+        tracing::warn!(listen = %http.listen, "http.listen is set, but this build has no HTTP endpoints yet; not listening");
+    }
+
     let tracker = TaskTracker::new();
     tracker.spawn(crate::source::listen::listen(
         session_config(&config.postgres, limits),

@@ -3,7 +3,7 @@
 //! `outbox-relay migrate`, `outbox-relay drain`, then an independent consumer checks what
 //! arrived. Run it through `scripts/demo`.
 //!
-//! Usage: demo PATH-TO-outbox-relay [ROWS]
+//! Usage: demo PATH-TO-outbox-relay [ROWS] [delete|mark]
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::{Command, Stdio};
@@ -17,12 +17,16 @@ async fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
     let relay = args
         .next()
-        .context("usage: demo PATH-TO-outbox-relay [ROWS]")?;
+        .context("usage: demo PATH-TO-outbox-relay [ROWS] [delete|mark]")?;
     let rows: i64 = args
         .next()
         .map(|s| s.parse())
         .transpose()?
         .unwrap_or(20_000);
+    let on_publish = args.next().unwrap_or_else(|| "delete".to_owned());
+    if on_publish != "delete" && on_publish != "mark" {
+        bail!("the third argument is delete or mark, not {on_publish:?}");
+    }
 
     step("Starting a throwaway PostgreSQL and nats-server -js on free 127.0.0.1 ports");
     let pg = Postgres::start()?;
@@ -40,7 +44,8 @@ async fn main() -> Result<()> {
     std::fs::write(
         &config,
         format!(
-            "[postgres]\nurl = \"{db_url}\"\n\n[relay]\nworkers = 4\nbatch_size = 500\n\n\
+            "[postgres]\nurl = \"{db_url}\"\n\n[relay]\nworkers = 4\nbatch_size = 500\n\
+             on_publish = \"{on_publish}\"\n\n\
              [sink]\nkind = \"nats\"\n\n[sink.nats]\nurl = \"{}\"\n\n\
              [[tables]]\nname = \"public.outbox\"\ntopic = \"{{topic}}\"\n",
             nats.url()
@@ -90,10 +95,7 @@ async fn main() -> Result<()> {
         .spawn()?;
     let started = Instant::now();
     loop {
-        let left: i64 = client
-            .query_one("SELECT count(*) FROM outbox", &[])
-            .await?
-            .get(0);
+        let left: i64 = client.query_one(PENDING, &[]).await?.get(0);
         if left < rows / 2 || started.elapsed() > Duration::from_secs(30) {
             break;
         }
@@ -122,7 +124,8 @@ async fn main() -> Result<()> {
             by_key.entry(key.to_owned()).or_default().push(n);
         }
     }
-    let left: i64 = client
+    let left: i64 = client.query_one(PENDING, &[]).await?.get(0);
+    let kept: i64 = client
         .query_one("SELECT count(*) FROM outbox", &[])
         .await?
         .get(0);
@@ -146,7 +149,7 @@ async fn main() -> Result<()> {
         "    late row delivered      {}",
         seen.contains_key(&format!("public.outbox:{late_id}"))
     );
-    println!("    rows left in the table  {left}");
+    println!("    rows left unpublished   {left} (rows kept in the table: {kept}, on_publish = {on_publish})");
     if let Some(first) = stored.first() {
         println!(
             "    first message           subject={} Nats-Msg-Id={} payload={}",
@@ -156,12 +159,16 @@ async fn main() -> Result<()> {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
-    if seen.len() != expected || left != 0 || out_of_order != 0 {
+    let mark_kept_all = on_publish == "delete" || kept == expected as i64;
+    if seen.len() != expected || left != 0 || out_of_order != 0 || !mark_kept_all {
         bail!("the demo did not deliver every row exactly as expected");
     }
     step("Done: every row arrived once with its Nats-Msg-Id, same-key rows in id order, outbox empty");
     Ok(())
 }
+
+/// Rows not yet published, in either `on_publish` mode.
+const PENDING: &str = "SELECT count(*) FROM outbox WHERE published_at IS NULL";
 
 fn step(text: &str) {
     println!("\n==> {text}");
