@@ -419,6 +419,31 @@ async fn check_passes_when_ready_and_names_each_problem() {
     let out = env.relay(&["check"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 
+    // A stream whose duplicate window is too short for safe re-sends is a warning.
+    env.nats
+        .create_stream_with_window("SHORT", &["short.>"], Duration::from_secs(30))
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('short.1', 'a', 'x')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "a warning is not a failure: {}",
+        text(&out)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("WARN stream SHORT: duplicate window is 30s"),
+        "{}",
+        text(&out)
+    );
+
     client
         .batch_execute("ALTER TABLE public.outbox DROP COLUMN attempts")
         .await
@@ -602,5 +627,22 @@ async fn a_second_signal_rolls_back_at_once_and_exits_3() {
     assert_eq!(
         count(&client, "SELECT count(*) FROM public.outbox").await,
         1_000
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ordering_none_delivers_every_row_once() {
+    let env = Env::new("ordering = \"none\"\nworkers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    // Two hot keys: with no order promise they need not wait for each other's acks.
+    seed(&client, 3_000, 2, 0).await;
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 3_000);
+    assert_eq!(delivery.duplicates(), 0);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0
     );
 }

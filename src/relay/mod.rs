@@ -280,6 +280,11 @@ pub async fn run_with_sink(
         return Err(RelayError::Fatal(message));
     }
     let aborted = shared.aborted.load(Relaxed);
+    if mode == Mode::Drain && !aborted && !shared.drained.load(Relaxed) {
+        // Stopped by a signal or --timeout: the outbox may still have emptied meanwhile.
+        let empty = shared.nothing_publishable().await;
+        shared.drained.store(empty, Relaxed);
+    }
     let report = Report {
         published: shared.stats.published.load(Relaxed),
         failed: shared.stats.failed.load(Relaxed),

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::order::{publish_in_order, RowOutcome};
 use super::{message::to_message, Shared, TablePlan};
-use crate::config::OnPublish;
+use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
 use crate::sink::SinkError;
 use crate::source::claim::claim_batch;
@@ -161,7 +161,12 @@ impl Worker {
             .iter_mut()
             .map(|row| to_message(&table.config, row))
             .collect();
-        let keys: Vec<Option<&str>> = rows.iter().map(|r| r.key.as_deref()).collect();
+        // Without a key-order promise every row travels independently: no waves, no
+        // holding back.
+        let keys: Vec<Option<&str>> = match shared.relay.ordering {
+            Ordering::Key => rows.iter().map(|r| r.key.as_deref()).collect(),
+            Ordering::None => vec![None; rows.len()],
+        };
         let mut outcomes = vec![RowOutcome::Pending; rows.len()];
         let publish = tokio::time::timeout(
             shared.publish_timeout,

@@ -345,12 +345,23 @@ impl NatsServer {
 
     /// Creates a file-backed stream capturing `subjects` with a 2-minute duplicate window.
     pub async fn create_stream(&self, name: &str, subjects: &[&str]) -> Result<()> {
+        self.create_stream_with_window(name, subjects, Duration::from_secs(120))
+            .await
+    }
+
+    /// Creates a file-backed stream with the given duplicate window.
+    pub async fn create_stream_with_window(
+        &self,
+        name: &str,
+        subjects: &[&str],
+        duplicate_window: Duration,
+    ) -> Result<()> {
         let client = async_nats::connect(self.url()).await?;
         let js = async_nats::jetstream::new(client);
         js.create_stream(async_nats::jetstream::stream::Config {
             name: name.to_owned(),
             subjects: subjects.iter().map(|s| s.to_string()).collect(),
-            duplicate_window: Duration::from_secs(120),
+            duplicate_window,
             ..Default::default()
         })
         .await
