@@ -40,6 +40,20 @@ async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> 
     }
 }
 
+async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, seconds: u64) {
+    wait_until(what, Duration::from_secs(seconds), async || {
+        count(client, "SELECT count(*) FROM public.outbox").await == 0
+    })
+    .await;
+}
+
+/// SIGTERM, then expect exit 0 within 15s.
+fn terminate_cleanly(relay: &mut Child) {
+    signal(relay, "TERM");
+    let (code, _) = wait_exit(relay, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+}
+
 async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
@@ -167,22 +181,10 @@ async fn a_row_committed_after_later_ids_is_still_published() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    wait_until(
-        "the committed rows to be published",
-        Duration::from_secs(30),
-        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-    )
-    .await;
+    wait_for_empty_outbox(&client, "the committed rows to be published", 30).await;
     tx.commit().await.unwrap();
-    wait_until(
-        "the late row to be published",
-        Duration::from_secs(30),
-        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-    )
-    .await;
-    signal(&relay, "TERM");
-    let (code, _) = wait_exit(&mut relay, Duration::from_secs(15));
-    assert_eq!(code, Some(0));
+    wait_for_empty_outbox(&client, "the late row to be published", 30).await;
+    terminate_cleanly(&mut relay);
 
     let delivery = analyse(&env.stored().await);
     assert!(delivery
@@ -297,12 +299,7 @@ async fn notify_wakes_an_idle_relay_at_once() {
         .await
         .unwrap();
     let inserted = Instant::now();
-    wait_until(
-        "the row to be published",
-        Duration::from_secs(5),
-        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-    )
-    .await;
+    wait_for_empty_outbox(&client, "the row to be published", 5).await;
     assert!(
         inserted.elapsed() < Duration::from_secs(5),
         "published long before the 30s poll"
@@ -498,11 +495,7 @@ async fn start_connected_relay(env: &Env) -> Child {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stalled_broker_never_holds_a_transaction_past_the_publish_timeout() {
     let env = Env::new("").await;
-    env.write_config("", "");
-    let config = std::fs::read_to_string(&env.config)
-        .unwrap()
-        .replace("publish_timeout = \"5s\"", "publish_timeout = \"1s\"");
-    std::fs::write(&env.config, config).unwrap();
+    env.set_timeouts("1s", "10s");
     let client = env.client().await;
     let mut relay = start_connected_relay(&env).await;
     env.nats.pause();
@@ -533,30 +526,20 @@ async fn a_stalled_broker_never_holds_a_transaction_past_the_publish_timeout() {
     );
 
     env.nats.resume();
-    wait_until(
-        "the backlog to drain after the broker returns",
-        Duration::from_secs(60),
-        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-    )
-    .await;
-    signal(&relay, "TERM");
-    let (code, _) = wait_exit(&mut relay, Duration::from_secs(15));
-    assert_eq!(code, Some(0));
+    wait_for_empty_outbox(&client, "the backlog to drain after the broker returns", 60).await;
+    terminate_cleanly(&mut relay);
     let delivery = analyse(&env.stored().await);
     assert_eq!(delivery.counts.len(), 2_000);
     assert_eq!(delivery.order_violations(), Vec::<String>::new());
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_row() {
+/// A running relay (publish_timeout 30s, the given drain_timeout) with a batch of 1,000
+/// rows in flight, past its claim, waiting for acks from a frozen nats-server.
+async fn relay_stuck_publishing(drain_timeout: &str) -> (Env, tokio_postgres::Client, Child) {
     let env = Env::new("").await;
-    let config = std::fs::read_to_string(&env.config)
-        .unwrap()
-        .replace("publish_timeout = \"5s\"", "publish_timeout = \"30s\"")
-        .replace("drain_timeout = \"10s\"", "drain_timeout = \"2s\"");
-    std::fs::write(&env.config, config).unwrap();
+    env.set_timeouts("30s", drain_timeout);
     let client = env.client().await;
-    let mut relay = start_connected_relay(&env).await;
+    let relay = start_connected_relay(&env).await;
     env.nats.pause();
     seed(&client, 1_000, 10, 0).await;
     // Past its claim (which a signal may cancel), waiting for acks that cannot come.
@@ -571,6 +554,12 @@ async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_r
         },
     )
     .await;
+    (env, client, relay)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_row() {
+    let (_env, client, mut relay) = relay_stuck_publishing("2s").await;
     signal(&relay, "TERM");
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(6));
     assert_eq!(code, Some(3), "deadline reached with rows unacknowledged");
@@ -592,28 +581,7 @@ async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_r
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_signal_rolls_back_at_once_and_exits_3() {
-    let env = Env::new("").await;
-    let config = std::fs::read_to_string(&env.config)
-        .unwrap()
-        .replace("publish_timeout = \"5s\"", "publish_timeout = \"30s\"")
-        .replace("drain_timeout = \"10s\"", "drain_timeout = \"60s\"");
-    std::fs::write(&env.config, config).unwrap();
-    let client = env.client().await;
-    let mut relay = start_connected_relay(&env).await;
-    env.nats.pause();
-    seed(&client, 1_000, 10, 0).await;
-    // Past its claim (which a signal may cancel), waiting for acks that cannot come.
-    wait_until(
-        "a batch to be publishing",
-        Duration::from_secs(15),
-        async || {
-            relay_transactions(&client)
-                .await
-                .iter()
-                .any(|age| *age > 0.5)
-        },
-    )
-    .await;
+    let (_env, client, mut relay) = relay_stuck_publishing("60s").await;
     signal(&relay, "TERM");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(

@@ -135,28 +135,44 @@ pub enum Mode {
     Drain,
 }
 
-/// Checks every table and returns its statements; waits out transient failures (the
-/// database may still be starting) until `shutdown` stops it.
+/// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait;
+/// transient failures are retried with backoff (a database or broker still starting).
+async fn retry_transient<T, E>(
+    what: &str,
+    shutdown: &Shutdown,
+    mut attempt: impl AsyncFnMut() -> Result<T, E>,
+) -> Result<T, RelayError>
+where
+    E: Into<RelayError> + std::fmt::Display,
+    for<'a> &'a E: Into<ErrorClass>,
+{
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(e) if (&e).into() == ErrorClass::Transient => {
+                let pause = backoff.next_pause();
+                tracing::warn!(error = %e, retry_in = ?pause, "{what} not reachable yet");
+                tokio::select! {
+                    _ = shutdown.stop_token().cancelled() => return Err(e.into()),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Checks every table and returns its statements, waiting out transient failures.
 pub async fn prepare_tables(
     source: &Source,
     config: &Config,
     shutdown: &Shutdown,
 ) -> Result<Vec<TablePlan>, RelayError> {
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
-    loop {
-        match try_prepare_tables(source, config).await {
-            Ok(plans) => return Ok(plans),
-            Err(e) if e.class() == ErrorClass::Transient => {
-                let pause = backoff.next_pause();
-                tracing::warn!(error = %e, retry_in = ?pause, "PostgreSQL not reachable yet");
-                tokio::select! {
-                    _ = shutdown.stop_token().cancelled() => return Err(RelayError::Source(e)),
-                    _ = tokio::time::sleep(pause) => {}
-                }
-            }
-            Err(e) => return Err(RelayError::Source(e)),
-        }
-    }
+    retry_transient("PostgreSQL", shutdown, async || {
+        try_prepare_tables(source, config).await
+    })
+    .await
 }
 
 async fn try_prepare_tables(
@@ -178,23 +194,12 @@ async fn try_prepare_tables(
     Ok(plans)
 }
 
-/// Connects the configured sink, retrying transient failures until `shutdown` stops it.
+/// Connects the configured sink, waiting out transient failures.
 pub async fn connect_sink(config: &Config, shutdown: &Shutdown) -> Result<Sink, RelayError> {
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
-    loop {
-        match Sink::connect(&config.sink).await {
-            Ok(sink) => return Ok(sink),
-            Err(e) if e.class == ErrorClass::Transient => {
-                let pause = backoff.next_pause();
-                tracing::warn!(error = %e, retry_in = ?pause, "Broker not reachable yet");
-                tokio::select! {
-                    _ = shutdown.stop_token().cancelled() => return Err(RelayError::Sink(e)),
-                    _ = tokio::time::sleep(pause) => {}
-                }
-            }
-            Err(e) => return Err(RelayError::Sink(e)),
-        }
-    }
+    retry_transient("Broker", shutdown, async || {
+        Sink::connect(&config.sink).await
+    })
+    .await
 }
 
 /// Runs the relay with the sink the configuration names.

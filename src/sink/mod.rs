@@ -58,6 +58,12 @@ impl SinkError {
     }
 }
 
+impl From<&SinkError> for ErrorClass {
+    fn from(e: &SinkError) -> ErrorClass {
+        e.class
+    }
+}
+
 /// Every sink the relay can publish to.
 pub enum Sink {
     Nats(Box<nats::NatsSink>),

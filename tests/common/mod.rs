@@ -96,6 +96,21 @@ drain_timeout = "10s"
         std::fs::write(&self.config, config).unwrap();
     }
 
+    /// Sets `sink.publish_timeout` and `shutdown.drain_timeout` in the written config.
+    pub fn set_timeouts(&self, publish: &str, drain: &str) {
+        let config = std::fs::read_to_string(&self.config)
+            .unwrap()
+            .replace(
+                "publish_timeout = \"5s\"",
+                &format!("publish_timeout = \"{publish}\""),
+            )
+            .replace(
+                "drain_timeout = \"10s\"",
+                &format!("drain_timeout = \"{drain}\""),
+            );
+        std::fs::write(&self.config, config).unwrap();
+    }
+
     /// Runs the built binary with this env's config and waits for it.
     pub fn relay(&self, args: &[&str]) -> Output {
         self.command(args).output().expect("run outbox-relay")
