@@ -4,7 +4,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::config::{Config, SinkTarget, TableConfig};
+use crate::config::{Config, KafkaConfig, SinkTarget, TableConfig};
+use crate::sink::kafka::{check_topic, unsafe_properties, KafkaSink};
 use crate::sink::nats::{check_subject, NatsSink};
 use crate::source::{describe, schema, session_config, SessionLimits};
 
@@ -75,11 +76,7 @@ pub async fn check(config: &Config) -> Vec<Finding> {
                 ),
             }
         }
-        SinkTarget::Kafka(_) => out.push(
-            Level::Fail,
-            "sink",
-            "the kafka sink is not available in this build yet; use \"nats\" or \"stdout\"",
-        ),
+        SinkTarget::Kafka(kafka) => check_kafka(kafka, config, &subjects, &mut out).await,
         SinkTarget::Stdout => out.push(Level::Ok, "sink", "stdout needs no checks"),
     }
     out.0
@@ -249,6 +246,71 @@ async fn check_streams(
                     Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
                 },
                 Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
+            }
+        }
+    }
+}
+
+async fn check_kafka(
+    kafka: &KafkaConfig,
+    config: &Config,
+    subjects: &[(String, BTreeSet<String>)],
+    out: &mut Findings,
+) {
+    let target = format!("kafka {}", kafka.brokers);
+    let problems = unsafe_properties(&kafka.properties);
+    for p in &problems {
+        out.push(Level::Fail, "sink.kafka.properties", p.clone());
+    }
+    if !problems.is_empty() {
+        return;
+    }
+    let sink = match KafkaSink::connect(kafka, config.sink.publish_timeout) {
+        Ok(sink) => sink,
+        Err(e) => return out.push(Level::Fail, target, e.to_string()),
+    };
+    let topics = match sink.metadata(None).await {
+        Ok(topics) => {
+            out.push(
+                Level::Ok,
+                target,
+                format!("reachable ({} topics)", topics.len()),
+            );
+            topics
+        }
+        Err(e) => {
+            return out.push(
+                Level::Fail,
+                target,
+                format!("{e}: start the brokers or fix sink.kafka.brokers"),
+            )
+        }
+    };
+    for (table, set) in subjects {
+        if set.is_empty() {
+            out.push(
+                Level::Ok,
+                format!("table {table}"),
+                "topics depend on row data and no row is pending; nothing to look up yet",
+            );
+        }
+        for topic in set {
+            if let Err(e) = check_topic(topic) {
+                out.push(Level::Fail, format!("topic {topic:?}"), e);
+                continue;
+            }
+            match topics.get(topic) {
+                Some(partitions) => out.push(
+                    Level::Ok,
+                    format!("topic {topic}"),
+                    format!("{partitions} partitions"),
+                ),
+                None => out.push(
+                    Level::Warn,
+                    format!("topic {topic}"),
+                    "does not exist; unless the brokers auto-create topics, rows for it wait \
+                     (retried, never dead-lettered) until it is created",
+                ),
             }
         }
     }

@@ -136,21 +136,24 @@ pub enum Mode {
 }
 
 /// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait;
-/// transient failures are retried with backoff (a database or broker still starting).
-async fn retry_transient<T, E>(
+/// failures `class` calls transient are retried with backoff (a database or broker still
+/// starting).
+async fn retry_transient<T, E, F, Fut>(
     what: &str,
     shutdown: &Shutdown,
-    mut attempt: impl AsyncFnMut() -> Result<T, E>,
+    class: fn(&E) -> ErrorClass,
+    mut attempt: F,
 ) -> Result<T, RelayError>
 where
     E: Into<RelayError> + std::fmt::Display,
-    for<'a> &'a E: Into<ErrorClass>,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
 {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     loop {
         match attempt().await {
             Ok(value) => return Ok(value),
-            Err(e) if (&e).into() == ErrorClass::Transient => {
+            Err(e) if class(&e) == ErrorClass::Transient => {
                 let pause = backoff.next_pause();
                 tracing::warn!(error = %e, retry_in = ?pause, "{what} not reachable yet");
                 tokio::select! {
@@ -169,8 +172,8 @@ pub async fn prepare_tables(
     config: &Config,
     shutdown: &Shutdown,
 ) -> Result<Vec<TablePlan>, RelayError> {
-    retry_transient("PostgreSQL", shutdown, async || {
-        try_prepare_tables(source, config).await
+    retry_transient("PostgreSQL", shutdown, SourceError::class, || {
+        try_prepare_tables(source, config)
     })
     .await
 }
@@ -196,9 +199,12 @@ async fn try_prepare_tables(
 
 /// Connects the configured sink, waiting out transient failures.
 pub async fn connect_sink(config: &Config, shutdown: &Shutdown) -> Result<Sink, RelayError> {
-    retry_transient("Broker", shutdown, async || {
-        Sink::connect(&config.sink).await
-    })
+    retry_transient(
+        "Broker",
+        shutdown,
+        |e: &SinkError| e.class,
+        || Sink::connect(&config.sink),
+    )
     .await
 }
 
@@ -277,7 +283,8 @@ pub async fn run_with_sink(
             }
         }
     }
-    if let Err(e) = tokio::time::timeout(Duration::from_secs(2), shared.sink.close()).await {
+    // Every batch awaited its acks, so this flush has little to do; bound it anyway.
+    if let Err(e) = shared.sink.close(Duration::from_secs(2)).await {
         tracing::warn!(error = %e, "Sink did not flush in time");
     }
 

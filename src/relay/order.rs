@@ -106,7 +106,8 @@ pub async fn publish_in_order(
         for (&i, result) in sending.iter().zip(results) {
             let key = keys[i];
             outcomes[i] = match result {
-                Ok(()) if key.is_some_and(|k| stopped.contains(k)) => RowOutcome::HeldBack,
+                // Whatever became of it, a row behind a failed row of its key is not counted.
+                _ if key.is_some_and(|k| stopped.contains(k)) => RowOutcome::HeldBack,
                 Ok(()) => RowOutcome::Published,
                 Err(e) => {
                     if let Some(k) = key {

@@ -5,8 +5,12 @@
 //!   for a positive broker acknowledgement (JetStream PubAck, Kafka delivery report);
 //! - [`Sink::healthcheck`] and [`Sink::close`] (flush, within a deadline).
 //!
+//! Implementations: [`kafka`] (idempotent rdkafka producer), [`nats`] (JetStream),
+//! [`stdout`] (JSON lines, debugging) and [`memory`] (tests).
+//!
 //! Only rows whose message got `Ok` are ever marked or deleted.
 
+pub mod kafka;
 pub mod memory;
 pub mod nats;
 pub mod stdout;
@@ -58,14 +62,9 @@ impl SinkError {
     }
 }
 
-impl From<&SinkError> for ErrorClass {
-    fn from(e: &SinkError) -> ErrorClass {
-        e.class
-    }
-}
-
 /// Every sink the relay can publish to.
 pub enum Sink {
+    Kafka(kafka::KafkaSink),
     Nats(Box<nats::NatsSink>),
     Stdout(stdout::StdoutSink),
     Memory(memory::MemorySink),
@@ -79,16 +78,17 @@ impl Sink {
                 nats::NatsSink::connect(nats, config.publish_timeout).await?,
             ))),
             SinkTarget::Stdout => Ok(Sink::Stdout(stdout::StdoutSink::new())),
-            SinkTarget::Kafka(_) => Err(SinkError::fatal(
-                "sink.kind = \"kafka\" is not available in this build yet; use \"nats\" or \
-                 \"stdout\"",
-            )),
+            SinkTarget::Kafka(kafka) => Ok(Sink::Kafka(kafka::KafkaSink::connect(
+                kafka,
+                config.publish_timeout,
+            )?)),
         }
     }
 
     /// The name used in logs and metrics labels.
     pub fn name(&self) -> &'static str {
         match self {
+            Sink::Kafka(_) => "kafka",
             Sink::Nats(_) => "nats",
             Sink::Stdout(_) => "stdout",
             Sink::Memory(_) => "memory",
@@ -96,10 +96,12 @@ impl Sink {
     }
 
     /// Whether messages of one key stay in order when a whole batch is in flight at once,
-    /// even if one of them fails. JetStream gives no such promise across a reconnect, so
+    /// even if one of them fails. The idempotent Kafka producer keeps a partition's records
+    /// in order through its retries. JetStream gives no such promise across a reconnect, so
     /// for NATS the relay sends a key's next message only after the previous one's ack.
     pub fn keeps_order_in_flight(&self) -> bool {
         match self {
+            Sink::Kafka(_) => true,
             Sink::Nats(_) => false,
             Sink::Stdout(_) => true,
             Sink::Memory(m) => m.keeps_order_in_flight(),
@@ -110,6 +112,7 @@ impl Sink {
     /// message of its batch is sent.
     pub fn check(&self, message: &Message) -> Result<(), SinkError> {
         match self {
+            Sink::Kafka(s) => s.check(message),
             Sink::Nats(s) => s.check(message),
             Sink::Stdout(_) => Ok(()),
             Sink::Memory(m) => m.check(message),
@@ -120,6 +123,7 @@ impl Sink {
     /// belongs to message i.
     pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         match self {
+            Sink::Kafka(s) => s.publish_batch(messages).await,
             Sink::Nats(s) => s.publish_batch(messages).await,
             Sink::Stdout(s) => s.publish_batch(messages).await,
             Sink::Memory(m) => m.publish_batch(messages).await,
@@ -129,17 +133,41 @@ impl Sink {
     /// Whether the broker is reachable now.
     pub async fn healthcheck(&self) -> Result<(), SinkError> {
         match self {
+            Sink::Kafka(s) => s.healthcheck().await,
             Sink::Nats(s) => s.healthcheck().await,
             Sink::Stdout(_) | Sink::Memory(_) => Ok(()),
         }
     }
 
-    /// Flushes what is buffered and disconnects.
-    pub async fn close(&self) -> Result<(), SinkError> {
+    /// Flushes what is buffered, within `timeout`.
+    pub async fn close(&self, timeout: std::time::Duration) -> Result<(), SinkError> {
         match self {
-            Sink::Nats(s) => s.close().await,
-            Sink::Stdout(s) => s.close().await,
+            Sink::Kafka(s) => s.close(timeout).await,
+            Sink::Nats(s) => within(timeout, s.close()).await,
+            Sink::Stdout(s) => within(timeout, s.close()).await,
             Sink::Memory(_) => Ok(()),
         }
     }
+}
+
+async fn within(
+    timeout: std::time::Duration,
+    fut: impl std::future::Future<Output = Result<(), SinkError>>,
+) -> Result<(), SinkError> {
+    tokio::time::timeout(timeout, fut)
+        .await
+        .unwrap_or_else(|_| {
+            Err(SinkError::transient(format!(
+                "no answer within {timeout:?}"
+            )))
+        })
+}
+
+/// Replaces every occurrence of a secret in `text` with `<redacted>`: for error messages
+/// from client libraries, which may echo configuration values.
+pub fn scrub(text: &str, secrets: &[String]) -> String {
+    secrets
+        .iter()
+        .filter(|s| !s.is_empty())
+        .fold(text.to_owned(), |t, s| t.replace(s.as_str(), "<redacted>"))
 }

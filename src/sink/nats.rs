@@ -7,7 +7,7 @@ use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 
-use super::{Message, SinkError};
+use super::{scrub, Message, SinkError};
 use crate::config::NatsConfig;
 
 /// The header JetStream de-duplicates on.
@@ -189,13 +189,6 @@ fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), 
         addrs.push(addr);
     }
     Ok((addrs, secrets))
-}
-
-fn scrub(text: &str, secrets: &[String]) -> String {
-    secrets
-        .iter()
-        .filter(|s| !s.is_empty())
-        .fold(text.to_owned(), |t, s| t.replace(s.as_str(), "<redacted>"))
 }
 
 /// A subject a message may be published to: dot-separated tokens, none empty, no

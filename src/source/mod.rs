@@ -43,12 +43,6 @@ impl SourceError {
     }
 }
 
-impl From<&SourceError> for ErrorClass {
-    fn from(e: &SourceError) -> ErrorClass {
-        e.class()
-    }
-}
-
 impl From<PoolError> for SourceError {
     fn from(e: PoolError) -> Self {
         match e {

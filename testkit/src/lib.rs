@@ -447,3 +447,90 @@ impl StoredMessage {
             .map(|(_, v)| v.as_str())
     }
 }
+
+/// A record as a Kafka consumer read it.
+#[derive(Debug, Clone)]
+pub struct KafkaRecord {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<String>,
+    pub headers: Vec<(String, String)>,
+    pub payload: Vec<u8>,
+}
+
+impl KafkaRecord {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads every record of `topics` from the beginning by assigning all their partitions
+/// (no consumer group: some Kafka-protocol brokers' groups are unreliable). Stops when
+/// nothing new arrived for `idle`. Blocking.
+pub fn kafka_read_all(
+    bootstrap: &str,
+    topics: &[&str],
+    idle: Duration,
+) -> Result<Vec<KafkaRecord>> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::{Headers, Message};
+    use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "outbox-relay-test-reader")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .context("create the Kafka reader")?;
+    let mut assignment = TopicPartitionList::new();
+    for topic in topics {
+        let metadata = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .with_context(|| format!("metadata for {topic}"))?;
+        for t in metadata.topics() {
+            for p in t.partitions() {
+                assignment.add_partition_offset(t.name(), p.id(), Offset::Beginning)?;
+            }
+        }
+    }
+    consumer.assign(&assignment)?;
+    let mut out = Vec::new();
+    let mut last = Instant::now();
+    while last.elapsed() < idle {
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {}
+            Some(Err(e)) => bail!("reading Kafka: {e}"),
+            Some(Ok(m)) => {
+                last = Instant::now();
+                let headers = m
+                    .headers()
+                    .map(|h| {
+                        h.iter()
+                            .map(|h| {
+                                (
+                                    h.key.to_owned(),
+                                    String::from_utf8_lossy(h.value.unwrap_or_default())
+                                        .into_owned(),
+                                )
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                out.push(KafkaRecord {
+                    topic: m.topic().to_owned(),
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+                    headers,
+                    payload: m.payload().unwrap_or_default().to_vec(),
+                });
+            }
+        }
+    }
+    Ok(out)
+}

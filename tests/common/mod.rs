@@ -214,3 +214,53 @@ pub async fn ids(client: &tokio_postgres::Client) -> Vec<i64> {
         .map(|r| r.get(0))
         .collect()
 }
+
+/// What a Kafka topic holds, checked the way a consumer would.
+#[derive(Debug, Default)]
+pub struct KafkaDelivery {
+    /// `outbox-id` -> how often it was read.
+    pub counts: HashMap<String, usize>,
+    /// (topic, key) -> (partition, id) of first occurrences, in offset order.
+    pub by_key: BTreeMap<(String, String), Vec<(i32, i64)>>,
+}
+
+pub fn analyse_kafka(records: &[testkit::KafkaRecord]) -> KafkaDelivery {
+    let mut sorted: Vec<&testkit::KafkaRecord> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.topic.clone(), r.partition, r.offset));
+    let mut d = KafkaDelivery::default();
+    for r in sorted {
+        let id = r
+            .header("outbox-id")
+            .expect("every record has outbox-id")
+            .to_owned();
+        let count = d.counts.entry(id.clone()).or_insert(0);
+        *count += 1;
+        if *count > 1 {
+            continue;
+        }
+        if let Some(key) = &r.key {
+            let n: i64 = id.rsplit(':').next().unwrap().parse().unwrap();
+            d.by_key
+                .entry((r.topic.clone(), key.clone()))
+                .or_default()
+                .push((r.partition, n));
+        }
+    }
+    d
+}
+
+impl KafkaDelivery {
+    /// Keys spread over several partitions of one topic, or not in increasing id order
+    /// there. (Rows of a key may go to several topics; a consumer sees each on its own.)
+    pub fn order_violations(&self) -> Vec<(String, String)> {
+        self.by_key
+            .iter()
+            .filter(|(_, seen)| {
+                let partitions: std::collections::HashSet<i32> =
+                    seen.iter().map(|(p, _)| *p).collect();
+                partitions.len() > 1 || seen.windows(2).any(|w| w[0].1 >= w[1].1)
+            })
+            .map(|(k, _)| k.clone())
+            .collect()
+    }
+}

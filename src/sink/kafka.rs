@@ -1,0 +1,412 @@
+//! Kafka through librdkafka: an idempotent producer (`enable.idempotence=true`,
+//! `acks=all`), the `murmur2_random` partitioner (a key lands on the partition a Java
+//! producer would choose), `outbox-id: <table>:<id>` on every record, and a row counted
+//! only once its delivery report says it was written.
+//!
+//! The idempotent producer keeps each partition's records in order through its own
+//! retries, so the relay may put a whole batch in flight at once
+//! ([`super::Sink::keeps_order_in_flight`]).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use super::{scrub, Message, SinkError};
+use crate::config::KafkaConfig;
+
+/// The header that carries the message id.
+pub const ID_HEADER: &str = "outbox-id";
+
+/// Properties the relay sets unless the operator overrides them (and the two it enforces).
+const DEFAULTS: &[(&str, &str)] = &[
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("partitioner", "murmur2_random"),
+    ("client.id", "outbox-relay"),
+];
+
+/// Why a property set would break the delivery promise, one sentence per problem.
+pub fn unsafe_properties(properties: &BTreeMap<String, String>) -> Vec<String> {
+    let mut problems = Vec::new();
+    let get = |names: &[&'static str]| -> Option<(&'static str, String)> {
+        names.iter().find_map(|n| {
+            properties
+                .get(*n)
+                .map(|v| (*n, v.trim().to_ascii_lowercase()))
+        })
+    };
+    if let Some((name, v)) = get(&["enable.idempotence"]) {
+        if v != "true" {
+            problems.push(format!(
+                "{name} = {v}: the relay needs the idempotent producer (retries without \
+                 duplicates or reordering); remove the property"
+            ));
+        }
+    }
+    if let Some((name, v)) = get(&["acks", "request.required.acks"]) {
+        if v != "all" && v != "-1" {
+            problems.push(format!(
+                "{name} = {v}: a row is only marked once every in-sync replica has it; set \
+                 acks = \"all\" or remove the property"
+            ));
+        }
+    }
+    if let Some((name, v)) = get(&["max.in.flight.requests.per.connection", "max.in.flight"]) {
+        if v.parse::<u32>().map_or(true, |n| n > 5) {
+            problems.push(format!(
+                "{name} = {v}: above 5 the idempotent producer cannot keep order; use 5 or less"
+            ));
+        }
+    }
+    if properties.contains_key("bootstrap.servers")
+        || properties.contains_key("metadata.broker.list")
+    {
+        problems.push("set the brokers in sink.kafka.brokers, not as a property".to_owned());
+    }
+    problems
+}
+
+/// Property names whose values are secrets: never logged, scrubbed from errors.
+fn is_secret(name: &str) -> bool {
+    ["password", "secret", "token", "key.pem", "keystore"]
+        .iter()
+        .any(|s| name.contains(s))
+}
+
+pub struct KafkaSink {
+    producer: FutureProducer,
+    secrets: Vec<String>,
+    /// The producer's `message.max.bytes`: larger records are refused before sending.
+    max_message_bytes: usize,
+}
+
+/// librdkafka's default `message.max.bytes`.
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
+/// Room for a record's framing (offsets, timestamps, varints) next to key, value, headers.
+const RECORD_OVERHEAD: usize = 64;
+
+impl KafkaSink {
+    /// Builds the producer. librdkafka connects lazily; [`KafkaSink::healthcheck`] and
+    /// `check` reach the brokers.
+    pub fn connect(
+        config: &KafkaConfig,
+        publish_timeout: Duration,
+    ) -> Result<KafkaSink, SinkError> {
+        let problems = unsafe_properties(&config.properties);
+        if !problems.is_empty() {
+            return Err(SinkError::fatal(format!(
+                "sink.kafka.properties would break the delivery promise: {}",
+                problems.join("; ")
+            )));
+        }
+        let secrets: Vec<String> = config
+            .properties
+            .iter()
+            .filter(|(k, _)| is_secret(k))
+            .map(|(_, v)| v.clone())
+            .collect();
+        let mut client = ClientConfig::new();
+        client.set("bootstrap.servers", &config.brokers);
+        // librdkafka gives up on a record when the relay stops waiting for it.
+        client.set(
+            "message.timeout.ms",
+            publish_timeout.as_millis().to_string(),
+        );
+        for (name, value) in DEFAULTS {
+            client.set(*name, *value);
+        }
+        for (name, value) in &config.properties {
+            client.set(name, value);
+        }
+        let producer: FutureProducer = client.create().map_err(|e| {
+            SinkError::fatal(format!(
+                "cannot create the Kafka producer: {}",
+                scrub(&e.to_string(), &secrets)
+            ))
+        })?;
+        let max_message_bytes = match config.properties.get("message.max.bytes") {
+            Some(v) => v.parse().map_err(|_| {
+                SinkError::fatal(format!(
+                    "sink.kafka.properties: message.max.bytes = {v:?} is not a number"
+                ))
+            })?,
+            None => DEFAULT_MAX_MESSAGE_BYTES,
+        };
+        Ok(KafkaSink {
+            producer,
+            secrets,
+            max_message_bytes,
+        })
+    }
+
+    /// Rejects records Kafka would refuse for themselves, before anything of the batch is
+    /// queued: an invalid topic name, a record larger than `message.max.bytes`.
+    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_topic(&message.topic).map_err(SinkError::bad_row)?;
+        let size = RECORD_OVERHEAD
+            + message.key.as_ref().map_or(0, String::len)
+            + message.payload.len()
+            + message.id.len()
+            + ID_HEADER.len()
+            + message
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>();
+        if size > self.max_message_bytes {
+            return Err(SinkError::bad_row(format!(
+                "record is about {size} bytes, too large for the producer's message.max.bytes \
+                 ({}); the broker's own limit may be lower",
+                self.max_message_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues the whole batch, then awaits every delivery report. Once a record cannot
+    /// be queued, the later records of its key are not queued either.
+    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut pending = Vec::with_capacity(messages.len());
+        let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        for message in messages {
+            let key = message.key.as_deref();
+            if key.is_some_and(|k| stopped.contains(k)) {
+                pending.push(Err(SinkError::transient(
+                    "not sent: an earlier record of its key failed",
+                )));
+                continue;
+            }
+            let enqueued = self.enqueue(message).await;
+            if let (Err(_), Some(k)) = (&enqueued, key) {
+                stopped.insert(k);
+            }
+            pending.push(enqueued);
+        }
+        let mut results = Vec::with_capacity(messages.len());
+        for (enqueued, message) in pending.into_iter().zip(messages) {
+            results.push(match enqueued {
+                Err(e) => Err(e),
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
+                    Err(_) => Err(SinkError::transient(
+                        "the producer dropped a delivery report",
+                    )),
+                },
+            });
+        }
+        results
+    }
+
+    /// Puts one record on the producer queue; a full queue is backpressure, not an error.
+    async fn enqueue(
+        &self,
+        message: &Message,
+    ) -> Result<rdkafka::producer::DeliveryFuture, SinkError> {
+        let mut headers = OwnedHeaders::new_with_capacity(message.headers.len() + 1);
+        for (name, value) in &message.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value.as_bytes()),
+            });
+        }
+        headers = headers.insert(Header {
+            key: ID_HEADER,
+            value: Some(message.id.as_bytes()),
+        });
+        let mut record = FutureRecord::to(&message.topic)
+            .payload(message.payload.as_ref())
+            .headers(headers);
+        if let Some(key) = &message.key {
+            record = record.key(key.as_bytes());
+        }
+        loop {
+            match self.producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => return Err(self.classify(&message.topic, &e)),
+            }
+        }
+    }
+
+    fn classify(&self, topic: &str, e: &KafkaError) -> SinkError {
+        let text = scrub(&e.to_string(), &self.secrets);
+        match e.rdkafka_error_code().map(classify_code) {
+            Some(Class::BadRow) => SinkError::bad_row(text),
+            Some(Class::Fatal) => SinkError::fatal(format!(
+                "{text}: the broker refuses this producer; fix its credentials or ACLs"
+            )),
+            Some(Class::MissingTopic) => SinkError::transient(format!(
+                "topic {topic:?} does not exist: create it (`outbox-relay check` lists what is missing)"
+            )),
+            Some(Class::Transient) | None => SinkError::transient(text),
+        }
+    }
+
+    /// Whether a broker answers a metadata request within 5s.
+    pub async fn healthcheck(&self) -> Result<(), SinkError> {
+        self.metadata(None).await.map(|_| ())
+    }
+
+    /// Topic name -> partition count, from the brokers (all topics, or just `topic`).
+    pub async fn metadata(
+        &self,
+        topic: Option<&str>,
+    ) -> Result<BTreeMap<String, usize>, SinkError> {
+        let producer = self.producer.clone();
+        let topic = topic.map(str::to_owned);
+        let secrets = self.secrets.clone();
+        tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(topic.as_deref(), Duration::from_secs(5))
+                .map_err(|e| {
+                    SinkError::transient(format!(
+                        "Kafka brokers did not answer: {}",
+                        scrub(&e.to_string(), &secrets)
+                    ))
+                })?;
+            Ok(metadata
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none())
+                .map(|t| (t.name().to_owned(), t.partitions().len()))
+                .collect())
+        })
+        .await
+        .map_err(|e| SinkError::transient(format!("metadata task failed: {e}")))?
+    }
+
+    /// Flushes queued records, off the async runtime (librdkafka's flush blocks).
+    pub async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+        let producer = self.producer.clone();
+        tokio::task::spawn_blocking(move || producer.flush(timeout))
+            .await
+            .map_err(|e| SinkError::transient(format!("flush task failed: {e}")))?
+            .map_err(|e| SinkError::transient(format!("Kafka flush: {e}")))
+    }
+}
+
+enum Class {
+    Transient,
+    BadRow,
+    Fatal,
+    MissingTopic,
+}
+
+/// What a librdkafka error code means for the row: retry later, this record is bad, or
+/// stop the process. Unlisted codes are transient: timeouts, transport failures, leader
+/// changes and the like resolve themselves.
+fn classify_code(code: RDKafkaErrorCode) -> Class {
+    use RDKafkaErrorCode as C;
+    match code {
+        C::MessageSizeTooLarge
+        | C::InvalidMessageSize
+        | C::InvalidMessage
+        | C::InvalidRecord
+        | C::InvalidTopic
+        | C::MessageBatchTooLarge => Class::BadRow,
+        C::TopicAuthorizationFailed
+        | C::ClusterAuthorizationFailed
+        | C::TransactionalIdAuthorizationFailed
+        | C::SaslAuthenticationFailed
+        | C::Authentication
+        | C::Fatal
+        | C::UnsupportedSASLMechanism
+        | C::IllegalSASLState => Class::Fatal,
+        C::UnknownTopicOrPartition | C::UnknownTopic => Class::MissingTopic,
+        _ => Class::Transient,
+    }
+}
+
+/// A topic name Kafka accepts: 1 to 249 characters of `[a-zA-Z0-9._-]`, not `.` or `..`.
+pub fn check_topic(topic: &str) -> Result<(), String> {
+    if topic.is_empty() || topic.len() > 249 {
+        return Err(format!("topic {topic:?} must be 1 to 249 characters"));
+    }
+    if topic == "." || topic == ".." {
+        return Err(format!("topic {topic:?} is not allowed"));
+    }
+    if let Some(c) = topic
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "topic {topic:?} contains {c:?}; Kafka topics use letters, digits, '.', '_' and '-'"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn properties_that_break_the_promise_are_named() {
+        assert!(
+            unsafe_properties(&props(&[("compression.type", "lz4"), ("acks", "-1")])).is_empty()
+        );
+        let problems = unsafe_properties(&props(&[
+            ("enable.idempotence", "false"),
+            ("acks", "1"),
+            ("max.in.flight.requests.per.connection", "10"),
+        ]));
+        assert_eq!(problems.len(), 3, "{problems:?}");
+        assert!(problems[0].starts_with("enable.idempotence = false"));
+        assert!(problems[1].starts_with("acks = 1"));
+        assert!(problems[2].starts_with("max.in.flight.requests.per.connection = 10"));
+    }
+
+    #[test]
+    fn delivery_errors_are_classified() {
+        use RDKafkaErrorCode as C;
+        assert!(matches!(
+            classify_code(C::MessageSizeTooLarge),
+            Class::BadRow
+        ));
+        assert!(matches!(classify_code(C::InvalidTopic), Class::BadRow));
+        assert!(matches!(
+            classify_code(C::TopicAuthorizationFailed),
+            Class::Fatal
+        ));
+        assert!(matches!(
+            classify_code(C::MessageTimedOut),
+            Class::Transient
+        ));
+        assert!(matches!(
+            classify_code(C::NotLeaderForPartition),
+            Class::Transient
+        ));
+        assert!(matches!(
+            classify_code(C::BrokerTransportFailure),
+            Class::Transient
+        ));
+        assert!(matches!(
+            classify_code(C::UnknownTopicOrPartition),
+            Class::MissingTopic
+        ));
+    }
+
+    #[test]
+    fn topic_names_are_checked_before_sending() {
+        assert!(check_topic("orders.created-v1_x").is_ok());
+        for bad in ["", ".", "..", "a b", "a/b", "ä", &"x".repeat(250)] {
+            assert!(check_topic(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}
