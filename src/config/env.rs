@@ -6,6 +6,48 @@ use toml::{Table, Value};
 /// Prefix of the variables that override configuration keys.
 pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
 
+/// Replaces `${VAR}` in every string value of the parsed file (not in comments or key
+/// names, and a value can never change the file's structure, whatever it contains). An
+/// error names the key: `postgres.url: ${PGPASSWORD} is used but PGPASSWORD is not set`.
+pub fn interpolate_values(
+    table: &mut Table,
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<(), String> {
+    fn walk(
+        value: &mut Value,
+        path: &mut Vec<String>,
+        lookup: &impl Fn(&str) -> Option<String>,
+    ) -> Result<(), String> {
+        match value {
+            Value::String(s) if s.contains('$') => {
+                *s = interpolate(s, lookup).map_err(|e| format!("{}: {e}", path.join(".")))?;
+            }
+            Value::Table(t) => {
+                for (k, v) in t.iter_mut() {
+                    path.push(k.clone());
+                    walk(v, path, lookup)?;
+                    path.pop();
+                }
+            }
+            Value::Array(items) => {
+                let name = path.pop().unwrap_or_default();
+                for (i, v) in items.iter_mut().enumerate() {
+                    path.push(format!("{name}[{i}]"));
+                    walk(v, path, lookup)?;
+                    path.pop();
+                }
+                path.push(name);
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+    for (k, v) in table.iter_mut() {
+        walk(v, &mut vec![k.clone()], lookup)?;
+    }
+    Ok(())
+}
+
 /// Replaces every `${VAR}` in `text` with the variable's value; `$${` stands for a literal
 /// `${`. A reference to an unset variable is an error naming it.
 pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
@@ -18,17 +60,17 @@ pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Resul
             out.push_str("${");
             rest = after;
         } else if let Some(after) = tail.strip_prefix("${") {
-            let end = after
-                .find('}')
-                .ok_or_else(|| "unterminated ${ in the config file: close it with }".to_owned())?;
+            let end = after.find('}').ok_or_else(|| {
+                "unterminated ${: close it with }, or write $${ for a literal ${".to_owned()
+            })?;
             let name = &after[..end];
             if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
                 return Err(format!(
-                    "${{{name}}} in the config file is not a valid environment variable name"
+                    "${{{name}}} is not a valid environment variable name"
                 ));
             }
             let value = lookup(name).ok_or_else(|| {
-                format!("${{{name}}} is used in the config file but {name} is not set in the environment")
+                format!("${{{name}}} is used but {name} is not set in the environment")
             })?;
             out.push_str(&value);
             rest = &after[end + 1..];
@@ -150,6 +192,23 @@ mod tests {
     fn interpolation_names_the_missing_variable() {
         let err = interpolate("url = \"${PG_URL}\"", env(&[])).unwrap_err();
         assert!(err.contains("PG_URL is not set"), "{err}");
+    }
+
+    #[test]
+    fn interpolation_touches_values_only_and_names_the_key() {
+        let mut root: Table = toml::from_str(
+            "# ${IN_A_COMMENT} is ignored\n[postgres]\nurl = \"postgres://u:${PW}@h/db\"\n\
+             [[tables]]\nname = \"a.b\"\n[[tables]]\nname = \"${MISSING}\"\n",
+        )
+        .unwrap();
+        // A value with quotes and newlines cannot change the file's structure.
+        let lookup = env(&[("PW", "p\"w\n[x]")]);
+        let err = interpolate_values(&mut root, &lookup).unwrap_err();
+        assert!(err.starts_with("tables[1].name: ${MISSING}"), "{err}");
+        assert_eq!(
+            root["postgres"]["url"].as_str(),
+            Some("postgres://u:p\"w\n[x]@h/db")
+        );
     }
 
     #[test]

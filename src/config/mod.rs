@@ -227,9 +227,9 @@ pub fn from_str(
     lookup: impl Fn(&str) -> Option<String>,
     vars: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Config, ConfigError> {
-    let text = env::interpolate(text, lookup).map_err(ConfigError)?;
-    let mut table: toml::Table = toml::from_str(&text)
+    let mut table: toml::Table = toml::from_str(text)
         .map_err(|e| ConfigError(format!("not valid TOML: {}", e.message())))?;
+    env::interpolate_values(&mut table, &lookup).map_err(ConfigError)?;
     let overrides = env::apply_overrides(&mut table, vars).map_err(ConfigError)?;
     let raw: raw::RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
         .map_err(|e| ConfigError(describe_serde_error(&e, &overrides)))?;
@@ -518,6 +518,13 @@ mod tests {
         let e = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "many")]).unwrap_err();
         assert!(e.contains("relay.workers"), "{e}");
         assert!(e.contains("OUTBOX_RELAY__RELAY__WORKERS"), "{e}");
+    }
+
+    #[test]
+    fn the_example_configs_are_valid() {
+        let vars = [("OUTBOX_RELAY_PG_PASSWORD", "pw")];
+        let c = load(include_str!("../../config/relay.example.toml"), &vars).unwrap();
+        assert_eq!(c.tables.len(), 1);
     }
 
     #[test]

@@ -534,3 +534,102 @@ pub fn kafka_read_all(
     }
     Ok(out)
 }
+
+/// A throwaway Kafka-protocol broker: `tansu broker` with in-memory storage.
+pub struct KafkaBroker {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+}
+
+/// The tansu binary: `$TANSU`, else `tansu` on `$PATH`, else `~/.cargo/bin/tansu`.
+fn tansu_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("TANSU") {
+        return PathBuf::from(path);
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("tansu").exists()))
+        .unwrap_or(false);
+    if on_path {
+        return PathBuf::from("tansu");
+    }
+    std::env::var_os("HOME")
+        .map(|h| Path::new(&h).join(".cargo/bin/tansu"))
+        .unwrap_or_else(|| PathBuf::from("tansu"))
+}
+
+impl KafkaBroker {
+    pub fn start() -> Result<KafkaBroker> {
+        let dir = scratch_dir("tansu")?;
+        let port = free_port();
+        let log = dir.join("tansu.log");
+        let log_file = std::fs::File::create(&log)?;
+        let url = format!("tcp://127.0.0.1:{port}");
+        let mut cmd = Command::new(tansu_bin());
+        cmd.args([
+            "broker",
+            "--storage-engine",
+            "memory://tansu/",
+            "--listener-url",
+        ])
+        .arg(&url)
+        .arg("--advertised-listener-url")
+        .arg(&url)
+        .env_remove("CLUSTER_ID")
+        .env_remove("STORAGE_ENGINE")
+        .stdout(log_file.try_clone()?)
+        .stderr(log_file);
+        die_with_parent(&mut cmd);
+        let mut child = cmd.spawn().with_context(|| {
+            format!(
+                "start {} (install it: cargo install tansu --locked --features dynostore)",
+                tansu_bin().display()
+            )
+        })?;
+        wait_for_port(port, &mut child, "tansu", &log)?;
+        Ok(KafkaBroker {
+            dir,
+            port,
+            child: Some(child),
+        })
+    }
+
+    /// `host:port` for `bootstrap.servers`.
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Creates a topic (tansu does not auto-create them).
+    pub fn create_topic(&self, name: &str, partitions: u32) -> Result<()> {
+        let out = Command::new(tansu_bin())
+            .args([
+                "topic",
+                "create",
+                name,
+                "--partitions",
+                &partitions.to_string(),
+                "--broker",
+            ])
+            .arg(format!("tcp://127.0.0.1:{}", self.port))
+            .output()
+            .context("run tansu topic create")?;
+        if !out.status.success() {
+            bail!(
+                "tansu topic create {name} failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KafkaBroker {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,42 +1,142 @@
-//! End-to-end demo on throwaway services: PostgreSQL + nats-server, 20,000 outbox rows
-//! over 200 keys plus NULL-key rows plus one transaction that commits after later ids,
-//! `outbox-relay migrate`, `outbox-relay drain`, then an independent consumer checks what
-//! arrived. Run it through `scripts/demo`.
+//! End-to-end demo on throwaway services: PostgreSQL + nats-server (or a Kafka-protocol
+//! broker), 20,000 outbox rows over 200 keys plus NULL-key rows plus one transaction that
+//! commits after later ids, `outbox-relay migrate`, `outbox-relay drain`, then an
+//! independent consumer checks what arrived. Run it through `scripts/demo`.
 //!
-//! Usage: demo PATH-TO-outbox-relay [ROWS] [delete|mark]
+//! Usage: demo PATH-TO-outbox-relay [--rows N] [--mark] [--kafka]
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use testkit::{NatsServer, Postgres};
+use testkit::{KafkaBroker, NatsServer, Postgres};
+
+const TOPICS: [&str; 5] = [
+    "orders.0",
+    "orders.1",
+    "orders.2",
+    "orders.3",
+    "orders.late",
+];
+
+enum Broker {
+    Nats(NatsServer),
+    Kafka(KafkaBroker),
+}
+
+/// One message as the consumer saw it.
+struct Received {
+    /// `Nats-Msg-Id` or the `outbox-id` header.
+    id: String,
+    key: Option<String>,
+    /// Where order is observable: the whole stream (NATS), or a topic (Kafka).
+    order_scope: String,
+    shown: String,
+}
+
+impl Broker {
+    fn sink_config(&self) -> String {
+        match self {
+            Broker::Nats(n) => format!(
+                "[sink]\nkind = \"nats\"\n\n[sink.nats]\nurl = \"{}\"\n",
+                n.url()
+            ),
+            Broker::Kafka(k) => format!(
+                "[sink]\nkind = \"kafka\"\n\n[sink.kafka]\nbrokers = \"{}\"\n",
+                k.bootstrap()
+            ),
+        }
+    }
+
+    /// Everything the broker holds, and how per-key order is judged.
+    async fn read(&self) -> Result<(Vec<Received>, &'static str)> {
+        match self {
+            Broker::Nats(n) => Ok((
+                n.read_stream("OUTBOX")
+                    .await?
+                    .into_iter()
+                    .map(|m| Received {
+                        id: m.header("Nats-Msg-Id").unwrap_or_default().to_owned(),
+                        key: m.header("key").map(str::to_owned),
+                        order_scope: String::new(),
+                        shown: format!(
+                            "subject={} Nats-Msg-Id={} payload={}",
+                            m.subject,
+                            m.header("Nats-Msg-Id").unwrap_or(""),
+                            String::from_utf8_lossy(&m.payload)
+                        ),
+                    })
+                    .collect(),
+                "in the stream",
+            )),
+            Broker::Kafka(k) => {
+                let mut records =
+                    testkit::kafka_read_all(&k.bootstrap(), &TOPICS, Duration::from_secs(3))?;
+                records.sort_by_key(|r| (r.topic.clone(), r.partition, r.offset));
+                Ok((
+                    records
+                        .into_iter()
+                        .map(|r| Received {
+                            id: r.header("outbox-id").unwrap_or_default().to_owned(),
+                            shown: format!(
+                                "topic={} partition={} key={} outbox-id={} payload={}",
+                                r.topic,
+                                r.partition,
+                                r.key.as_deref().unwrap_or("-"),
+                                r.header("outbox-id").unwrap_or(""),
+                                String::from_utf8_lossy(&r.payload)
+                            ),
+                            key: r.key,
+                            order_scope: format!("{}/{}", r.topic, r.partition),
+                        })
+                        .collect(),
+                    "within their topic partition",
+                ))
+            }
+        }
+    }
+}
 
 #[tokio::main]
 async fn main() -> Result<()> {
     let mut args = std::env::args().skip(1);
-    let relay = args
-        .next()
-        .context("usage: demo PATH-TO-outbox-relay [ROWS] [delete|mark]")?;
-    let rows: i64 = args
-        .next()
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(20_000);
-    let on_publish = args.next().unwrap_or_else(|| "delete".to_owned());
-    if on_publish != "delete" && on_publish != "mark" {
-        bail!("the third argument is delete or mark, not {on_publish:?}");
+    let usage = "usage: demo PATH-TO-outbox-relay [--rows N] [--mark] [--kafka]";
+    let relay = args.next().context(usage)?;
+    let (mut rows, mut on_publish, mut kafka) = (20_000_i64, "delete", false);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--rows" => rows = args.next().context(usage)?.parse()?,
+            "--mark" => on_publish = "mark",
+            "--kafka" => kafka = true,
+            other => bail!("unknown argument {other:?}; {usage}"),
+        }
     }
 
-    step("Starting a throwaway PostgreSQL and nats-server -js on free 127.0.0.1 ports");
     let pg = Postgres::start()?;
-    let nats = NatsServer::start()?;
+    let broker = if kafka {
+        step("Starting a throwaway PostgreSQL and Kafka-protocol broker (tansu) on free 127.0.0.1 ports");
+        let broker = KafkaBroker::start()?;
+        for topic in TOPICS {
+            broker.create_topic(topic, 3)?;
+        }
+        println!(
+            "    kafka     {} (topics orders.0 to orders.3 and orders.late, 3 partitions each)",
+            broker.bootstrap()
+        );
+        Broker::Kafka(broker)
+    } else {
+        step("Starting a throwaway PostgreSQL and nats-server -js on free 127.0.0.1 ports");
+        let nats = NatsServer::start()?;
+        nats.create_stream("OUTBOX", &["orders.>"]).await?;
+        println!(
+            "    nats      {} (stream OUTBOX on orders.>, 2m duplicate window)",
+            nats.url()
+        );
+        Broker::Nats(nats)
+    };
     let db_url = pg.create_database("app").await?;
-    nats.create_stream("OUTBOX", &["orders.>"]).await?;
-    println!(
-        "    postgres  {db_url}\n    nats      {} (stream OUTBOX on orders.>, 2m duplicate window)",
-        nats.url()
-    );
+    println!("    postgres  {db_url}");
 
     let dir = std::env::temp_dir().join(format!("outbox-relay-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -45,10 +145,9 @@ async fn main() -> Result<()> {
         &config,
         format!(
             "[postgres]\nurl = \"{db_url}\"\n\n[relay]\nworkers = 4\nbatch_size = 500\n\
-             on_publish = \"{on_publish}\"\n\n\
-             [sink]\nkind = \"nats\"\n\n[sink.nats]\nurl = \"{}\"\n\n\
+             on_publish = \"{on_publish}\"\n\n{}\n\
              [[tables]]\nname = \"public.outbox\"\ntopic = \"{{topic}}\"\n",
-            nats.url()
+            broker.sink_config()
         ),
     )?;
     println!("    config    {}", config.display());
@@ -108,20 +207,19 @@ async fn main() -> Result<()> {
         bail!("drain exited with {:?}", out.status.code());
     }
 
-    step("Reading the stream back with an independent consumer");
-    let stored = nats.read_stream("OUTBOX").await?;
+    step("Reading everything back with an independent consumer");
+    let (received, per_key_order) = broker.read().await?;
     let mut seen: HashMap<String, usize> = HashMap::new();
-    let mut by_key: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for m in &stored {
-        let id = m
-            .header("Nats-Msg-Id")
-            .context("message without Nats-Msg-Id")?
-            .to_owned();
-        let count = seen.entry(id.clone()).or_default();
+    let mut by_key: BTreeMap<(String, String), Vec<i64>> = BTreeMap::new();
+    for m in &received {
+        let count = seen.entry(m.id.clone()).or_default();
         *count += 1;
-        if let (1, Some(key)) = (*count, m.header("key")) {
-            let n: i64 = id.rsplit(':').next().unwrap().parse()?;
-            by_key.entry(key.to_owned()).or_default().push(n);
+        if let (1, Some(key)) = (*count, &m.key) {
+            let n: i64 = m.id.rsplit(':').next().unwrap().parse()?;
+            by_key
+                .entry((m.order_scope.clone(), key.clone()))
+                .or_default()
+                .push(n);
         }
     }
     let left: i64 = client.query_one(PENDING, &[]).await?.get(0);
@@ -131,39 +229,38 @@ async fn main() -> Result<()> {
         .get(0);
     let expected = rows as usize + 1;
     let duplicates: usize = seen.values().map(|c| c - 1).sum();
-    println!("    messages in stream      {}", stored.len());
-    println!(
-        "    distinct Nats-Msg-Id    {} (expected {expected})",
-        seen.len()
-    );
     let out_of_order = by_key
         .values()
         .filter(|ids| ids.windows(2).any(|w| w[0] >= w[1]))
         .count();
+    println!("    messages received       {}", received.len());
+    println!(
+        "    distinct message ids    {} (expected {expected})",
+        seen.len()
+    );
     println!("    duplicates              {duplicates}");
     println!(
-        "    keys                    {} (out of id order: {out_of_order})",
+        "    keys out of id order    {out_of_order} (checked {per_key_order}, {} key groups)",
         by_key.len()
     );
     println!(
         "    late row delivered      {}",
         seen.contains_key(&format!("public.outbox:{late_id}"))
     );
-    println!("    rows left unpublished   {left} (rows kept in the table: {kept}, on_publish = {on_publish})");
-    if let Some(first) = stored.first() {
-        println!(
-            "    first message           subject={} Nats-Msg-Id={} payload={}",
-            first.subject,
-            first.header("Nats-Msg-Id").unwrap_or(""),
-            String::from_utf8_lossy(&first.payload)
-        );
+    println!(
+        "    rows left unpublished   {left} (kept in the table: {kept}, on_publish = {on_publish})"
+    );
+    if let Some(first) = received.first() {
+        println!("    first message           {}", first.shown);
     }
     let _ = std::fs::remove_dir_all(&dir);
     let mark_kept_all = on_publish == "delete" || kept == expected as i64;
     if seen.len() != expected || left != 0 || out_of_order != 0 || !mark_kept_all {
         bail!("the demo did not deliver every row exactly as expected");
     }
-    step("Done: every row arrived once with its Nats-Msg-Id, same-key rows in id order, outbox empty");
+    step(
+        "Done: every row arrived once with its id, same-key rows in id order, nothing left pending",
+    );
     Ok(())
 }
 

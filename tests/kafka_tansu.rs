@@ -1,0 +1,228 @@
+//! The Kafka sink end to end: the built binary against a throwaway PostgreSQL and a real
+//! Kafka-protocol broker process (tansu), read back by an independent consumer that
+//! assigns itself every partition.
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use testkit::{KafkaBroker, Postgres};
+
+const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
+const PARTITIONS: u32 = 3;
+
+struct KafkaEnv {
+    pg: Postgres,
+    broker: KafkaBroker,
+    config: std::path::PathBuf,
+    _dir: TempDir,
+}
+
+impl KafkaEnv {
+    async fn new(relay: &str) -> KafkaEnv {
+        let pg = Postgres::start().unwrap();
+        let broker = KafkaBroker::start().unwrap();
+        for topic in TOPICS {
+            broker.create_topic(topic, PARTITIONS).unwrap();
+        }
+        let url = pg.create_database("app").await.unwrap();
+        let dir = std::env::temp_dir().join(format!(
+            "outbox-relay-kafka-{}-{}",
+            std::process::id(),
+            testkit::free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("relay.toml");
+        std::fs::write(
+            &config,
+            format!(
+                r#"
+[postgres]
+url = "{url}"
+[relay]
+poll_interval = "50ms"
+{relay}
+[sink]
+kind = "kafka"
+publish_timeout = "10s"
+[sink.kafka]
+brokers = "{}"
+[sink.kafka.properties]
+"linger.ms" = 5
+[[tables]]
+name = "public.outbox"
+"#,
+                broker.bootstrap()
+            ),
+        )
+        .unwrap();
+        let env = KafkaEnv {
+            pg,
+            broker,
+            config,
+            _dir: TempDir(dir),
+        };
+        let out = env.relay(&["migrate"]);
+        assert!(out.status.success(), "{}", text(&out));
+        env
+    }
+
+    fn relay(&self, args: &[&str]) -> std::process::Output {
+        Command::new(BIN)
+            .args(args)
+            .arg("--config")
+            .arg(&self.config)
+            .output()
+            .unwrap()
+    }
+
+    fn read(&self) -> Vec<testkit::KafkaRecord> {
+        testkit::kafka_read_all(&self.broker.bootstrap(), &TOPICS, Duration::from_secs(3)).unwrap()
+    }
+}
+
+/// Kafka's Java client partitioner hash (`Utils.murmur2`), written from its definition,
+/// independent of librdkafka.
+fn java_murmur2(data: &[u8]) -> i32 {
+    const M: i32 = 0x5bd1_e995;
+    let mut h: i32 = 0x9747_b28c_u32 as i32 ^ data.len() as i32;
+    let chunks = data.len() / 4;
+    for i in 0..chunks {
+        let b = &data[i * 4..i * 4 + 4];
+        let mut k = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        k = k.wrapping_mul(M);
+        k ^= ((k as u32) >> 24) as i32;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let tail = &data[chunks * 4..];
+    if tail.len() >= 3 {
+        h ^= (tail[2] as i32) << 16;
+    }
+    if tail.len() >= 2 {
+        h ^= (tail[1] as i32) << 8;
+    }
+    if !tail.is_empty() {
+        h ^= tail[0] as i32;
+        h = h.wrapping_mul(M);
+    }
+    h ^= ((h as u32) >> 13) as i32;
+    h = h.wrapping_mul(M);
+    h ^= ((h as u32) >> 15) as i32;
+    h
+}
+
+#[test]
+fn java_murmur2_matches_known_values() {
+    // Values from Kafka's own UtilsTest.testMurmur2.
+    assert_eq!(java_murmur2(b"21"), -973932308);
+    assert_eq!(java_murmur2(b"foobar"), -790332482);
+    assert_eq!(java_murmur2(b"a-little-bit-long-string"), -985981536);
+    assert_eq!(java_murmur2(b"a-little-bit-longer-string"), -1486304829);
+    assert_eq!(
+        java_murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"),
+        -58897971
+    );
+    assert_eq!(java_murmur2(b"abc"), 479470107);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_every_row_arrives_once_keyed_with_outbox_id_and_headers_in_key_order() {
+    let env = KafkaEnv::new("workers = 4\nbatch_size = 500").await;
+    let client = env.pg.connect("app").await.unwrap();
+    seed(&client, 20_000, 200, 50).await;
+    let ids: HashSet<i64> = ids(&client).await.into_iter().collect();
+
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("drained: 20000 rows published"),
+        "{}",
+        text(&out)
+    );
+
+    let records = env.read();
+    let delivery = analyse_kafka(&records);
+    let expected: HashSet<String> = ids.iter().map(|id| format!("public.outbox:{id}")).collect();
+    assert_eq!(
+        delivery.counts.keys().cloned().collect::<HashSet<_>>(),
+        expected,
+        "every row, by outbox-id"
+    );
+    assert_eq!(records.len(), 20_000, "each once");
+    assert!(
+        delivery.order_violations().is_empty(),
+        "{:?}",
+        delivery.order_violations()
+    );
+    for r in &records {
+        // The Kafka key is the key column (the seed also copies it into a header).
+        assert_eq!(r.key.as_deref(), r.header("key"));
+        let n = r.header("n").expect("headers from the column");
+        assert_eq!(r.payload, n.as_bytes());
+        if let Some(key) = &r.key {
+            let expected = (java_murmur2(key.as_bytes()) & 0x7fff_ffff) % PARTITIONS as i32;
+            assert_eq!(
+                r.partition, expected,
+                "key {key} on the partition a Java producer picks"
+            );
+        }
+    }
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM public.outbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
+    let env = KafkaEnv::new("").await;
+    let client = env.pg.connect("app").await.unwrap();
+    client
+        .execute("INSERT INTO public.outbox (topic, key, payload) VALUES ('events.0', 'a', 'x'), ('missing.topic', 'a', 'y')", &[])
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        stdout.contains("ok   topic events.0: 3 partitions"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("WARN topic missing.topic: does not exist"),
+        "{stdout}"
+    );
+
+    let unsafe_config = std::fs::read_to_string(&env.config).unwrap().replace(
+        "\"linger.ms\" = 5\n",
+        "\"linger.ms\" = 5\n\"enable.idempotence\" = false\n\"acks\" = \"1\"\n\"sasl.password\" = \"hunter2-secret\"\n",
+    );
+    std::fs::write(&env.config, unsafe_config).unwrap();
+    let out = env.relay(&["check"]);
+    let all = text(&out);
+    assert_eq!(out.status.code(), Some(1), "{all}");
+    assert!(
+        all.contains("FAIL sink.kafka.properties: enable.idempotence = false"),
+        "{all}"
+    );
+    assert!(
+        all.contains("FAIL sink.kafka.properties: acks = 1"),
+        "{all}"
+    );
+    assert!(!all.contains("hunter2-secret"), "{all}");
+    let out = env.relay(&["drain"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "run refuses them too: {}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("hunter2-secret"));
+}
