@@ -226,3 +226,115 @@ async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
     );
     assert!(!text(&out).contains("hunter2-secret"));
 }
+
+/// The Debezium-style table of `config/debezium.toml`'s comment, driven by that file as it
+/// is: only the database URL and the brokers come from the environment.
+#[tokio::test(flavor = "multi_thread")]
+async fn debezium_style_table_relays_with_the_example_config_as_is() {
+    let pg = Postgres::start().unwrap();
+    let broker = KafkaBroker::start().unwrap();
+    for topic in ["outbox.event.order", "outbox.event.customer"] {
+        broker.create_topic(topic, PARTITIONS).unwrap();
+    }
+    let url = pg.create_database("app").await.unwrap();
+    let client = pg.connect("app").await.unwrap();
+    client
+        .batch_execute(
+            "CREATE TABLE public.outboxevent (
+                 id            uuid PRIMARY KEY,
+                 aggregatetype varchar(255) NOT NULL,
+                 aggregateid   varchar(255) NOT NULL,
+                 type          varchar(255) NOT NULL,
+                 payload       jsonb,
+                 seq           bigint GENERATED ALWAYS AS IDENTITY
+             );
+             INSERT INTO public.outboxevent (id, aggregatetype, aggregateid, type, payload)
+             SELECT gen_random_uuid(),
+                    CASE WHEN n % 2 = 0 THEN 'order' ELSE 'customer' END,
+                    'agg-' || (n % 30),
+                    CASE WHEN n % 3 = 0 THEN 'Created' ELSE 'Updated' END,
+                    jsonb_build_object('n', n)
+             FROM generate_series(1, 3000) n ORDER BY n;",
+        )
+        .await
+        .unwrap();
+    // id -> (seq, aggregatetype, aggregateid, type), kept before the relay deletes rows.
+    let rows: std::collections::HashMap<String, (i64, String, String, String)> = client
+        .query(
+            "SELECT id::text, seq, aggregatetype, aggregateid, type FROM public.outboxevent",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), (r.get(1), r.get(2), r.get(3), r.get(4))))
+        .collect();
+
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/debezium.toml");
+    let relay = |args: &[&str]| {
+        Command::new(BIN)
+            .args(args)
+            .args(["--config", config])
+            .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+            .env("OUTBOX_RELAY__SINK__KAFKA__BROKERS", broker.bootstrap())
+            .output()
+            .unwrap()
+    };
+    let out = relay(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("unique index on seq"),
+        "migrate adds the relay's columns and a unique index on seq: {}",
+        text(&out)
+    );
+    let out = relay(&["migrate"]);
+    assert!(text(&out).contains("up to date"), "{}", text(&out));
+    let out = relay(&["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let records = testkit::kafka_read_all(
+        &broker.bootstrap(),
+        &["outbox.event.order", "outbox.event.customer"],
+        Duration::from_secs(3),
+    )
+    .unwrap();
+    assert_eq!(records.len(), 3_000, "every row once");
+    let mut seen = HashSet::new();
+    // (topic, partition, key) -> seq in offset order
+    let mut by_key: std::collections::BTreeMap<(String, i32, String), Vec<(i64, i64)>> =
+        Default::default();
+    for r in &records {
+        let id = r.header("id").expect("Debezium's id header");
+        let (seq, aggregatetype, aggregateid, event_type) = &rows[id];
+        assert!(seen.insert(id.to_owned()), "{id} twice");
+        assert_eq!(
+            r.header("outbox-id"),
+            Some(format!("public.outboxevent:{id}").as_str())
+        );
+        assert_eq!(r.topic, format!("outbox.event.{aggregatetype}"));
+        assert_eq!(r.key.as_deref(), Some(aggregateid.as_str()));
+        assert_eq!(r.header("eventType"), Some(event_type.as_str()));
+        let payload: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        assert!(payload["n"].is_i64(), "payload is the jsonb column");
+        by_key
+            .entry((r.topic.clone(), r.partition, aggregateid.clone()))
+            .or_default()
+            .push((r.offset, *seq));
+    }
+    assert_eq!(by_key.len(), 30, "each aggregate in one partition");
+    for (key, mut seqs) in by_key {
+        seqs.sort();
+        assert!(
+            seqs.windows(2).all(|w| w[0].1 < w[1].1),
+            "{key:?} not in seq order"
+        );
+    }
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM public.outboxevent", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 0);
+}

@@ -9,55 +9,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn signal(child: &Child, name: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-}
-
-/// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
-fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return (status.code(), start.elapsed());
-        }
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            panic!("relay did not exit within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
-    let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, seconds: u64) {
-    wait_until(what, Duration::from_secs(seconds), async || {
-        count(client, "SELECT count(*) FROM public.outbox").await == 0
-    })
-    .await;
-}
-
-/// SIGTERM, then expect exit 0 within 15s.
-fn terminate_cleanly(relay: &mut Child) {
-    signal(relay, "TERM");
-    let (code, _) = wait_exit(relay, Duration::from_secs(15));
-    assert_eq!(code, Some(0));
-}
-
-async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
-    client.query_one(sql, &[]).await.unwrap().get(0)
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn every_row_is_delivered_once_with_its_nats_msg_id() {
     let env = Env::new("workers = 4\nbatch_size = 200").await;

@@ -158,20 +158,48 @@ pub struct TableConfig {
     pub name: TableName,
     pub topic: Template,
     pub columns: Columns,
+    /// Extra headers: header name and the column whose value it carries.
+    pub header_columns: Vec<(String, Ident)>,
 }
 
-/// The columns the relay reads and writes. The default outbox layout (contract section 5).
-#[derive(Debug, Clone)]
+/// The columns the relay reads and writes. The default is the contract's table
+/// (section 5); `[tables.columns]` maps any of them to other names.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Columns {
+    /// Message id: `<table>:<value>`. Any type.
     pub id: Ident,
+    /// Order within a key, and the row's handle in claims, marks and deletes: an integer
+    /// column with unique values. The id column unless mapped.
+    pub order: Ident,
     pub key: Ident,
     pub payload: Ident,
-    pub headers: Ident,
-    pub created_at: Ident,
+    pub headers: OptionalColumn,
+    pub created_at: OptionalColumn,
     pub published_at: Ident,
     pub attempts: Ident,
     pub last_error: Ident,
     pub dead_at: Ident,
+}
+
+/// A column the relay can do without.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OptionalColumn {
+    /// Not configured: used when the table has a column of the default name.
+    Default(Ident),
+    /// Configured: the table must have it.
+    Named(Ident),
+    /// Configured as `""`: not used.
+    Off,
+}
+
+impl OptionalColumn {
+    /// The column to look for, if any.
+    pub fn name(&self) -> Option<&Ident> {
+        match self {
+            OptionalColumn::Default(c) | OptionalColumn::Named(c) => Some(c),
+            OptionalColumn::Off => None,
+        }
+    }
 }
 
 impl Default for Columns {
@@ -179,16 +207,106 @@ impl Default for Columns {
         let c = |n: &str| Ident::parse(n).expect("default column names are valid");
         Columns {
             id: c("id"),
+            order: c("id"),
             key: c("key"),
             payload: c("payload"),
-            headers: c("headers"),
-            created_at: c("created_at"),
+            headers: OptionalColumn::Default(c("headers")),
+            created_at: OptionalColumn::Default(c("created_at")),
             published_at: c("published_at"),
             attempts: c("attempts"),
             last_error: c("last_error"),
             dead_at: c("dead_at"),
         }
     }
+}
+
+impl Columns {
+    /// Validates `[tables.columns]`; `at` is the key prefix for errors (`tables[0].columns`).
+    fn from_raw(raw: raw::RawColumns, at: &str) -> Result<Columns, ConfigError> {
+        let defaults = Columns::default();
+        let ident = |value: Option<String>, role: &str, default: &Ident| match value {
+            None => Ok(default.clone()),
+            Some(v) => Ident::parse(&v).map_err(|e| err(&format!("{at}.{role}"), e)),
+        };
+        let optional = |value: Option<String>, role: &str, default: &OptionalColumn| match value {
+            None => Ok(default.clone()),
+            Some(v) if v.is_empty() => Ok(OptionalColumn::Off),
+            Some(v) => Ident::parse(&v)
+                .map(OptionalColumn::Named)
+                .map_err(|e| err(&format!("{at}.{role}"), e)),
+        };
+        let id = ident(raw.id, "id", &defaults.id)?;
+        let order = match raw.order {
+            None => id.clone(),
+            some => ident(some, "order", &defaults.order)?,
+        };
+        let columns = Columns {
+            id,
+            order,
+            key: ident(raw.key, "key", &defaults.key)?,
+            payload: ident(raw.payload, "payload", &defaults.payload)?,
+            headers: optional(raw.headers, "headers", &defaults.headers)?,
+            created_at: optional(raw.created_at, "created_at", &defaults.created_at)?,
+            published_at: ident(raw.published_at, "published_at", &defaults.published_at)?,
+            attempts: ident(raw.attempts, "attempts", &defaults.attempts)?,
+            last_error: ident(raw.last_error, "last_error", &defaults.last_error)?,
+            dead_at: ident(raw.dead_at, "dead_at", &defaults.dead_at)?,
+        };
+        // One column cannot play two parts the relay writes or reads differently.
+        let roles = [
+            ("order", Some(&columns.order)),
+            ("key", Some(&columns.key)),
+            ("payload", Some(&columns.payload)),
+            ("headers", columns.headers.name()),
+            ("published_at", Some(&columns.published_at)),
+            ("attempts", Some(&columns.attempts)),
+            ("last_error", Some(&columns.last_error)),
+            ("dead_at", Some(&columns.dead_at)),
+        ];
+        for (i, (role, column)) in roles.iter().enumerate() {
+            if let Some(other) = roles[..i].iter().find(|(_, c)| c.is_some() && c == column) {
+                return Err(err(
+                    &format!("{at}.{role}"),
+                    format!(
+                        "column {} is already the {} column; each part needs its own column",
+                        column.expect("compared only when set"),
+                        other.0
+                    ),
+                ));
+            }
+        }
+        Ok(columns)
+    }
+}
+
+/// An error on `key`: the message leads with the key at fault.
+fn err(key: &str, msg: String) -> ConfigError {
+    ConfigError(format!("{key}: {msg}"))
+}
+
+/// Header names the relay sets itself.
+const RESERVED_HEADERS: &[&str] = &["outbox-id", "nats-msg-id"];
+
+fn header_columns(
+    raw: BTreeMap<String, String>,
+    at: &str,
+) -> Result<Vec<(String, Ident)>, ConfigError> {
+    raw.into_iter()
+        .map(|(name, column)| {
+            let key = format!("{at}.{name}");
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+                return Err(err(
+                    &key,
+                    "a header name is printable ASCII without spaces or ':'".into(),
+                ));
+            }
+            if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+                return Err(err(&key, format!("{name} is set by the relay itself")));
+            }
+            let column = Ident::parse(&column).map_err(|e| err(&key, e))?;
+            Ok((name, column))
+        })
+        .collect()
 }
 
 #[derive(Debug, Clone)]
@@ -277,8 +395,6 @@ fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
 }
 
 fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
-    let err = |key: &str, msg: String| ConfigError(format!("{key}: {msg}"));
-
     let connection = tokio_postgres::Config::from_str(&raw.postgres.url).map_err(|e| {
         // tokio-postgres names the option at fault without echoing values.
         err(
@@ -379,7 +495,11 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         tables.push(TableConfig {
             name,
             topic,
-            columns: Columns::default(),
+            columns: Columns::from_raw(t.columns, &format!("tables[{i}].columns"))?,
+            header_columns: header_columns(
+                t.header_columns,
+                &format!("tables[{i}].header_columns"),
+            )?,
         });
     }
 
@@ -525,6 +645,36 @@ mod tests {
         let vars = [("OUTBOX_RELAY_PG_PASSWORD", "pw")];
         let c = load(include_str!("../../config/relay.example.toml"), &vars).unwrap();
         assert_eq!(c.tables.len(), 1);
+        assert_eq!(c.tables[0].columns, Columns::default());
+        let c = load(include_str!("../../config/debezium.toml"), &[]).unwrap();
+        let t = &c.tables[0];
+        assert_eq!(t.columns.order.as_str(), "seq");
+        assert_eq!(t.columns.headers, OptionalColumn::Off);
+        assert_eq!(t.header_columns[0].0, "eventType");
+    }
+
+    #[test]
+    fn column_mappings_are_checked_and_name_the_key() {
+        let with = |more: &str| load(&format!("{MINIMAL}{more}"), &[]);
+        let c = with("[tables.columns]\nid = \"event_id\"\n").unwrap();
+        assert_eq!(
+            c.tables[0].columns.order.as_str(),
+            "event_id",
+            "order follows id"
+        );
+        let e = with("[tables.columns]\nkey = \"payload\"\n").unwrap_err();
+        assert!(
+            e.contains("tables[0].columns.payload: column payload is already the key column"),
+            "{e}"
+        );
+        let e = with("[tables.columns]\nkeys = \"k\"\n").unwrap_err();
+        assert!(e.contains("tables[0].columns.keys: unknown key"), "{e}");
+        let e = with("[tables.columns]\norder = \"a b\"\n").unwrap_err();
+        assert!(e.starts_with("tables[0].columns.order: "), "{e}");
+        let e = with("[tables.header_columns]\n\"outbox-id\" = \"id\"\n").unwrap_err();
+        assert!(e.contains("set by the relay itself"), "{e}");
+        let e = with("[tables.header_columns]\n\"a b\" = \"id\"\n").unwrap_err();
+        assert!(e.contains("tables[0].header_columns.a b"), "{e}");
     }
 
     #[test]

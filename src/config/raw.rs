@@ -148,6 +148,33 @@ pub struct RawTable {
     /// Topic or subject template: literals and `{column}` references. Default `{topic}`.
     #[serde(default = "defaults::topic")]
     pub topic: String,
+    /// `[tables.columns]`: which column plays which part. Default: the contract's table.
+    #[serde(default)]
+    pub columns: RawColumns,
+    /// `[tables.header_columns]`: header name = column, copied to every message.
+    #[serde(default)]
+    pub header_columns: BTreeMap<String, String>,
+}
+
+/// Column names per role; each defaults to the role's name in the default table.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawColumns {
+    /// Message id, sent as `<table>:<id>`; any type. Default `id`.
+    pub id: Option<String>,
+    /// Order within a key and the row's handle: an integer column with unique values.
+    /// Default: the id column.
+    pub order: Option<String>,
+    pub key: Option<String>,
+    pub payload: Option<String>,
+    /// JSON object of strings. `""`: the table has none. Default `headers` if present.
+    pub headers: Option<String>,
+    /// Lag is measured from here. `""`: the table has none. Default `created_at` if present.
+    pub created_at: Option<String>,
+    pub published_at: Option<String>,
+    pub attempts: Option<String>,
+    pub last_error: Option<String>,
+    pub dead_at: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

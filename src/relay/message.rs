@@ -13,12 +13,21 @@ pub fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, 
         .topic
         .render(&row.topic_values)
         .map_err(SinkError::bad_row)?;
-    let headers = match row.headers.as_deref() {
+    let mut headers = match row.headers.as_deref() {
         None => Vec::new(),
         Some(text) => parse_headers(text).map_err(SinkError::bad_row)?,
     };
+    for ((name, _), value) in table.header_columns.iter().zip(&mut row.header_values) {
+        if let Some(value) = value.take() {
+            headers.push((name.clone(), value));
+        }
+    }
+    let id = match &row.message_id {
+        Some(id) => format!("{}:{id}", table.name),
+        None => format!("{}:{}", table.name, row.id),
+    };
     Ok(Message {
-        id: format!("{}:{}", table.name, row.id),
+        id,
         topic,
         key: row.key.clone(),
         payload: Bytes::from(std::mem::take(&mut row.payload)),

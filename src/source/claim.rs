@@ -29,8 +29,36 @@
 //! heads from it (a key's first row in the window is its head: the window is a prefix of
 //! the pending rows, so nothing earlier is pending), locks those heads, and only then locks
 //! the rows after each owned head, keeping for each key the unbroken run it got. Keys whose
-//! head is locked elsewhere are skipped, so one hot key never stalls the others: other
-//! workers take other keys.
+//! head is locked elsewhere are skipped.
+//!
+//! A hot key must not starve the others. If a key another claimer owns fills the whole
+//! window (a backlog of one key ahead of everything else), the next window starts after
+//! this one and leaves out the keys already found blocked, so the claim reaches the other
+//! keys however deep the hot key's backlog is. That keeps the head rule sound: a key met
+//! for the first time in a later window had no pending row in the earlier ones (they held
+//! every pending row of every key not left out), so its first row there is still its head.
+//!
+//! Throughout, "id" means the table's order column: `id` in the default table, or the
+//! column `[tables.columns] order` names (an integer with a unique index).
+//!
+//! # The known traps, and how this design meets them
+//!
+//! - *A hash that changes under you.* Designs that hash keys into lanes need the hash to
+//!   be stable across PostgreSQL and relay versions (`hashtext` is not documented as
+//!   stable). Here no key is ever hashed: ownership is the head row's lock, found by
+//!   comparing key values as text.
+//! - *Session advisory locks behind PgBouncer.* In transaction pooling a session lock
+//!   outlives the transaction on a server connection another client may get next. The
+//!   relay takes no session-level lock: every lock is a row lock inside the claim's own
+//!   transaction, released by its commit or rollback, so it works through PgBouncer in
+//!   transaction mode.
+//! - *Ownership handed over too early.* A key's next owner can only lock the head after the
+//!   previous owner's transaction ended, and by then the rows it published are deleted or
+//!   marked in that same commit: there is no lease to expire while a slow owner is still
+//!   publishing, so no fencing epoch is needed. A crashed owner's transaction is rolled
+//!   back by PostgreSQL when its connection drops (or at `idle_in_transaction_session_timeout`).
+//! - *A hot key.* See above: blocked keys are left out of later windows.
+//! - *Id order is not commit order.* See below: the one case no relay can order.
 //!
 //! # What the invariant cannot cover
 //!
@@ -48,30 +76,46 @@ use std::collections::{HashMap, HashSet};
 
 use tokio_postgres::{Row, Transaction};
 
-use super::sql::TableSql;
+use super::sql::{RowLayout, TableSql};
 use super::SourceError;
 use crate::config::Ordering;
 
 /// One claimed row, as read from the table.
 #[derive(Debug, Clone)]
 pub struct ClaimedRow {
+    /// The order column's value (`id` by default): the row's handle in the claim, the
+    /// mark and the delete.
     pub id: i64,
+    /// The message id column's value as text, when it is not the order column.
+    pub message_id: Option<String>,
     pub key: Option<String>,
     pub payload: Vec<u8>,
     /// The headers column as JSON text, unchecked.
     pub headers: Option<String>,
     /// Values of the topic template's columns, in template order.
     pub topic_values: Vec<Option<String>>,
+    /// Values of the header columns, in configuration order.
+    pub header_values: Vec<Option<String>>,
 }
 
 impl ClaimedRow {
-    fn from_row(row: &Row) -> ClaimedRow {
+    fn from_row(row: &Row, layout: &RowLayout) -> ClaimedRow {
+        let mut i = 4;
+        let message_id = layout.message_id.then(|| {
+            i += 1;
+            row.get(4)
+        });
+        let topic_values = (i..i + layout.topic_columns).map(|n| row.get(n)).collect();
+        i += layout.topic_columns;
+        let header_values = (i..i + layout.header_columns).map(|n| row.get(n)).collect();
         ClaimedRow {
             id: row.get(0),
+            message_id,
             key: row.get(1),
             payload: row.get::<_, Option<Vec<u8>>>(2).unwrap_or_default(),
             headers: row.get(3),
-            topic_values: (4..row.len()).map(|i| row.get(i)).collect(),
+            topic_values,
+            header_values,
         }
     }
 }
@@ -94,7 +138,10 @@ pub async fn claim_batch(
     match ordering {
         Ordering::None => {
             let rows = tx.query(&sql.claim_unordered, &[&(limit as i64)]).await?;
-            Ok(rows.iter().map(ClaimedRow::from_row).collect())
+            Ok(rows
+                .iter()
+                .map(|r| ClaimedRow::from_row(r, &sql.layout))
+                .collect())
         }
         Ordering::Key => claim_by_key(tx, sql, limit).await,
     }
@@ -111,8 +158,9 @@ async fn claim_by_key(
     let mut after = i64::MIN;
     let mut rounds = 0;
     for _ in 0..MAX_WINDOWS {
+        let blocked = plan.blocked_keys();
         let window: Vec<Candidate> = tx
-            .query(&sql.window, &[&after, &window_size])
+            .query(&sql.window, &[&after, &window_size, &blocked])
             .await?
             .iter()
             .map(|r| Candidate {
@@ -130,7 +178,11 @@ async fn claim_by_key(
             let locked = tx.query(&sql.lock_rows, &[&heads]).await?;
             let locked_ids: HashSet<i64> = locked.iter().map(|r| r.get(0)).collect();
             plan.settle_round(&locked_ids);
-            rows.extend(locked.iter().map(|r| (r.get(0), ClaimedRow::from_row(r))));
+            rows.extend(
+                locked
+                    .iter()
+                    .map(|r| (r.get(0), ClaimedRow::from_row(r, &sql.layout))),
+            );
         }
         let exhausted = (window.len() as i64) < window_size;
         match window.last() {
@@ -143,7 +195,7 @@ async fn claim_by_key(
     if !tails.is_empty() {
         for r in tx.query(&sql.lock_rows, &[&tails]).await? {
             locked_tails.insert(r.get::<_, i64>(0));
-            rows.insert(r.get(0), ClaimedRow::from_row(&r));
+            rows.insert(r.get(0), ClaimedRow::from_row(&r, &sql.layout));
         }
     }
     let mut batch: Vec<ClaimedRow> = plan
@@ -255,6 +307,15 @@ impl KeyPlan {
                 }
             }
         }
+    }
+
+    /// Keys whose head another claimer holds: later windows leave them out.
+    pub fn blocked_keys(&self) -> Vec<&str> {
+        self.keys
+            .iter()
+            .filter(|(_, state)| matches!(state, KeyState::Blocked))
+            .map(|(key, _)| key.as_str())
+            .collect()
     }
 
     /// Rows after owned heads, to lock once all rounds are done.

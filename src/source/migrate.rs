@@ -9,8 +9,8 @@
 
 use tokio_postgres::Client;
 
-use super::SourceError;
-use crate::config::{Ident, TableConfig};
+use super::{schema, SourceError};
+use crate::config::{Columns, Ident, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -58,6 +58,21 @@ pub async fn migrate_table(
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATE_LOCK])
         .await?;
+    let exists: bool = tx
+        .query_one(
+            "SELECT to_regclass($1::text) IS NOT NULL",
+            &[&name.quoted()],
+        )
+        .await?
+        .get(0);
+    if !exists && table.columns != Columns::default() {
+        return Err(SourceError::Schema(format!(
+            "table {name} does not exist, and migrate creates only the default outbox \
+             layout while this table's [tables.columns] maps other names: create the table \
+             (see config/debezium.toml for an example), then run migrate again to add the \
+             relay's columns and indexes"
+        )));
+    }
     tx.batch_execute(&format!(
         "CREATE TABLE IF NOT EXISTS {ledger} (
              table_name text NOT NULL,
@@ -91,6 +106,17 @@ pub async fn migrate_table(
         .await?;
         report.applied.push(format!("{:04}_{}", m.version, m.name));
     }
+    if !schema::order_is_unique(&tx, table).await? {
+        // Rows are claimed, marked and deleted by their order value: it must be unique.
+        tx.batch_execute(&render(
+            "CREATE UNIQUE INDEX {{order_index}} ON {{table}} ({{order}})",
+            table,
+        ))
+        .await?;
+        report
+            .applied
+            .push(format!("unique index on {}", table.columns.order));
+    }
     let trigger_sql = if notify { NOTIFY_SQL } else { DROP_NOTIFY_SQL };
     tx.batch_execute(&render(trigger_sql, table)).await?;
     tx.commit().await?;
@@ -109,16 +135,24 @@ fn render(sql: &str, table: &TableConfig) -> String {
             .expect("a quoted identifier of at most 63 bytes is valid")
             .quoted()
     };
+    let c = &table.columns;
     sql.replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
         .replace("{{pending_index}}", &index("pending_idx"))
         .replace("{{dead_index}}", &index("dead_idx"))
+        .replace("{{order_index}}", &index("order_key"))
+        .replace("{{order}}", &c.order.quoted())
+        .replace("{{key}}", &c.key.quoted())
+        .replace("{{published_at}}", &c.published_at.quoted())
+        .replace("{{attempts}}", &c.attempts.quoted())
+        .replace("{{last_error}}", &c.last_error.quoted())
+        .replace("{{dead_at}}", &c.dead_at.quoted())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Columns, TableName, Template};
+    use crate::config::{TableName, Template};
 
     #[test]
     fn placeholders_are_all_replaced_with_quoted_names() {
@@ -126,6 +160,7 @@ mod tests {
             name: TableName::parse("app.\"Out\"\"box\"").unwrap(),
             topic: Template::parse("{topic}").unwrap(),
             columns: Columns::default(),
+            header_columns: Vec::new(),
         };
         for sql in MIGRATIONS
             .iter()

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
-use crate::config::{OnPublish, TableConfig};
+use crate::config::{Ident, OnPublish, OptionalColumn, TableConfig};
 
 /// How the payload column is turned into message bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +20,32 @@ pub enum PayloadType {
 #[derive(Debug, Clone)]
 pub struct TableShape {
     pub payload: PayloadType,
+    /// The headers column, when the table has one.
+    pub headers: Option<Ident>,
+    /// The creation-time column, when the table has one.
+    pub created_at: Option<Ident>,
+}
+
+/// Whether a unique index (not partial, not on an expression) covers exactly `$2`.
+const UNIQUE_SQL: &str = "\
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_index i
+    JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+    WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indnkeyatts = 1
+      AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = $2::text)";
+
+/// Whether `column` of `table` has unique values by an index.
+pub async fn order_is_unique(
+    client: &impl GenericClient,
+    table: &TableConfig,
+) -> Result<bool, SourceError> {
+    let row = client
+        .query_one(
+            UNIQUE_SQL,
+            &[&table.name.quoted(), &table.columns.order.as_str()],
+        )
+        .await?;
+    Ok(row.get(0))
 }
 
 const COLUMNS_SQL: &str = "\
@@ -75,18 +101,33 @@ pub async fn inspect(
         }
     };
     let c = &table.columns;
-    expect(
-        c.id.as_str(),
-        "message id and order",
-        &["int8", "int4", "int2"],
-    );
+    let integers = &["int8", "int4", "int2"][..];
+    if c.order == c.id {
+        expect(c.id.as_str(), "message id and order", integers);
+    } else {
+        expect(c.id.as_str(), "message id", &[]);
+        expect(c.order.as_str(), "order", integers);
+    }
     expect(c.key.as_str(), "ordering key", &[]);
     let payload = expect(
         c.payload.as_str(),
         "message body",
         &["bytea", "text", "varchar", "json", "jsonb"],
     );
-    expect(c.headers.as_str(), "message headers", &["jsonb", "json"]);
+    // An optional column left at its default name is used only if the table has it.
+    let mut optional = |column: &OptionalColumn, role: &str, allowed: &[&str]| match column {
+        OptionalColumn::Off => None,
+        OptionalColumn::Default(name) if !types.contains_key(name.as_str()) => None,
+        OptionalColumn::Default(name) | OptionalColumn::Named(name) => {
+            expect(name.as_str(), role, allowed).map(|_| name.clone())
+        }
+    };
+    let headers = optional(&c.headers, "message headers", &["jsonb", "json"]);
+    let created_at = optional(
+        &c.created_at,
+        "creation time",
+        &["timestamptz", "timestamp"],
+    );
     expect(
         c.attempts.as_str(),
         "failed attempts",
@@ -109,6 +150,20 @@ pub async fn inspect(
     );
     for column in table.topic.columns() {
         expect(column.as_str(), "used in the topic template", &[]);
+    }
+    for (header, column) in &table.header_columns {
+        expect(column.as_str(), &format!("copied to header {header}"), &[]);
+    }
+    if types.contains_key(c.order.as_str()) && !order_is_unique(client, table).await? {
+        problems.push(format!(
+            "table {}: column {} orders the rows and identifies them, so it needs unique \
+             values: run `outbox-relay migrate` (adds a unique index) or \
+             CREATE UNIQUE INDEX ON {} ({})",
+            table.name,
+            c.order,
+            table.name.quoted(),
+            c.order.quoted()
+        ));
     }
 
     let privileges = client.query_one(PRIVILEGES_SQL, &[&name]).await?;
@@ -133,5 +188,9 @@ pub async fn inspect(
         Some("bytea") => PayloadType::Bytea,
         _ => PayloadType::Text,
     };
-    Ok(Ok(TableShape { payload }))
+    Ok(Ok(TableShape {
+        payload,
+        headers,
+        created_at,
+    }))
 }

@@ -10,30 +10,44 @@ use super::schema::{PayloadType, TableShape};
 #[derive(Debug, Clone)]
 pub struct TableSql {
     /// `ordering = "none"`: lock the oldest pending rows, skipping locked ones.
-    /// `$1` = limit. Returns [`TableSql::row_columns`].
+    /// `$1` = limit. Returns rows as [`RowLayout`] describes.
     pub claim_unordered: String,
-    /// `ordering = "key"`: ids and keys of pending rows after `$1`, at most `$2`, without
-    /// locking, leaving out rows held back by an earlier dead row of their key.
+    /// `ordering = "key"`: order values and keys of pending rows after `$1`, at most `$2`,
+    /// without locking, leaving out rows of the keys `$3` (held by other claimers) and
+    /// rows held back by an earlier dead row of their key.
     pub window: String,
-    /// Locks the rows `$1` that are still pending, skipping locked ones.
-    /// Returns [`TableSql::row_columns`].
+    /// Locks the rows `$1` (order values) that are still pending, skipping locked ones.
+    /// Returns rows as [`RowLayout`] describes.
     pub lock_rows: String,
     /// Deletes the published rows `$1`.
     pub delete: String,
     /// Sets `published_at` on the published rows `$1`.
     pub mark: String,
     /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
-    /// reach `$3` attempts. Returns each row's id and whether it is now dead.
+    /// reach `$3` attempts. Returns each row's order value and whether it is now dead.
     pub record_failures: String,
     /// Whether any row is left that a relay could publish now.
     pub publishable_exists: String,
+    pub layout: RowLayout,
+}
+
+/// The columns a claim returns: order value, key, payload bytes, headers JSON, then the
+/// message id when it is not the order column, the topic template's columns and the
+/// header columns, all as text.
+#[derive(Debug, Clone, Copy)]
+pub struct RowLayout {
+    /// The message id is a column of its own (not the order column).
+    pub message_id: bool,
+    pub topic_columns: usize,
+    pub header_columns: usize,
 }
 
 impl TableSql {
     pub fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
         let t = table.name.quoted();
         let c = &table.columns;
-        let id = c.id.quoted();
+        // The order column is the row's handle everywhere: it is unique (checked).
+        let id = c.order.quoted();
         let key = c.key.quoted();
         let published_at = c.published_at.quoted();
         let dead_at = c.dead_at.quoted();
@@ -43,11 +57,23 @@ impl TableSql {
             PayloadType::Bytea => c.payload.quoted(),
             PayloadType::Text => format!("convert_to({}::text, 'UTF8')", c.payload.quoted()),
         };
-        let mut columns = format!(
-            "{id}::bigint, {key}::text, {payload}, {}::text",
-            c.headers.quoted()
-        );
-        for column in table.topic.columns() {
+        let headers = match &shape.headers {
+            Some(h) => format!("{}::text", h.quoted()),
+            None => "NULL::text".to_owned(),
+        };
+        let layout = RowLayout {
+            message_id: c.id != c.order,
+            topic_columns: table.topic.columns().len(),
+            header_columns: table.header_columns.len(),
+        };
+        let mut columns = format!("{id}::bigint, {key}::text, {payload}, {headers}");
+        let extra = layout
+            .message_id
+            .then_some(&c.id)
+            .into_iter()
+            .chain(table.topic.columns())
+            .chain(table.header_columns.iter().map(|(_, column)| column));
+        for column in extra {
             columns.push_str(&format!(", {}::text", column.quoted()));
         }
         let pending = format!("{published_at} IS NULL AND {dead_at} IS NULL");
@@ -64,7 +90,8 @@ impl TableSql {
             window: format!(
                 "SELECT o.{id}::bigint, o.{key}::text FROM {t} o \
                  WHERE o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{id} > $1 \
-                 AND (o.{key} IS NULL OR {not_held_back}) ORDER BY o.{id} LIMIT $2"
+                 AND (o.{key} IS NULL OR (o.{key}::text <> ALL($3::text[]) AND {not_held_back})) \
+                 ORDER BY o.{id} LIMIT $2"
             ),
             lock_rows: format!(
                 "SELECT {columns} FROM {t} WHERE {id} = ANY($1::bigint[]) AND {pending} \
@@ -85,6 +112,7 @@ impl TableSql {
                 ),
                 Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
             },
+            layout,
         }
     }
 }

@@ -5,7 +5,8 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
+use std::time::{Duration, Instant};
 
 use testkit::{NatsServer, Postgres, StoredMessage};
 
@@ -263,4 +264,54 @@ impl KafkaDelivery {
             .map(|(k, _)| k.clone())
             .collect()
     }
+}
+
+/// Sends signal `name` (e.g. `TERM`) to `child`.
+pub fn signal(child: &Child, name: &str) {
+    let status = std::process::Command::new("kill")
+        .args([&format!("-{name}"), &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
+pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status.code(), start.elapsed());
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("relay did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+    let start = Instant::now();
+    while !done().await {
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, seconds: u64) {
+    wait_until(what, Duration::from_secs(seconds), async || {
+        count(client, "SELECT count(*) FROM public.outbox").await == 0
+    })
+    .await;
+}
+
+/// SIGTERM, then expect exit 0 within 15s.
+pub fn terminate_cleanly(relay: &mut Child) {
+    signal(relay, "TERM");
+    let (code, _) = wait_exit(relay, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+}
+
+pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
+    client.query_one(sql, &[]).await.unwrap().get(0)
 }

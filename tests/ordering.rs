@@ -1,0 +1,184 @@
+//! Per-key order at full parallelism, and fairness: hot keys, several relay processes,
+//! `ordering = "none"`, several tables. Each test runs the built binary against a
+//! throwaway PostgreSQL and nats-server.
+
+mod common;
+
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// Position in the stream (0-based) of each message, by its `key` header.
+fn positions_of(stored: &[testkit::StoredMessage], key: impl Fn(&str) -> bool) -> Vec<usize> {
+    stored
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.header("key").is_some_and(&key))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hot_key_backlog_does_not_starve_other_keys() {
+    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let client = env.client().await;
+    // 20,000 rows of one key first, then 20 rows for each of 20 other keys.
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers)
+             SELECT 'events.hot', 'hot', 'h', '{\"key\":\"hot\"}' FROM generate_series(1, 20000);
+             INSERT INTO public.outbox (topic, key, payload, headers)
+             SELECT 'events.cold', 'c' || (n % 20), 'c', jsonb_build_object('key', 'c' || (n % 20))
+             FROM generate_series(1, 400) n",
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let stored = env.stored().await;
+    assert_eq!(stored.len(), 20_400);
+    let cold = positions_of(&stored, |k| k != "hot");
+    assert_eq!(cold.len(), 400);
+    // The hot key's owner sends one batch of 100 at a time; the other worker takes the
+    // cold keys meanwhile, so they are done long before the hot backlog is.
+    let last_cold = *cold.last().unwrap();
+    eprintln!("last cold row: message {last_cold} of 20,400");
+    assert!(
+        last_cold < 5_000,
+        "the last cold row is message {last_cold} of 20,400: the hot key starved the others"
+    );
+    let delivery = analyse(&stored);
+    assert!(delivery.order_violations().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_run_processes_of_four_workers_keep_key_order_on_twenty_hot_keys() {
+    let env = Env::new("workers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    seed(&client, 6_000, 20, 0).await;
+    let mut relays: Vec<Child> = (0..3)
+        .map(|_| {
+            env.command(&["run"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // More rows of the same twenty keys while the three processes run.
+    for chunk in 0..12 {
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload, headers)
+                 SELECT 'events.' || (n % 3), 'k' || (n % 20), convert_to(n::text, 'UTF8'),
+                        jsonb_build_object('key', 'k' || (n % 20))
+                 FROM generate_series($1::bigint, $1::bigint + 499) n ORDER BY n",
+                &[&(chunk * 500_i64)],
+            )
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_for_empty_outbox(&client, "three relays to empty the outbox", 120).await;
+    for relay in &mut relays {
+        terminate_cleanly(relay);
+    }
+
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 12_000, "every row");
+    assert_eq!(delivery.duplicates(), 0);
+    assert_eq!(delivery.by_key.len(), 20);
+    assert_eq!(
+        delivery.order_violations(),
+        Vec::<String>::new(),
+        "per-key id order"
+    );
+}
+
+/// The most transactions the relay had open at once, sampled while `relay` runs.
+async fn peak_open_transactions(client: &tokio_postgres::Client, relay: &mut Child) -> Vec<i64> {
+    let mut samples = Vec::new();
+    while relay.try_wait().unwrap().is_none() {
+        samples.push(
+            count(
+                client,
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE application_name = 'outbox-relay' AND xact_start IS NOT NULL",
+            )
+            .await,
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    samples
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ordering_none_keeps_all_workers_busy_on_one_hot_key() {
+    let env = Env::new("ordering = \"none\"\nworkers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    // One key: in key mode only one worker at a time could hold it.
+    seed(&client, 30_000, 1, 0).await;
+    let mut relay = env
+        .command(&["drain"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut samples = peak_open_transactions(&client, &mut relay).await;
+    let (code, _) = wait_exit(&mut relay, Duration::from_secs(60));
+    assert_eq!(code, Some(0));
+    samples.sort_unstable();
+    let median = samples[samples.len() / 2];
+    eprintln!(
+        "open relay transactions over {} samples: median {median}, max {}",
+        samples.len(),
+        samples.last().unwrap()
+    );
+    assert!(median >= 3, "median {median} of 4 workers busy");
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 30_000);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_busy_table_does_not_starve_a_quiet_one() {
+    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    env.write_config(
+        "workers = 2\nbatch_size = 100",
+        "[[tables]]\nname = \"public.quiet\"\ntopic = \"{topic}\"\n",
+    );
+    let out = env.relay(&["migrate"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let client = env.client().await;
+    seed(&client, 20_000, 50, 0).await;
+    client
+        .execute(
+            "INSERT INTO public.quiet (topic, key, payload, headers)
+             SELECT 'events.quiet', 'q' || (n % 5), 'q', jsonb_build_object('key', 'q' || (n % 5))
+             FROM generate_series(1, 300) n",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let stored = env.stored().await;
+    assert_eq!(stored.len(), 20_300);
+    let quiet: Vec<usize> = stored
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| {
+            m.header("Nats-Msg-Id")
+                .is_some_and(|id| id.starts_with("public.quiet:"))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(quiet.len(), 300);
+    // Each worker takes one batch per table in turn: the quiet table's three batches are
+    // among the first few of the run, not behind 20,000 busy rows.
+    let last_quiet = *quiet.last().unwrap();
+    eprintln!("last quiet row: message {last_quiet} of 20,300");
+    assert!(last_quiet < 2_000, "last quiet row is message {last_quiet}");
+    assert_eq!(count(&client, "SELECT count(*) FROM public.quiet").await, 0);
+}
