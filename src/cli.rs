@@ -48,6 +48,20 @@ pub enum Command {
     },
     /// Validate the config, reach PostgreSQL and the broker, verify tables and streams
     Check,
+    /// Per table: pending rows and the oldest one's age, failing rows, dead rows
+    Status,
+    /// Clear dead_at and attempts so dead rows are tried again
+    Requeue {
+        /// The table (schema.table); needed when several are configured
+        #[arg(long, value_name = "NAME")]
+        table: Option<String>,
+        /// Ids of dead rows (the order column's values), e.g. --id 17 42
+        #[arg(long = "id", value_name = "N", num_args = 1.., required_unless_present = "all", conflicts_with = "all")]
+        ids: Vec<i64>,
+        /// Every dead row of the table
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 fn parse_duration_arg(text: &str) -> Result<Duration, String> {

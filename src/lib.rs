@@ -14,8 +14,10 @@
 //!   per-key publish order in [`relay::order`].
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`check`]: the `check` command's findings.
+//! - [`admin`]: the `status` and `requeue` commands.
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
 
+pub mod admin;
 pub mod check;
 pub mod cli;
 pub mod config;

@@ -4,12 +4,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use outbox_relay::check;
 use outbox_relay::cli::{Cli, Command, LogFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
 use outbox_relay::source::{describe, migrate, session_config, SessionLimits};
+use outbox_relay::{admin, check};
 
 /// Exit codes, fixed by the contract.
 const EXIT_OK: u8 = 0;
@@ -60,6 +60,55 @@ async fn execute(command: Command, config: Config) -> u8 {
                 EXIT_OK
             }
         }
+        Command::Status => match admin::status(&config).await {
+            Ok(tables) => {
+                for t in &tables {
+                    println!("{t}");
+                }
+                EXIT_OK
+            }
+            Err(e) => admin_error(e),
+        },
+        Command::Requeue { table, ids, all } => {
+            let which = if all {
+                admin::Requeue::All
+            } else {
+                admin::Requeue::Ids(ids)
+            };
+            match admin::requeue(&config, table.as_deref(), which).await {
+                Ok(report) => {
+                    let ids: Vec<String> = report.requeued.iter().map(i64::to_string).collect();
+                    println!(
+                        "{}: requeued {} dead rows{}",
+                        report.table,
+                        ids.len(),
+                        if ids.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" (ids {})", ids.join(", "))
+                        }
+                    );
+                    if !report.not_dead.is_empty() {
+                        let ids: Vec<String> = report.not_dead.iter().map(i64::to_string).collect();
+                        eprintln!(
+                            "warning: {}: not dead-lettered, left as they are: {}",
+                            report.table,
+                            ids.join(", ")
+                        );
+                    }
+                    EXIT_OK
+                }
+                Err(e) => admin_error(e),
+            }
+        }
+    }
+}
+
+fn admin_error(e: admin::AdminError) -> u8 {
+    eprintln!("error: {e}");
+    match e {
+        admin::AdminError::Usage(_) => EXIT_CONFIG,
+        admin::AdminError::Source(_) => EXIT_FAILURE,
     }
 }
 

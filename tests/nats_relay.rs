@@ -312,6 +312,71 @@ async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
     assert_eq!((left[2].0.as_slice(), left[2].2), (&b"5"[..], true));
     let delivery = analyse(&env.stored().await);
     assert_eq!(delivery.counts.len(), 3, "rows 1, 4 and 6 arrived");
+
+    // `status` shows the backlog and names each dead row with its error.
+    let out = env.relay(&["status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{status}");
+    assert!(
+        status.starts_with("public.outbox: 1 pending (oldest "),
+        "{status}"
+    );
+    assert!(
+        status.contains(", 0 failing, 2 dead, 0 kept as published"),
+        "{status}"
+    );
+    assert!(
+        status.contains("dead id 2: 3 attempts, dead since "),
+        "{status}"
+    );
+    assert!(
+        status.contains("headers must be a JSON object of strings"),
+        "{status}"
+    );
+
+    // The operator fixes row 2 and re-queues it: rows 2 and 3 of its key go out in order.
+    client
+        .execute(
+            "UPDATE public.outbox SET headers = '{\"n\": \"2\"}' WHERE id = 2",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["requeue", "--id", "2", "3"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("public.outbox: requeued 1 dead rows (ids 2)"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("not dead-lettered, left as they are: 3"));
+    let out = env.relay(&["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let ids: Vec<String> = env
+        .stored()
+        .await
+        .iter()
+        .map(|m| m.header("Nats-Msg-Id").unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        ids[3..],
+        ["public.outbox:2", "public.outbox:3"],
+        "after rows 1, 4 and 6"
+    );
+    let out = env.relay(&["requeue", "--all"]);
+    assert!(
+        text(&out).contains("requeued 1 dead rows (ids 5)"),
+        "{}",
+        text(&out)
+    );
+    let out = env.relay(&["requeue", "--table", "public.nope", "--all"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out).contains("--table public.nope: not in the config; configured: public.outbox")
+    );
+    let out = env.relay(&["requeue"]);
+    assert_eq!(out.status.code(), Some(2), "--id or --all is required");
 }
 
 #[tokio::test(flavor = "multi_thread")]

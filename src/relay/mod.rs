@@ -120,7 +120,7 @@ impl Shared {
 
 /// How long the relay keeps a transaction open at most besides publishing: claim,
 /// mark and commit each take one statement deadline at most.
-fn session_limits(config: &Config) -> SessionLimits {
+pub fn session_limits(config: &Config) -> SessionLimits {
     SessionLimits {
         statement_timeout: config.postgres.statement_timeout,
         lock_timeout: Duration::from_secs(5).min(config.postgres.statement_timeout),
@@ -178,7 +178,8 @@ pub async fn prepare_tables(
     .await
 }
 
-async fn try_prepare_tables(
+/// Checks every table once and returns its statements; no retries.
+pub async fn try_prepare_tables(
     source: &Source,
     config: &Config,
 ) -> Result<Vec<TablePlan>, SourceError> {

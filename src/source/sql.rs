@@ -28,6 +28,17 @@ pub struct TableSql {
     pub record_failures: String,
     /// Whether any row is left that a relay could publish now.
     pub publishable_exists: String,
+    /// `status`: pending, failing (pending with attempts), dead and kept-published
+    /// counts, and the oldest pending row's age in seconds (NULL without `created_at`).
+    pub status: String,
+    /// `status`: the oldest dead rows, at most `$1`: order value, attempts, dead_at as
+    /// text, last_error.
+    pub dead_rows: String,
+    /// `requeue --id`: clears dead_at and attempts of the dead rows `$1`; returns their
+    /// order values.
+    pub requeue_ids: String,
+    /// `requeue --all`: the same for every dead row.
+    pub requeue_all: String,
     pub layout: RowLayout,
 }
 
@@ -112,6 +123,34 @@ impl TableSql {
                 ),
                 Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
             },
+            status: format!(
+                "SELECT count(*) FILTER (WHERE {pending}), \
+                 count(*) FILTER (WHERE {pending} AND {attempts} > 0), \
+                 count(*) FILTER (WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL), \
+                 count(*) FILTER (WHERE {published_at} IS NOT NULL), \
+                 {} FROM {t}",
+                match &shape.created_at {
+                    Some(c) => format!(
+                        "extract(epoch FROM now() - min({}) FILTER (WHERE {pending}))::float8",
+                        c.quoted()
+                    ),
+                    None => "NULL::float8".to_owned(),
+                }
+            ),
+            dead_rows: format!(
+                "SELECT {id}::bigint, {attempts}::bigint, {dead_at}::text, {last_error}::text \
+                 FROM {t} WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL \
+                 ORDER BY {id} LIMIT $1"
+            ),
+            requeue_ids: format!(
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \
+                 WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
+                 AND {published_at} IS NULL RETURNING {id}::bigint"
+            ),
+            requeue_all: format!(
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \
+                 WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
+            ),
             layout,
         }
     }
