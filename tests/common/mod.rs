@@ -315,3 +315,40 @@ pub fn terminate_cleanly(relay: &mut Child) {
 pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
+
+/// The independent checker: what the table held against what the stream stores.
+#[derive(Debug, Default)]
+pub struct Audit {
+    /// Inserted ids that never arrived.
+    pub lost: Vec<i64>,
+    /// Stored ids that were never inserted.
+    pub phantoms: Vec<String>,
+    /// Messages stored more than once (beyond the first).
+    pub duplicates: usize,
+    /// Keys whose first occurrences are not in id order.
+    pub order_violations: Vec<String>,
+}
+
+/// Compares `inserted` ids of `public.outbox` with the stream's messages.
+pub fn audit(inserted: &[i64], stored: &[StoredMessage]) -> Audit {
+    let delivery = analyse(stored);
+    let expected: std::collections::HashSet<String> = inserted
+        .iter()
+        .map(|id| format!("public.outbox:{id}"))
+        .collect();
+    Audit {
+        lost: inserted
+            .iter()
+            .filter(|id| !delivery.counts.contains_key(&format!("public.outbox:{id}")))
+            .copied()
+            .collect(),
+        phantoms: delivery
+            .counts
+            .keys()
+            .filter(|id| !expected.contains(*id))
+            .cloned()
+            .collect(),
+        duplicates: delivery.duplicates(),
+        order_violations: delivery.order_violations(),
+    }
+}

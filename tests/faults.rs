@@ -1,0 +1,189 @@
+//! Fault injection, end to end: the relay binary killed with SIGKILL at random moments,
+//! PostgreSQL stopped in immediate mode and restarted, nats-server killed and restarted,
+//! a poison row among good ones, a long transaction holding an outbox row's lock. After
+//! each, an independent audit compares the rows inserted with what the stream holds.
+//! (Kafka broker faults: tests/kafka_mock.rs.)
+
+mod common;
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn start_run(env: &Env) -> Child {
+    env.command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+async fn pending(client: &tokio_postgres::Client) -> i64 {
+    count(client, "SELECT count(*) FROM public.outbox").await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
+    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let client = env.client().await;
+    seed(&client, 40_000, 100, 20).await;
+    let inserted = ids(&client).await;
+
+    for kill in 1..=5 {
+        let mut relay = start_run(&env);
+        let pause = Duration::from_millis(rand::random_range(150..600));
+        tokio::time::sleep(pause).await;
+        relay.kill().unwrap(); // SIGKILL: no drain, no rollback from the client side
+        relay.wait().unwrap();
+        eprintln!(
+            "kill {kill} after {pause:?}: {} rows left",
+            pending(&client).await
+        );
+    }
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let audit = audit(&inserted, &env.stored().await);
+    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
+    assert!(audit.phantoms.is_empty(), "{:?}", audit.phantoms);
+    // JetStream drops re-sends inside its duplicate window, so even the rows in flight
+    // at each kill are stored once.
+    assert_eq!(audit.duplicates, 0);
+    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+    assert_eq!(pending(&client).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
+    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    seed(&client, 30_000, 50, 0).await;
+    let inserted = ids(&client).await;
+    drop(client);
+
+    let mut relay = start_run(&env);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    env.pg.stop_immediate();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    env.pg.restart().unwrap();
+    let client = env.client().await;
+    let left_at_restart = pending(&client).await;
+    assert!(left_at_restart > 0, "the outage must come mid-stream");
+    wait_for_empty_outbox(&client, "the relay to finish after the restart", 60).await;
+    terminate_cleanly(&mut relay);
+
+    let audit = audit(&inserted, &env.stored().await);
+    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
+    assert!(audit.phantoms.is_empty());
+    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_table() {
+    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    seed(&client, 30_000, 50, 0).await;
+    let inserted = ids(&client).await;
+
+    let mut relay = start_run(&env);
+    wait_until("the stream to start", Duration::from_secs(30), async || {
+        pending(&client).await < 28_000
+    })
+    .await;
+    env.nats.kill();
+    let during = pending(&client).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(pending(&client).await, during, "nothing is deleted while NATS is down");
+    assert!(during > 0, "the outage must come mid-stream");
+    env.nats.start_again().unwrap();
+    let back = Instant::now();
+    wait_for_empty_outbox(&client, "the relay to finish after NATS is back", 90).await;
+    eprintln!("table empty {:?} after NATS came back", back.elapsed());
+    terminate_cleanly(&mut relay);
+
+    let audit = audit(&inserted, &env.stored().await);
+    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
+    assert!(audit.phantoms.is_empty());
+    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_waits() {
+    let env = Env::new("workers = 2\nbatch_size = 100\nmax_attempts = 3").await;
+    let client = env.client().await;
+    seed(&client, 1_000, 20, 0).await;
+    let poison: i64 = client
+        .query_one(
+            "INSERT INTO public.outbox (topic, key, payload, headers)
+             VALUES ('events.0', 'k5', convert_to(repeat('x', 2000000), 'UTF8'),
+                     '{\"key\":\"k5\"}') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    seed(&client, 1_000, 20, 0).await; // 50 more rows of k5 after the poison row
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let row = client
+        .query_one(
+            "SELECT attempts, dead_at IS NOT NULL, last_error FROM public.outbox WHERE id = $1",
+            &[&poison],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i32>(0), 3);
+    assert!(row.get::<_, bool>(1), "dead-lettered");
+    let error: String = row.get(2);
+    assert!(error.contains("max_payload"), "{error}");
+    let waiting: Vec<i64> = client
+        .query(
+            "SELECT id FROM public.outbox WHERE id > $1 AND dead_at IS NULL ORDER BY id",
+            &[&poison],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(waiting.len(), 50, "the later rows of k5 wait behind it");
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.counts.len(), 2_000 - 50, "every other row arrived");
+    assert!(delivery.order_violations().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
+    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let client = env.client().await;
+    seed(&client, 2_000, 10, 0).await;
+    let inserted = ids(&client).await;
+    // Someone holds the lock on k3's first row (an admin session, a stuck migration).
+    let mut holder = env.client().await;
+    let tx = holder.transaction().await.unwrap();
+    tx.execute(
+        "SELECT 1 FROM public.outbox WHERE id = (SELECT min(id) FROM public.outbox WHERE key = 'k3') FOR UPDATE",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    let mut relay = start_run(&env);
+    wait_until("the other keys to drain", Duration::from_secs(30), async || {
+        pending(&client).await == 200
+    })
+    .await;
+    // While the lock is held, k3 (200 rows) waits whole; nothing else does.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(pending(&client).await, 200);
+    tx.rollback().await.unwrap();
+    wait_for_empty_outbox(&client, "k3 after the lock is released", 30).await;
+    terminate_cleanly(&mut relay);
+
+    let audit = audit(&inserted, &env.stored().await);
+    assert!(audit.lost.is_empty());
+    assert_eq!(audit.duplicates, 0);
+    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+}
