@@ -50,7 +50,11 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
     // JetStream drops re-sends inside its duplicate window, so even the rows in flight
     // at each kill are stored once.
     assert_eq!(audit.duplicates, 0);
-    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+    assert!(
+        audit.order_violations.is_empty(),
+        "{:?}",
+        audit.order_violations
+    );
     assert_eq!(pending(&client).await, 0);
 }
 
@@ -76,12 +80,17 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
     let audit = audit(&inserted, &env.stored().await);
     assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
     assert!(audit.phantoms.is_empty());
-    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+    assert!(
+        audit.order_violations.is_empty(),
+        "{:?}",
+        audit.order_violations
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_table() {
     let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    env.set_timeouts("1s", "10s");
     let client = env.client().await;
     seed(&client, 30_000, 50, 0).await;
     let inserted = ids(&client).await;
@@ -93,8 +102,27 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     .await;
     env.nats.kill();
     let during = pending(&client).await;
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    assert_eq!(pending(&client).await, during, "nothing is deleted while NATS is down");
+    // The first batches fail at the 1s publish timeout and open the circuit; from then
+    // on no worker claims (no transaction, no row lock) until a probe reaches NATS.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let outage_end = Instant::now() + Duration::from_secs(3);
+    let mut open_transactions = 0;
+    while Instant::now() < outage_end {
+        open_transactions += count(
+            &client,
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE application_name = 'outbox-relay' AND xact_start IS NOT NULL",
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("open relay transactions sampled during the outage: {open_transactions}");
+    assert_eq!(open_transactions, 0, "workers claimed while NATS was down");
+    assert_eq!(
+        pending(&client).await,
+        during,
+        "nothing is deleted while NATS is down"
+    );
     assert!(during > 0, "the outage must come mid-stream");
     env.nats.start_again().unwrap();
     let back = Instant::now();
@@ -105,7 +133,11 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     let audit = audit(&inserted, &env.stored().await);
     assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
     assert!(audit.phantoms.is_empty());
-    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+    assert!(
+        audit.order_violations.is_empty(),
+        "{:?}",
+        audit.order_violations
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -171,9 +203,11 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
     .unwrap();
 
     let mut relay = start_run(&env);
-    wait_until("the other keys to drain", Duration::from_secs(30), async || {
-        pending(&client).await == 200
-    })
+    wait_until(
+        "the other keys to drain",
+        Duration::from_secs(30),
+        async || pending(&client).await == 200,
+    )
     .await;
     // While the lock is held, k3 (200 rows) waits whole; nothing else does.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -185,5 +219,9 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
     let audit = audit(&inserted, &env.stored().await);
     assert!(audit.lost.is_empty());
     assert_eq!(audit.duplicates, 0);
-    assert!(audit.order_violations.is_empty(), "{:?}", audit.order_violations);
+    assert!(
+        audit.order_violations.is_empty(),
+        "{:?}",
+        audit.order_violations
+    );
 }

@@ -5,6 +5,7 @@
 //! way, stopping means: stop claiming, let in-flight batches commit, flush the sink. If
 //! the deadline (`abort`) comes first, in-flight batches roll back and the report says so.
 
+pub mod breaker;
 mod message;
 pub mod order;
 mod worker;
@@ -81,6 +82,7 @@ struct Shared {
     aborted: AtomicBool,
     fatal: Mutex<Option<String>>,
     stats: Stats,
+    breaker: breaker::Breaker,
 }
 
 impl Shared {
@@ -243,6 +245,7 @@ pub async fn run_with_sink(
         aborted: AtomicBool::new(false),
         fatal: Mutex::new(None),
         stats: Stats::default(),
+        breaker: breaker::Breaker::default(),
     });
     tracing::info!(
         tables = shared.tables.len(),
@@ -263,6 +266,11 @@ pub async fn run_with_sink(
         shared.wake.clone(),
         shutdown.stop_token().clone(),
     ));
+    {
+        let shared = shared.clone();
+        let stop = shutdown.stop_token().clone();
+        tracker.spawn(async move { shared.breaker.run_prober(&shared.sink, stop).await });
+    }
     for id in 0..config.relay.workers {
         tracker.spawn(
             worker::Worker {

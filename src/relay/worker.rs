@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::breaker::BreakerState;
 use super::order::{publish_in_order, RowOutcome};
 use super::{message::to_message, Shared, TablePlan};
 use crate::config::{OnPublish, Ordering};
@@ -42,7 +43,10 @@ enum Batch {
     Empty,
     /// Claimed, published what it could, committed. `trouble` is set when some rows failed
     /// for a transient reason: the worker backs off before claiming again.
-    Done { trouble: Option<SinkError> },
+    Done {
+        trouble: Option<SinkError>,
+        published: usize,
+    },
     /// `stop` fired during the claim: nothing was claimed.
     Stopped,
     /// `abort` fired with rows in flight: rolled back.
@@ -58,10 +62,17 @@ impl Worker {
     pub async fn run(self) {
         let shared = &self.shared;
         let stop = shared.shutdown.stop_token().clone();
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         let tables = shared.tables.len();
         let mut next = self.id % tables;
         while !stop.is_cancelled() {
+            // While the broker is down nobody claims (see `breaker`).
+            if shared.breaker.state() == BreakerState::Open {
+                if !shared.breaker.wait_closed(&stop).await {
+                    return;
+                }
+                backoff.reset();
+            }
             // Registered before the claim, so a NOTIFY during the claim is not missed.
             let notified = shared.wake.notified();
             tokio::pin!(notified);
@@ -73,9 +84,16 @@ impl Worker {
                 let t = (next + k) % tables;
                 match self.relay_batch(&shared.tables[t]).await {
                     Ok(Batch::Empty) => continue,
-                    Ok(Batch::Done { trouble: t_err }) => {
+                    Ok(Batch::Done {
+                        trouble: t_err,
+                        published,
+                    }) => {
                         worked = true;
                         next = (t + 1) % tables; // the next cycle starts at another table
+                        match (&t_err, published) {
+                            (Some(e), 0) => shared.breaker.record_failure(&e.message),
+                            _ => shared.breaker.record_success(),
+                        }
                         trouble = t_err.map(|e| e.message);
                         break;
                     }
@@ -95,6 +113,9 @@ impl Worker {
                 }
             }
             if let Some(error) = trouble {
+                if shared.breaker.state() == BreakerState::Open {
+                    continue; // the breaker's prober decides when to try again
+                }
                 let pause = backoff.next_pause();
                 tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Publishing failed; backing off");
                 tokio::select! {
@@ -250,7 +271,10 @@ impl Worker {
             elapsed = ?started.elapsed(),
             "Batch committed"
         );
-        Ok(Batch::Done { trouble })
+        Ok(Batch::Done {
+            trouble,
+            published: published.len(),
+        })
     }
 }
 
