@@ -31,8 +31,18 @@ const FATAL_SQLSTATES: &[&str] = &[
 /// else (connection loss, statement timeout, serialization failure, shutdown) is transient.
 pub fn classify_postgres(e: &tokio_postgres::Error) -> ErrorClass {
     match e.code() {
-        Some(code) if FATAL_SQLSTATES.contains(&code.code()) => ErrorClass::Fatal,
-        _ => ErrorClass::Transient,
+        Some(code) => classify_sqlstate(code.code()),
+        None => ErrorClass::Transient, // I/O: connection refused, reset, closed
+    }
+}
+
+/// The class of a SQLSTATE: [`FATAL_SQLSTATES`] are fatal, every other code (shutdown,
+/// statement or lock timeout, serialization failure, too many connections) transient.
+pub fn classify_sqlstate(code: &str) -> ErrorClass {
+    if FATAL_SQLSTATES.contains(&code) {
+        ErrorClass::Fatal
+    } else {
+        ErrorClass::Transient
     }
 }
 
@@ -44,6 +54,29 @@ mod tests {
     fn fatal_sqlstates_are_well_formed() {
         for code in FATAL_SQLSTATES {
             assert_eq!(code.len(), 5, "{code}");
+        }
+    }
+
+    #[test]
+    fn sqlstates_map_to_classes() {
+        use ErrorClass::*;
+        for (code, class, what) in [
+            ("57P01", Transient, "admin_shutdown (server restarting)"),
+            ("57P03", Transient, "cannot_connect_now (starting up)"),
+            ("53300", Transient, "too_many_connections"),
+            ("57014", Transient, "query_canceled (statement_timeout)"),
+            ("55P03", Transient, "lock_not_available (lock_timeout)"),
+            ("40001", Transient, "serialization_failure"),
+            ("40P01", Transient, "deadlock_detected"),
+            ("25P03", Transient, "idle_in_transaction_session_timeout"),
+            ("08006", Transient, "connection_failure"),
+            ("28P01", Fatal, "invalid_password"),
+            ("42501", Fatal, "insufficient_privilege"),
+            ("42P01", Fatal, "undefined_table"),
+            ("42703", Fatal, "undefined_column"),
+            ("3D000", Fatal, "database does not exist"),
+        ] {
+            assert_eq!(classify_sqlstate(code), class, "{code} {what}");
         }
     }
 }

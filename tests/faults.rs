@@ -101,10 +101,10 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     })
     .await;
     env.nats.kill();
-    let during = pending(&client).await;
     // The first batches fail at the 1s publish timeout and open the circuit; from then
     // on no worker claims (no transaction, no row lock) until a probe reaches NATS.
     tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = pending(&client).await;
     let outage_end = Instant::now() + Duration::from_secs(3);
     let mut open_transactions = 0;
     while Instant::now() < outage_end {
@@ -224,4 +224,57 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
         "{:?}",
         audit.order_violations
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_database_connection_is_discarded_not_reused() {
+    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let config = std::fs::read_to_string(&env.config).unwrap().replace(
+        "pool_size = 16",
+        "pool_size = 16\nstatement_timeout = \"2s\"",
+    );
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    let mut relay = start_run(&env);
+    wait_until(
+        "the relay's sessions",
+        Duration::from_secs(10),
+        async || {
+            count(
+                &client,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
+            )
+            .await
+                >= 2
+        },
+    )
+    .await;
+    // Freeze every server process the relay is connected to: its connections stay open
+    // and never answer again, like a peer behind a dead network path.
+    let frozen: Vec<i32> = client
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    for pid in &frozen {
+        signal_pid(*pid, "STOP");
+    }
+    seed(&client, 1_000, 10, 0).await;
+    let started = Instant::now();
+    wait_for_empty_outbox(&client, "the relay to move to fresh connections", 40).await;
+    eprintln!(
+        "{} frozen backends; rows relayed {:?} after the freeze",
+        frozen.len(),
+        started.elapsed()
+    );
+    for pid in &frozen {
+        signal_pid(*pid, "CONT");
+    }
+    terminate_cleanly(&mut relay);
+    assert_eq!(analyse(&env.stored().await).counts.len(), 1_000);
 }

@@ -99,18 +99,25 @@ impl Shared {
             return false;
         }
         let check = async {
-            let session = self.source.session().await?;
-            for table in &self.tables {
-                let row = session
-                    .query_one(&table.sql.publishable_exists, &[])
-                    .await?;
-                if row.get::<_, bool>(0) {
-                    return Ok(false);
-                }
-            }
-            Ok::<_, SourceError>(self.active.load(Relaxed) == 0)
+            let session = self.source.bounded(self.source.session()).await?;
+            let result = self
+                .source
+                .bounded(async {
+                    for table in &self.tables {
+                        let row = session
+                            .query_one(&table.sql.publishable_exists, &[])
+                            .await?;
+                        if row.get::<_, bool>(0) {
+                            return Ok(false);
+                        }
+                    }
+                    Ok(self.active.load(Relaxed) == 0)
+                })
+                .await;
+            Source::release(session, result.as_ref().err());
+            result
         };
-        match self.source.bounded(check).await {
+        match check.await {
             Ok(done) => done,
             Err(e) => {
                 tracing::warn!(error = %e, "Could not check for remaining rows");

@@ -17,7 +17,7 @@ use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
 use crate::sink::SinkError;
 use crate::source::claim::claim_batch;
-use crate::source::SourceError;
+use crate::source::{Source, SourceError};
 
 /// Why a batch could not run; each maps to retry-later or stop-the-process.
 #[derive(Debug, thiserror::Error)]
@@ -144,7 +144,6 @@ impl Worker {
     async fn relay_batch(&self, table: &TablePlan) -> Result<Batch, WorkerError> {
         let shared = &self.shared;
         let stop = shared.shutdown.stop_token();
-        let abort = shared.shutdown.abort_token();
         let _active = ActiveGuard::enter(shared);
 
         let mut session = tokio::select! {
@@ -152,6 +151,24 @@ impl Worker {
             _ = stop.cancelled() => return Ok(Batch::Stopped),
             s = shared.source.session() => s?,
         };
+        let result = self.batch_on(&mut session, table).await;
+        // A session that timed out or broke mid-statement is never handed to the next batch.
+        let error = match &result {
+            Err(WorkerError::Source(e)) => Some(e),
+            _ => None,
+        };
+        Source::release(session, error);
+        result
+    }
+
+    async fn batch_on(
+        &self,
+        session: &mut deadpool_postgres::Object,
+        table: &TablePlan,
+    ) -> Result<Batch, WorkerError> {
+        let shared = &self.shared;
+        let stop = shared.shutdown.stop_token();
+        let abort = shared.shutdown.abort_token();
         let claim = async {
             let tx = session.transaction().await?;
             let rows = claim_batch(

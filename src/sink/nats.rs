@@ -9,6 +9,7 @@ use async_nats::{HeaderMap, ServerAddr};
 
 use super::{scrub, Message, SinkError};
 use crate::config::NatsConfig;
+use crate::error::ErrorClass;
 
 /// The header JetStream de-duplicates on.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
@@ -130,29 +131,44 @@ impl NatsSink {
         e: &async_nats::jetstream::context::PublishError,
     ) -> SinkError {
         let text = scrub(&e.to_string(), &self.secrets);
-        match e.kind() {
-            PublishErrorKind::MaxPayloadExceeded => SinkError::bad_row(text),
+        let code = std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+            .map(|js| js.error_code().0);
+        match classify_publish(e.kind(), code) {
+            ErrorClass::BadRow => SinkError::bad_row(text),
+            ErrorClass::Fatal => SinkError::fatal(text),
             // A missing stream is an operator's to fix, not the row's fault: never let it
             // dead-letter every row; retry until a stream exists.
-            PublishErrorKind::StreamNotFound => SinkError::transient(format!(
-                "no JetStream stream captures subject {subject:?}: create one \
-                 (`outbox-relay check` lists what is missing)"
-            )),
-            PublishErrorKind::Other => {
-                let code = std::error::Error::source(e)
-                    .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
-                    .map(|js| js.error_code().0);
-                if code == Some(JS_MESSAGE_SIZE_EXCEEDS) {
-                    SinkError::bad_row(text)
-                } else {
-                    SinkError::transient(text)
-                }
+            ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
+                SinkError::transient(format!(
+                    "no JetStream stream captures subject {subject:?}: create one \
+                     (`outbox-relay check` lists what is missing)"
+                ))
             }
-            _ => SinkError::transient(text),
+            ErrorClass::Transient => SinkError::transient(text),
         }
     }
 
+    /// Connected, and JetStream answers a request (`$JS.API.INFO`): a full round trip
+    /// through the server, not just a socket write. The reply is not parsed: any answer
+    /// means JetStream is serving (no responders, or none in time, means it is not).
     pub async fn healthcheck(&self) -> Result<(), SinkError> {
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            return Err(SinkError::transient("not connected to NATS"));
+        }
+        let request = self.client.request("$JS.API.INFO", bytes::Bytes::new());
+        match tokio::time::timeout(Duration::from_secs(2), request).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::transient(format!(
+                "JetStream did not answer: {}",
+                scrub(&e.to_string(), &self.secrets)
+            ))),
+            Err(_) => Err(SinkError::transient("JetStream did not answer within 2s")),
+        }
+    }
+
+    /// Flushes what the client still buffers.
+    pub async fn close(&self) -> Result<(), SinkError> {
         match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(SinkError::transient(format!(
@@ -161,10 +177,6 @@ impl NatsSink {
             ))),
             Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
         }
-    }
-
-    pub async fn close(&self) -> Result<(), SinkError> {
-        self.healthcheck().await
     }
 }
 
@@ -189,6 +201,16 @@ fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), 
         addrs.push(addr);
     }
     Ok((addrs, secrets))
+}
+
+/// The class of a JetStream publish failure: the row's own size is its fault; a missing
+/// stream, a timeout, a lost connection or a broker error are the broker's (retried).
+pub fn classify_publish(kind: PublishErrorKind, js_code: Option<u64>) -> ErrorClass {
+    match kind {
+        PublishErrorKind::MaxPayloadExceeded => ErrorClass::BadRow,
+        PublishErrorKind::Other if js_code == Some(JS_MESSAGE_SIZE_EXCEEDS) => ErrorClass::BadRow,
+        _ => ErrorClass::Transient,
+    }
 }
 
 /// A subject a message may be published to: dot-separated tokens, none empty, no
@@ -223,6 +245,26 @@ mod tests {
         assert!(check_subject("orders.created").is_ok());
         for bad in ["", "a..b", ".a", "a.", "a b", "a.*", "a.>", "a\tb"] {
             assert!(check_subject(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn publish_errors_map_to_classes() {
+        use ErrorClass::*;
+        for (kind, code, class) in [
+            (PublishErrorKind::MaxPayloadExceeded, None, BadRow),
+            (
+                PublishErrorKind::Other,
+                Some(JS_MESSAGE_SIZE_EXCEEDS),
+                BadRow,
+            ),
+            (PublishErrorKind::Other, Some(10_077), Transient), // maximum messages exceeded
+            (PublishErrorKind::StreamNotFound, None, Transient),
+            (PublishErrorKind::TimedOut, None, Transient),
+            (PublishErrorKind::BrokenPipe, None, Transient),
+            (PublishErrorKind::WrongLastSequence, None, Transient),
+        ] {
+            assert_eq!(classify_publish(kind, code), class, "{kind:?} {code:?}");
         }
     }
 

@@ -34,6 +34,16 @@ pub enum SourceError {
 }
 
 impl SourceError {
+    /// Whether the connection that raised this may be half-dead (a client-side timeout,
+    /// an I/O error) and must be discarded rather than returned to the pool.
+    pub fn connection_suspect(&self) -> bool {
+        match self {
+            SourceError::Timeout(_) => true,
+            SourceError::Db(e) => e.code().is_none(),
+            SourceError::Pool(_) | SourceError::Schema(_) => false,
+        }
+    }
+
     pub fn class(&self) -> ErrorClass {
         match self {
             SourceError::Db(e) => classify_postgres(e),
@@ -144,6 +154,14 @@ impl Source {
     /// A session from the pool.
     pub async fn session(&self) -> Result<deadpool_postgres::Object, SourceError> {
         Ok(self.pool.get().await?)
+    }
+
+    /// Returns `session` to the pool, or discards it when `error` says the connection may
+    /// be half-dead (a timed-out statement may still be running on it, or never end).
+    pub fn release(session: deadpool_postgres::Object, error: Option<&SourceError>) {
+        if error.is_some_and(SourceError::connection_suspect) {
+            drop(deadpool_postgres::Object::take(session));
+        }
     }
 
     /// Client-side deadline for one statement: the server's plus a margin for the network.

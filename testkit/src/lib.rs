@@ -35,8 +35,9 @@ fn scratch_dir(kind: &str) -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Makes the child receive SIGKILL when the thread that spawned it exits.
-fn die_with_parent(cmd: &mut Command) {
+/// Makes the child receive SIGKILL when the thread that spawned it exits (so a failed
+/// test leaves no process behind).
+pub fn die_with_parent(cmd: &mut Command) {
     // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
     unsafe {
         cmd.pre_exec(|| {

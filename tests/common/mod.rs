@@ -121,6 +121,7 @@ drain_timeout = "10s"
         let mut cmd = Command::new(BIN);
         cmd.args(args).arg("--config").arg(&self.config);
         cmd.env_remove("RUST_LOG");
+        testkit::die_with_parent(&mut cmd);
         cmd
     }
 
@@ -268,8 +269,13 @@ impl KafkaDelivery {
 
 /// Sends signal `name` (e.g. `TERM`) to `child`.
 pub fn signal(child: &Child, name: &str) {
+    signal_pid(child.id() as i32, name);
+}
+
+/// Sends signal `name` to process `pid`.
+pub fn signal_pid(pid: i32, name: &str) {
     let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &child.id().to_string()])
+        .args([&format!("-{name}"), &pid.to_string()])
         .status()
         .unwrap();
     assert!(status.success());
