@@ -15,6 +15,7 @@
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`check`]: the `check` command's findings.
 //! - [`admin`]: the `status` and `requeue` commands.
+//! - [`ops`]: metrics, `/healthz` `/readyz`, systemd notifications.
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
 
 pub mod admin;
@@ -22,6 +23,7 @@ pub mod check;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod ops;
 pub mod relay;
 pub mod shutdown;
 pub mod sink;

@@ -90,6 +90,11 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_table() {
     let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let metrics = format!("127.0.0.1:{}", testkit::free_port());
+    env.write_config(
+        "workers = 4\nbatch_size = 100",
+        &format!("[http]\nlisten = \"{metrics}\"\n"),
+    );
     env.set_timeouts("1s", "10s");
     let client = env.client().await;
     seed(&client, 30_000, 50, 0).await;
@@ -101,23 +106,32 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     })
     .await;
     env.nats.kill();
+    let killed = Instant::now();
     // The first batches fail at the 1s publish timeout and open the circuit; from then
     // on no worker claims (no transaction, no row lock) until a probe reaches NATS.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait_until("the circuit to open", Duration::from_secs(10), async || {
+        http_get(&metrics, "/metrics")
+            .is_ok_and(|(_, m)| m.contains("outbox_relay_circuit_open{sink=\"nats\"} 1"))
+    })
+    .await;
+    eprintln!("circuit open {:?} after the kill", killed.elapsed());
     let during = pending(&client).await;
-    let outage_end = Instant::now() + Duration::from_secs(3);
-    let mut open_transactions = 0;
-    while Instant::now() < outage_end {
-        open_transactions += count(
+    let mut claims = 0;
+    let sampling = Instant::now();
+    while killed.elapsed() < Duration::from_secs(6) || sampling.elapsed() < Duration::from_secs(2) {
+        // A claim shows as a FOR UPDATE statement, then as a session idle in transaction
+        // while it publishes. (The readiness probe's SELECT 1 is neither.)
+        claims += count(
             &client,
             "SELECT count(*) FROM pg_stat_activity
-             WHERE application_name = 'outbox-relay' AND xact_start IS NOT NULL",
+             WHERE application_name = 'outbox-relay'
+               AND (state = 'idle in transaction' OR query ILIKE '%for update%')",
         )
         .await;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    eprintln!("open relay transactions sampled during the outage: {open_transactions}");
-    assert_eq!(open_transactions, 0, "workers claimed while NATS was down");
+    eprintln!("relay claim transactions sampled while the circuit was open: {claims}");
+    assert_eq!(claims, 0, "workers claimed while NATS was down");
     assert_eq!(
         pending(&client).await,
         during,

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::worker::Backoff;
+use crate::ops::Health;
 use crate::sink::Sink;
 
 /// Consecutive failed batches that open the circuit.
@@ -94,8 +95,9 @@ impl Breaker {
         }
     }
 
-    /// Probes `sink` whenever the circuit is open, until `stop`.
-    pub async fn run_prober(&self, sink: &Sink, stop: CancellationToken) {
+    /// Probes `sink` whenever the circuit is open, until `stop`. Each probe counts as a
+    /// loop going round for liveness.
+    pub async fn run_prober(&self, sink: &Sink, health: &Health, stop: CancellationToken) {
         let mut rx = self.state.subscribe();
         let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
         loop {
@@ -108,6 +110,7 @@ impl Breaker {
                 _ = tokio::time::sleep(pause) => {}
                 _ = stop.cancelled() => return,
             }
+            health.alive();
             match sink.healthcheck().await {
                 Ok(()) => {
                     self.failures.store(0, Relaxed);

@@ -15,10 +15,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, RelayConfig, TableConfig};
 use crate::error::ErrorClass;
+use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
 use crate::source::schema;
@@ -83,6 +85,7 @@ struct Shared {
     fatal: Mutex<Option<String>>,
     stats: Stats,
     breaker: breaker::Breaker,
+    ops: Arc<Ops>,
 }
 
 impl Shared {
@@ -123,6 +126,100 @@ impl Shared {
                 tracing::warn!(error = %e, "Could not check for remaining rows");
                 false
             }
+        }
+    }
+}
+
+/// `drain` on a terminal: one live line on stderr with rows published, the rate over the
+/// last second and the backlog left (as of the last gauge refresh).
+async fn progress(shared: Arc<Shared>, done: CancellationToken) {
+    use std::io::Write;
+    let started = Instant::now();
+    let mut last = (Instant::now(), 0u64);
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => break,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let published = shared.stats.published.load(Relaxed);
+        let rate = (published - last.1) as f64 / last.0.elapsed().as_secs_f64();
+        last = (Instant::now(), published);
+        let backlog: i64 = shared
+            .tables
+            .iter()
+            .map(|t| {
+                let label = ops::metrics::TableLabel {
+                    table: t.config.name.to_string(),
+                };
+                shared.ops.metrics.backlog.get_or_create(&label).get()
+            })
+            .sum();
+        eprint!(
+            "\r\x1b[2Kdraining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
+            started.elapsed().as_secs_f64()
+        );
+        let _ = std::io::stderr().flush();
+    }
+    eprint!("\r\x1b[2K");
+}
+
+/// Every [`ops::PROBE_INTERVAL`]: is PostgreSQL reachable, is the broker; the circuit
+/// gauges; and every [`ops::GAUGE_INTERVAL`] the backlog gauges, from the pending index.
+async fn probe(shared: Arc<Shared>, done: CancellationToken) {
+    let ops = &shared.ops;
+    let sink = shared.sink.name().to_owned();
+    let sink_label = ops::metrics::SinkLabel { sink: sink.clone() };
+    let mut opened_seen = 0;
+    let mut gauges_due = Instant::now();
+    loop {
+        let limit = Duration::from_secs(2);
+        let postgres = shared.source.ping(limit).await.is_ok();
+        let broker = shared.breaker.state() == breaker::BreakerState::Closed
+            && matches!(
+                tokio::time::timeout(limit, shared.sink.healthcheck()).await,
+                Ok(Ok(()))
+            );
+        ops.health.set_reachable(postgres, broker);
+        ops.metrics
+            .ready
+            .set(i64::from(ops.health.readiness().is_ok()));
+        let open = shared.breaker.state() == breaker::BreakerState::Open;
+        ops.metrics
+            .circuit_open
+            .get_or_create(&sink_label)
+            .set(i64::from(open));
+        let opened = shared.breaker.times_opened();
+        ops.metrics
+            .circuit_opened
+            .get_or_create(&sink_label)
+            .inc_by(opened - opened_seen);
+        opened_seen = opened;
+
+        if postgres && Instant::now() >= gauges_due {
+            gauges_due = Instant::now() + ops::GAUGE_INTERVAL;
+            for table in &shared.tables {
+                let label = ops::metrics::TableLabel {
+                    table: table.config.name.to_string(),
+                };
+                let read = shared.source.bounded(async {
+                    let session = shared.source.session().await?;
+                    Ok(session.query_one(&table.sql.backlog, &[]).await?)
+                });
+                match read.await {
+                    Ok(row) => {
+                        ops.metrics.backlog.get_or_create(&label).set(row.get(0));
+                        ops.metrics
+                            .oldest_age_seconds
+                            .get_or_create(&label)
+                            .set(row.get::<_, f64>(1).max(0.0));
+                    }
+                    Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
+                }
+            }
+        }
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(ops::PROBE_INTERVAL) => {}
         }
     }
 }
@@ -253,6 +350,7 @@ pub async fn run_with_sink(
         fatal: Mutex::new(None),
         stats: Stats::default(),
         breaker: breaker::Breaker::default(),
+        ops: Ops::new(config.relay.poll_interval),
     });
     tracing::info!(
         tables = shared.tables.len(),
@@ -263,8 +361,30 @@ pub async fn run_with_sink(
         "Relaying"
     );
 
+    // Tasks that outlive the workers: HTTP, probes, watchdog. Stopped after the workers.
+    let done = CancellationToken::new();
+    let _stop_ops = done.clone().drop_guard();
     if let Some(http) = &config.http {
-        tracing::warn!(listen = %http.listen, "http.listen is set, but this build has no HTTP endpoints yet; not listening");
+        let listener = ops::http::bind(http.listen)
+            .await
+            .map_err(RelayError::Fatal)?;
+        tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
+        tokio::spawn(ops::http::serve(listener, shared.ops.clone(), done.clone()));
+    }
+    tokio::spawn(probe(shared.clone(), done.clone()));
+    if mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        tokio::spawn(progress(shared.clone(), done.clone()));
+    }
+    if let Some(interval) = ops::watchdog_interval() {
+        tokio::spawn(ops::watchdog(shared.ops.clone(), interval, done.clone()));
+    }
+    {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            shared.shutdown.stop_token().cancelled().await;
+            shared.ops.health.set_stopping();
+            ops::notify_stopping();
+        });
     }
 
     let tracker = TaskTracker::new();
@@ -276,7 +396,12 @@ pub async fn run_with_sink(
     {
         let shared = shared.clone();
         let stop = shutdown.stop_token().clone();
-        tracker.spawn(async move { shared.breaker.run_prober(&shared.sink, stop).await });
+        tracker.spawn(async move {
+            shared
+                .breaker
+                .run_prober(&shared.sink, &shared.ops.health, stop)
+                .await
+        });
     }
     for id in 0..config.relay.workers {
         tracker.spawn(
@@ -288,6 +413,7 @@ pub async fn run_with_sink(
         );
     }
     tracker.close();
+    ops::notify_ready();
 
     tokio::select! {
         _ = tracker.wait() => {}

@@ -10,11 +10,14 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tracing::Instrument;
+
 use super::breaker::BreakerState;
 use super::order::{publish_in_order, RowOutcome};
 use super::{message::to_message, Shared, TablePlan};
 use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
+use crate::ops::Metrics;
 use crate::sink::SinkError;
 use crate::source::claim::claim_batch;
 use crate::source::{Source, SourceError};
@@ -66,6 +69,7 @@ impl Worker {
         let tables = shared.tables.len();
         let mut next = self.id % tables;
         while !stop.is_cancelled() {
+            shared.ops.health.alive();
             // While the broker is down nobody claims (see `breaker`).
             if shared.breaker.state() == BreakerState::Open {
                 if !shared.breaker.wait_closed(&stop).await {
@@ -82,7 +86,11 @@ impl Worker {
             let mut trouble: Option<String> = None;
             for k in 0..tables {
                 let t = (next + k) % tables;
-                match self.relay_batch(&shared.tables[t]).await {
+                let result = self.relay_batch(&shared.tables[t]).await;
+                if matches!(result, Ok(Batch::Empty | Batch::Done { .. })) {
+                    shared.ops.health.progress();
+                }
+                match result {
                     Ok(Batch::Empty) => continue,
                     Ok(Batch::Done {
                         trouble: t_err,
@@ -151,7 +159,14 @@ impl Worker {
             _ = stop.cancelled() => return Ok(Batch::Stopped),
             s = shared.source.session() => s?,
         };
-        let result = self.batch_on(&mut session, table).await;
+        let span = tracing::debug_span!(
+            "batch",
+            worker = self.id,
+            table = %table.config.name,
+            rows = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+        );
+        let result = self.batch_on(&mut session, table).instrument(span).await;
         // A session that timed out or broke mid-statement is never handed to the next batch.
         let error = match &result {
             Err(WorkerError::Source(e)) => Some(e),
@@ -194,6 +209,11 @@ impl Worker {
             return Ok(Batch::Empty);
         }
         let started = Instant::now();
+        let span = tracing::Span::current();
+        span.record("rows", rows.len());
+        let metrics = &shared.ops.metrics;
+        let labels = Metrics::table_sink(&table.config.name.to_string(), shared.sink.name());
+        let _in_flight = InFlight::new(&metrics.in_flight, rows.len());
 
         let messages: Vec<_> = rows
             .iter_mut()
@@ -216,6 +236,10 @@ impl Worker {
                 tracing::warn!(timeout = ?shared.publish_timeout, "Broker did not acknowledge in time; unacknowledged rows stay pending");
             }
         }
+        metrics
+            .publish_seconds
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
 
         let mut published: Vec<i64> = Vec::new();
         let mut bad_ids: Vec<i64> = Vec::new();
@@ -273,6 +297,23 @@ impl Worker {
             .fetch_add(published.len() as u64, Relaxed);
         shared.stats.failed.fetch_add(bad_ids.len() as u64, Relaxed);
         shared.stats.dead.fetch_add(dead.len() as u64, Relaxed);
+        metrics
+            .published
+            .get_or_create(&labels)
+            .inc_by(published.len() as u64);
+        metrics
+            .failed
+            .get_or_create(&labels)
+            .inc_by(bad_ids.len() as u64);
+        metrics
+            .dead
+            .get_or_create(&labels)
+            .inc_by(dead.len() as u64);
+        metrics
+            .batch_seconds
+            .get_or_create(&labels)
+            .observe(started.elapsed().as_secs_f64());
+        span.record("duration_ms", started.elapsed().as_millis() as u64);
         for (id, error) in bad_ids.iter().zip(&bad_errors) {
             if dead.contains(id) {
                 tracing::error!(table = %table.config.name, id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
@@ -292,6 +333,22 @@ impl Worker {
             trouble,
             published: published.len(),
         })
+    }
+}
+
+/// Counts a batch's rows in the in-flight gauge until it ends, however it ends.
+struct InFlight<'a>(&'a prometheus_client::metrics::gauge::Gauge, i64);
+
+impl<'a> InFlight<'a> {
+    fn new(gauge: &'a prometheus_client::metrics::gauge::Gauge, rows: usize) -> Self {
+        gauge.inc_by(rows as i64);
+        InFlight(gauge, rows as i64)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec_by(self.1);
     }
 }
 

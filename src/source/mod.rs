@@ -164,6 +164,20 @@ impl Source {
         }
     }
 
+    /// One round trip to the server within `limit`: reachability for `/readyz`.
+    pub async fn ping(&self, limit: Duration) -> Result<(), SourceError> {
+        let session = tokio::time::timeout(limit, self.session())
+            .await
+            .map_err(|_| SourceError::Timeout(limit))??;
+        let result = match tokio::time::timeout(limit, session.simple_query("SELECT 1")).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(SourceError::Db(e)),
+            Err(_) => Err(SourceError::Timeout(limit)),
+        };
+        Source::release(session, result.as_ref().err());
+        result
+    }
+
     /// Client-side deadline for one statement: the server's plus a margin for the network.
     pub fn deadline(&self) -> Duration {
         self.statement_timeout + Duration::from_secs(2)

@@ -39,6 +39,9 @@ pub struct TableSql {
     pub requeue_ids: String,
     /// `requeue --all`: the same for every dead row.
     pub requeue_all: String,
+    /// Metrics: pending rows (from the pending index) and the oldest pending row's age in
+    /// seconds (0 when none or without a creation-time column).
+    pub backlog: String,
     pub layout: RowLayout,
 }
 
@@ -146,6 +149,17 @@ impl TableSql {
                 "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \
                  WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
                  AND {published_at} IS NULL RETURNING {id}::bigint"
+            ),
+            backlog: format!(
+                "SELECT count(*)::bigint, COALESCE(({}), 0)::float8 FROM {t} WHERE {pending}",
+                match &shape.created_at {
+                    Some(c) => format!(
+                        "SELECT extract(epoch FROM now() - {}) FROM {t} WHERE {pending} \
+                         ORDER BY {id} LIMIT 1",
+                        c.quoted()
+                    ),
+                    None => "NULL".to_owned(),
+                }
             ),
             requeue_all: format!(
                 "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \

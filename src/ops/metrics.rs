@@ -1,0 +1,191 @@
+//! Prometheus metrics (prometheus-client), served at `/metrics`.
+//!
+//! Labels have few values: the table (from the config) and the sink kind. Backlog and
+//! oldest-pending age are gauges refreshed on an interval by one task from the pending
+//! index ([`crate::ops::Health`] runs it), never computed per scrape.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TableSink {
+    pub table: String,
+    pub sink: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TableLabel {
+    pub table: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SinkLabel {
+    pub sink: String,
+}
+
+type Seconds = Family<TableSink, Histogram, fn() -> Histogram>;
+
+/// Every metric the relay exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Rows the broker acknowledged and the relay deleted or marked.
+    pub published: Family<TableSink, Counter>,
+    /// Failed publish attempts of rows at fault (each counts against `max_attempts`).
+    pub failed: Family<TableSink, Counter>,
+    /// Rows dead-lettered.
+    pub dead: Family<TableSink, Counter>,
+    /// From the first send of a batch to its last acknowledgement.
+    pub publish_seconds: Seconds,
+    /// From claim to commit.
+    pub batch_seconds: Seconds,
+    /// Pending rows (refreshed on an interval).
+    pub backlog: Family<TableLabel, Gauge>,
+    /// Age of the oldest pending row (refreshed on an interval; 0 when none).
+    pub oldest_age_seconds: Family<TableLabel, Gauge<f64, AtomicU64>>,
+    /// Rows claimed and not yet committed.
+    pub in_flight: Gauge,
+    /// 1 while the circuit breaker is open (the broker looks down).
+    pub circuit_open: Family<SinkLabel, Gauge>,
+    /// Times the circuit opened.
+    pub circuit_opened: Family<SinkLabel, Counter>,
+    /// 1 while `/readyz` would answer 200.
+    pub ready: Gauge,
+}
+
+fn latency_histogram() -> Histogram {
+    // 1 ms .. ~16 s
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("outbox_relay");
+        let metrics = Metrics {
+            published: Family::default(),
+            failed: Family::default(),
+            dead: Family::default(),
+            publish_seconds: Family::new_with_constructor(latency_histogram),
+            batch_seconds: Family::new_with_constructor(latency_histogram),
+            backlog: Family::default(),
+            oldest_age_seconds: Family::default(),
+            in_flight: Gauge::default(),
+            circuit_open: Family::default(),
+            circuit_opened: Family::default(),
+            ready: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "rows_published",
+            "Rows acknowledged by the broker and deleted or marked",
+            metrics.published.clone(),
+        );
+        registry.register(
+            "rows_failed",
+            "Failed publish attempts of rows that could not be published for themselves",
+            metrics.failed.clone(),
+        );
+        registry.register(
+            "rows_dead_lettered",
+            "Rows dead-lettered after max_attempts",
+            metrics.dead.clone(),
+        );
+        registry.register(
+            "publish_duration_seconds",
+            "Time from a batch's first send to its last acknowledgement",
+            metrics.publish_seconds.clone(),
+        );
+        registry.register(
+            "batch_duration_seconds",
+            "Time from claim to commit of a batch",
+            metrics.batch_seconds.clone(),
+        );
+        registry.register(
+            "backlog_rows",
+            "Pending rows, refreshed on an interval",
+            metrics.backlog.clone(),
+        );
+        registry.register(
+            "oldest_pending_age_seconds",
+            "Age of the oldest pending row, refreshed on an interval (0 when none)",
+            metrics.oldest_age_seconds.clone(),
+        );
+        registry.register(
+            "rows_in_flight",
+            "Rows claimed and not yet committed",
+            metrics.in_flight.clone(),
+        );
+        registry.register(
+            "circuit_open",
+            "1 while the broker looks down and no rows are claimed",
+            metrics.circuit_open.clone(),
+        );
+        registry.register(
+            "circuit_opened",
+            "Times the circuit breaker opened",
+            metrics.circuit_opened.clone(),
+        );
+        registry.register(
+            "ready",
+            "1 while PostgreSQL and the broker are reachable and the relay makes progress",
+            metrics.ready.clone(),
+        );
+        Metrics {
+            registry,
+            ..metrics
+        }
+    }
+}
+
+impl Metrics {
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+
+    pub fn table_sink(table: &str, sink: &str) -> TableSink {
+        TableSink {
+            table: table.to_owned(),
+            sink: sink.to_owned(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn families_are_exported_with_the_prefix() {
+        let m = Metrics::default();
+        m.published
+            .get_or_create(&Metrics::table_sink("public.outbox", "nats"))
+            .inc_by(3);
+        m.publish_seconds
+            .get_or_create(&Metrics::table_sink("public.outbox", "nats"))
+            .observe(0.004);
+        let text = m.encode();
+        assert!(
+            text.contains(
+                r#"outbox_relay_rows_published_total{table="public.outbox",sink="nats"} 3"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("outbox_relay_publish_duration_seconds_bucket"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE outbox_relay_rows_in_flight gauge"),
+            "{text}"
+        );
+    }
+}

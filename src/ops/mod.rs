@@ -1,0 +1,163 @@
+//! What operators see of a running relay: Prometheus metrics, `/healthz` and `/readyz`,
+//! and systemd's readiness and watchdog notifications.
+//!
+//! - *Alive* (`/healthz`, the systemd watchdog): some loop of the relay (a worker, or the
+//!   breaker's prober while the broker is down) went round within [`ALIVE_WINDOW`]. A
+//!   relay stuck for longer is hung and should be restarted.
+//! - *Ready* (`/readyz`): PostgreSQL answered and the broker answered within the last
+//!   probe (every [`PROBE_INTERVAL`]), and a worker completed a claim within the progress
+//!   window; not while stopping.
+
+pub mod http;
+pub mod metrics;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+pub use metrics::Metrics;
+
+/// How often readiness is probed and the gauges that need the database are refreshed.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+/// How often backlog and oldest-age gauges are refreshed.
+pub const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
+/// A relay whose loops have not gone round for this long is not alive.
+pub const ALIVE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Liveness and readiness state, updated by the relay's loops and the probe task.
+pub struct Health {
+    started: Instant,
+    /// Milliseconds since `started` of the last loop iteration of any kind.
+    alive_ms: AtomicU64,
+    /// Milliseconds since `started` of the last completed claim.
+    progress_ms: AtomicU64,
+    /// Whether a claim counts as recent.
+    progress_window: Duration,
+    postgres_ok: AtomicBool,
+    broker_ok: AtomicBool,
+    stopping: AtomicBool,
+}
+
+impl Health {
+    pub fn new(poll_interval: Duration) -> Health {
+        Health {
+            started: Instant::now(),
+            alive_ms: AtomicU64::new(0),
+            progress_ms: AtomicU64::new(0),
+            progress_window: (poll_interval * 5).max(Duration::from_secs(10)),
+            postgres_ok: AtomicBool::new(false),
+            broker_ok: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn since(&self, ms: &AtomicU64) -> Duration {
+        Duration::from_millis(self.now_ms().saturating_sub(ms.load(Relaxed)))
+    }
+
+    /// A loop went round.
+    pub fn alive(&self) {
+        self.alive_ms.store(self.now_ms(), Relaxed);
+    }
+
+    /// A claim completed (rows or none): the database and the loop work.
+    pub fn progress(&self) {
+        let now = self.now_ms();
+        self.alive_ms.store(now, Relaxed);
+        self.progress_ms.store(now, Relaxed);
+    }
+
+    pub fn set_stopping(&self) {
+        self.stopping.store(true, Relaxed);
+    }
+
+    pub fn set_reachable(&self, postgres: bool, broker: bool) {
+        self.postgres_ok.store(postgres, Relaxed);
+        self.broker_ok.store(broker, Relaxed);
+    }
+
+    /// `Ok` when alive; otherwise why not.
+    pub fn liveness(&self) -> Result<(), String> {
+        let quiet = self.since(&self.alive_ms);
+        if quiet > ALIVE_WINDOW {
+            return Err(format!("no relay loop went round for {}s", quiet.as_secs()));
+        }
+        Ok(())
+    }
+
+    /// `Ok` when ready; otherwise every reason why not.
+    pub fn readiness(&self) -> Result<(), String> {
+        let mut reasons = Vec::new();
+        if self.stopping.load(Relaxed) {
+            reasons.push("stopping".to_owned());
+        }
+        if !self.postgres_ok.load(Relaxed) {
+            reasons.push("PostgreSQL not reachable".to_owned());
+        }
+        if !self.broker_ok.load(Relaxed) {
+            reasons.push("broker not reachable".to_owned());
+        }
+        let quiet = self.since(&self.progress_ms);
+        if quiet > self.progress_window {
+            reasons.push(format!("no claim completed for {}s", quiet.as_secs()));
+        }
+        if reasons.is_empty() {
+            Ok(())
+        } else {
+            Err(reasons.join("; "))
+        }
+    }
+}
+
+/// Metrics and health, shared by the relay and the HTTP server.
+pub struct Ops {
+    pub metrics: Metrics,
+    pub health: Health,
+}
+
+impl Ops {
+    pub fn new(poll_interval: Duration) -> Arc<Ops> {
+        Arc::new(Ops {
+            metrics: Metrics::default(),
+            health: Health::new(poll_interval),
+        })
+    }
+}
+
+/// Tells systemd (when it started us with `Type=notify`) that the relay is ready.
+pub fn notify_ready() {
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+}
+
+/// Tells systemd that the relay is stopping.
+pub fn notify_stopping() {
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+}
+
+/// The systemd watchdog interval, when one is set (`WatchdogSec=`).
+pub fn watchdog_interval() -> Option<Duration> {
+    sd_notify::watchdog_enabled()
+}
+
+/// Pings the systemd watchdog while the relay is alive.
+pub async fn watchdog(ops: Arc<Ops>, interval: Duration, stop: CancellationToken) {
+    let period = interval / 2;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(period) => {}
+        }
+        match ops.health.liveness() {
+            Ok(()) => {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            }
+            Err(reason) => tracing::error!(%reason, "Not pinging the systemd watchdog"),
+        }
+    }
+}

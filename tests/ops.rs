@@ -1,0 +1,248 @@
+//! What operators see: `/metrics`, `/healthz`, `/readyz`, JSON logs, systemd readiness
+//! and watchdog notifications, and the systemd unit itself.
+
+mod common;
+
+use std::os::unix::net::UnixDatagram;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// An Env whose relay serves HTTP on a free port; returns the address.
+async fn env_with_http(relay: &str) -> (Env, String) {
+    let env = Env::new(relay).await;
+    let addr = format!("127.0.0.1:{}", testkit::free_port());
+    env.write_config(relay, &format!("[http]\nlisten = \"{addr}\"\n"));
+    (env, addr)
+}
+
+fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        if let Ok((status, _)) = http_get(addr, path) {
+            if status == want {
+                return start.elapsed();
+            }
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{path} did not answer {want} within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The value of the first sample line starting with `prefix`.
+fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn start_run(env: &Env) -> Child {
+    env.command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn metrics_families_are_present_and_move() {
+    let (env, addr) = env_with_http("workers = 2\nbatch_size = 100").await;
+    let client = env.client().await;
+    let mut relay = start_run(&env);
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let (status, before) = http_get(&addr, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    let published = r#"outbox_relay_rows_published_total{table="public.outbox",sink="nats"}"#;
+    assert_eq!(sample(&before, published), None, "nothing published yet");
+
+    seed(&client, 3_000, 30, 0).await;
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers) VALUES ('events.x', 'bad', 'p', '[1]')",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_until("the outbox to drain", Duration::from_secs(30), async || {
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox WHERE dead_at IS NULL",
+        )
+        .await
+            == 0
+    })
+    .await;
+    // Gauges refresh every 5 s.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let (_, after) = http_get(&addr, "/metrics").unwrap();
+    assert_eq!(sample(&after, published), Some(3_000.0), "{after}");
+    for family in [
+        r#"outbox_relay_rows_failed_total{table="public.outbox",sink="nats"} 10"#,
+        r#"outbox_relay_rows_dead_lettered_total{table="public.outbox",sink="nats"} 1"#,
+        r#"outbox_relay_backlog_rows{table="public.outbox"} 0"#,
+        r#"outbox_relay_oldest_pending_age_seconds{table="public.outbox"} 0"#,
+        "outbox_relay_rows_in_flight 0",
+        r#"outbox_relay_circuit_open{sink="nats"} 0"#,
+        "outbox_relay_ready 1",
+        "# TYPE outbox_relay_publish_duration_seconds histogram",
+        "# TYPE outbox_relay_batch_duration_seconds histogram",
+    ] {
+        assert!(after.contains(family), "missing {family:?}:\n{after}");
+    }
+    let batches = sample(
+        &after,
+        r#"outbox_relay_batch_duration_seconds_count{table="public.outbox",sink="nats"}"#,
+    )
+    .unwrap();
+    assert!(batches >= 30.0, "{batches} batches for 3,000 rows of 100");
+    assert!(!after.contains("hunter2"));
+    terminate_cleanly(&mut relay);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
+    let (mut env, addr) = env_with_http("workers = 2").await;
+    let mut relay = start_run(&env);
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    eprintln!("ready {took:?} after start");
+    assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);
+
+    env.nats.kill();
+    let took = wait_http(&addr, "/readyz", 503, Duration::from_secs(15));
+    eprintln!("/readyz 503 {took:?} after nats-server was killed");
+    let (_, reason) = http_get(&addr, "/readyz").unwrap();
+    assert!(reason.contains("broker not reachable"), "{reason}");
+    assert_eq!(
+        http_get(&addr, "/healthz").unwrap().0,
+        200,
+        "alive all the same"
+    );
+
+    env.nats.start_again().unwrap();
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    eprintln!("/readyz 200 {took:?} after nats-server came back");
+    terminate_cleanly(&mut relay);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn json_logs_parse_and_carry_the_batch_span_without_payloads() {
+    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let client = env.client().await;
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers)
+             SELECT 'events.j', 'k' || (n % 3), convert_to('PAYLOAD-MARKER-' || n, 'UTF8'), NULL
+             FROM generate_series(1, 200) n",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = env
+        .command(&["drain", "--log-format", "json"])
+        .env("RUST_LOG", "outbox_relay=debug")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    let mut in_batch_span = 0;
+    for line in stderr.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{line}");
+        if v["span"]["name"] == "batch" {
+            assert_eq!(v["span"]["table"], "public.outbox", "{line}");
+            in_batch_span += 1;
+        }
+    }
+    assert!(
+        in_batch_span >= 4,
+        "events inside the batch span: {in_batch_span}"
+    );
+    assert!(
+        !stderr.contains("PAYLOAD-MARKER"),
+        "a payload reached the log"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn systemd_hears_ready_watchdog_and_stopping() {
+    let env = Env::new("workers = 1").await;
+    let dir = std::env::temp_dir().join(format!("outbox-relay-notify-{}", testkit::free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let socket_path = dir.join("notify.sock");
+    let socket = UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut relay = env
+        .command(&["run"])
+        .env("NOTIFY_SOCKET", &socket_path)
+        .env("WATCHDOG_USEC", "1000000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 256];
+    let mut next = || {
+        let n = socket.recv(&mut buf).expect("a notification");
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let mut seen = Vec::new();
+    while !seen.iter().any(|m: &String| m.contains("WATCHDOG=1")) {
+        seen.push(next());
+    }
+    assert!(seen[0].contains("READY=1"), "{seen:?}");
+    signal(&relay, "TERM");
+    while !seen.iter().any(|m: &String| m.contains("STOPPING=1")) {
+        seen.push(next());
+    }
+    let (code, _) = wait_exit(&mut relay, Duration::from_secs(15));
+    assert_eq!(code, Some(0));
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    let unit = include_str!("../systemd/outbox-relay.service");
+    for directive in [
+        "Type=notify",
+        "ExecStartPre=/usr/bin/outbox-relay check",
+        "WatchdogSec=",
+        "DynamicUser=yes",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "RestrictAddressFamilies=",
+        "SystemCallFilter=@system-service",
+    ] {
+        assert!(unit.contains(directive), "missing {directive}");
+    }
+    // TimeoutStopSec above the default drain_timeout of 25s.
+    let stop: u64 = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("TimeoutStopSec="))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(stop > 25);
+    // systemd-analyze checks the binary paths exist: point them at the built binary.
+    let dir = std::env::temp_dir().join(format!("outbox-relay-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let path = dir.join("outbox-relay.service");
+    std::fs::write(&path, unit.replace("/usr/bin/outbox-relay", BIN)).unwrap();
+    let out = std::process::Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("systemd-analyze (package systemd; scripts/install-deps installs it)");
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(out.stderr.is_empty(), "{}", text(&out));
+}
