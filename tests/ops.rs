@@ -246,3 +246,29 @@ fn the_systemd_unit_verifies() {
     assert!(out.status.success(), "{}", text(&out));
     assert!(out.stderr.is_empty(), "{}", text(&out));
 }
+
+#[test]
+fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
+    let dockerfile = include_str!("../Dockerfile");
+    let last_stage = dockerfile.rsplit("\nFROM ").next().unwrap();
+    for line in [
+        "USER 65532:65532",
+        "STOPSIGNAL SIGTERM",
+        r#"ENTRYPOINT ["outbox-relay"]"#,
+        r#"CMD ["run", "--log-format", "json"]"#,
+    ] {
+        assert!(last_stage.contains(line), "runtime stage lacks {line}");
+    }
+    assert!(dockerfile.contains(" AS build"), "multi-stage build");
+    // The sidecar example gives the relay more than its drain deadline to stop.
+    let k8s = include_str!("../examples/kubernetes-sidecar.yaml");
+    assert!(k8s.contains("restartPolicy: Always"), "native sidecar");
+    assert!(k8s.contains("path: /readyz"));
+    let grace: u64 = k8s
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds: "))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(grace > 25);
+}

@@ -221,6 +221,26 @@ impl Default for Columns {
 }
 
 impl Columns {
+    /// Whether these are the default table's column names (however they were written).
+    pub fn is_default_layout(&self) -> bool {
+        let d = Columns::default();
+        let names = |c: &Columns| {
+            [
+                Some(c.id.clone()),
+                Some(c.order.clone()),
+                Some(c.key.clone()),
+                Some(c.payload.clone()),
+                c.headers.name().cloned(),
+                c.created_at.name().cloned(),
+                Some(c.published_at.clone()),
+                Some(c.attempts.clone()),
+                Some(c.last_error.clone()),
+                Some(c.dead_at.clone()),
+            ]
+        };
+        names(self) == names(&d)
+    }
+
     /// Validates `[tables.columns]`; `at` is the key prefix for errors (`tables[0].columns`).
     fn from_raw(raw: raw::RawColumns, at: &str) -> Result<Columns, ConfigError> {
         let defaults = Columns::default();
@@ -646,6 +666,19 @@ mod tests {
         let c = load(include_str!("../../config/relay.example.toml"), &vars).unwrap();
         assert_eq!(c.tables.len(), 1);
         assert_eq!(c.tables[0].columns, Columns::default());
+        assert!(c.tables[0].columns.is_default_layout());
+        // The relay.toml inside the Kubernetes example's ConfigMap.
+        let yaml = include_str!("../../examples/kubernetes-sidecar.yaml");
+        let embedded: String = yaml
+            .split_once("relay.toml: |\n")
+            .unwrap()
+            .1
+            .lines()
+            .take_while(|l| !l.starts_with("---"))
+            .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+            .collect();
+        let c = load(&embedded, &[("PGPASSWORD", "pw")]).unwrap();
+        assert_eq!(c.http.unwrap().listen.port(), 9187);
         let c = load(include_str!("../../config/debezium.toml"), &[]).unwrap();
         let t = &c.tables[0];
         assert_eq!(t.columns.order.as_str(), "seq");

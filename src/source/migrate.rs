@@ -10,7 +10,7 @@
 use tokio_postgres::Client;
 
 use super::{schema, SourceError};
-use crate::config::{Columns, Ident, TableConfig};
+use crate::config::{Ident, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -65,7 +65,7 @@ pub async fn migrate_table(
         )
         .await?
         .get(0);
-    if !exists && table.columns != Columns::default() {
+    if !exists && !table.columns.is_default_layout() {
         return Err(SourceError::Schema(format!(
             "table {name} does not exist, and migrate creates only the default outbox \
              layout while this table's [tables.columns] maps other names: create the table \
@@ -152,7 +152,7 @@ fn render(sql: &str, table: &TableConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{TableName, Template};
+    use crate::config::{Columns, TableName, Template};
 
     #[test]
     fn placeholders_are_all_replaced_with_quoted_names() {
