@@ -1,0 +1,413 @@
+//! The benchmark: the relay against this machine's own limits, measured in one run on
+//! throwaway PostgreSQL, nats-server and tansu. Run it through `scripts/bench`.
+//!
+//! - A. PostgreSQL limit: the relay's own claim and delete statements (the library's
+//!   `drain` with a sink that acknowledges at once), same workers and batch size.
+//! - B. Broker limit: the same messages published through the relay's sink code, no
+//!   database, same concurrency and batch size.
+//! - C. `outbox-relay drain` end to end (the release binary as a child process): NATS and
+//!   Kafka, `ordering = "key"` and `"none"`.
+//! - E. Peak RSS and CPU seconds per 100k rows of each drain (from `wait4`).
+//!
+//! Prints one markdown table; each drain also as a ratio to min(A, B) for its ordering
+//! mode and broker.
+//!
+//! Not measured yet (issue 7 continues): D, steady-state commit-to-consumer latency under
+//! an open-loop writer.
+//!
+//! Usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES]
+//!        [--workers N] [--batch N] [--no-kafka]
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use outbox_relay::config::{self, Config};
+use outbox_relay::relay::{self, Mode};
+use outbox_relay::shutdown::Shutdown;
+use outbox_relay::sink::memory::MemorySink;
+use outbox_relay::sink::{Message, Sink};
+use testkit::{KafkaBroker, NatsServer, Postgres};
+
+const TOPICS: usize = 8;
+
+struct Args {
+    relay: String,
+    rows: i64,
+    keys: i64,
+    payload: i64,
+    workers: usize,
+    batch: usize,
+    kafka: bool,
+}
+
+fn args() -> Result<Args> {
+    let usage = "usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES] [--workers N] [--batch N] [--no-kafka]";
+    let mut it = std::env::args().skip(1);
+    let mut a = Args {
+        relay: it.next().context(usage)?,
+        rows: 1_000_000,
+        keys: 10_000,
+        payload: 256,
+        workers: 4,
+        batch: 500,
+        kafka: true,
+    };
+    while let Some(arg) = it.next() {
+        let mut value = || -> Result<String> { it.next().context(usage) };
+        match arg.as_str() {
+            "--rows" => a.rows = value()?.parse()?,
+            "--keys" => a.keys = value()?.parse()?,
+            "--payload" => a.payload = value()?.parse()?,
+            "--workers" => a.workers = value()?.parse()?,
+            "--batch" => a.batch = value()?.parse()?,
+            "--no-kafka" => a.kafka = false,
+            other => bail!("unknown argument {other:?}; {usage}"),
+        }
+    }
+    Ok(a)
+}
+
+/// One measured line of the table.
+struct Row {
+    name: String,
+    rows: i64,
+    secs: f64,
+    /// Which limit this is compared with: "nats", "kafka" or "" (a limit itself).
+    broker: &'static str,
+    /// The ordering mode, for the database limit it is compared with.
+    ordering: &'static str,
+    rss_mb: Option<f64>,
+    cpu_per_100k: Option<f64>,
+}
+
+impl Row {
+    fn rate(&self) -> f64 {
+        self.rows as f64 / self.secs
+    }
+}
+
+struct Bench {
+    a: Args,
+    pg: Postgres,
+    db_url: String,
+    nats: NatsServer,
+    kafka: Option<KafkaBroker>,
+    dir: std::path::PathBuf,
+}
+
+impl Bench {
+    fn config_text(&self, sink: &str, ordering: &str) -> String {
+        let sink = match sink {
+            "kafka" => format!(
+                "[sink]\nkind = \"kafka\"\n[sink.kafka]\nbrokers = \"{}\"\n",
+                self.kafka.as_ref().unwrap().bootstrap()
+            ),
+            "nats" => format!(
+                "[sink]\nkind = \"nats\"\n[sink.nats]\nurl = \"{}\"\n",
+                self.nats.url()
+            ),
+            _ => "[sink]\nkind = \"stdout\"\n".to_owned(),
+        };
+        format!(
+            "[postgres]\nurl = \"{}\"\npool_size = {}\n[relay]\nworkers = {}\nbatch_size = {}\n\
+             ordering = \"{ordering}\"\n{sink}[[tables]]\nname = \"public.outbox\"\n",
+            self.db_url,
+            self.a.workers + 2,
+            self.a.workers,
+            self.a.batch
+        )
+    }
+
+    fn config(&self, sink: &str, ordering: &str) -> Result<Config> {
+        config::from_str(
+            &self.config_text(sink, ordering),
+            |_| None,
+            Vec::<(String, String)>::new(),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    async fn seed(&self) -> Result<()> {
+        let client = self.pg.connect("app").await?;
+        client.batch_execute("TRUNCATE public.outbox").await?;
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload)
+                 SELECT 'bench.' || (n % $4::bigint), 'k' || (n % $2::bigint),
+                        convert_to(rpad(n::text, $3::int, 'x'), 'UTF8')
+                 FROM generate_series(1, $1::bigint) n ORDER BY n",
+                &[
+                    &self.a.rows,
+                    &self.a.keys,
+                    &(self.a.payload as i32),
+                    &(TOPICS as i64),
+                ],
+            )
+            .await?;
+        client.batch_execute("VACUUM ANALYZE public.outbox").await?;
+        Ok(())
+    }
+
+    async fn reset_nats(&self) -> Result<()> {
+        let client = async_nats::connect(self.nats.url()).await?;
+        let js = async_nats::jetstream::new(client);
+        let _ = js.delete_stream("BENCH").await;
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "BENCH".to_owned(),
+            subjects: vec!["bench.>".to_owned()],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("create stream: {e}"))?;
+        Ok(())
+    }
+
+    /// A: the library's drain with a sink that acknowledges at once.
+    async fn postgres_limit(&self, ordering: &'static str) -> Result<Row> {
+        self.seed().await?;
+        let config = self.config("stdout", ordering)?;
+        let started = Instant::now();
+        let report = relay::run_with_sink(
+            &config,
+            Mode::Drain,
+            Sink::Memory(MemorySink::discarding()),
+            Shutdown::new(),
+        )
+        .await?;
+        let secs = started.elapsed().as_secs_f64();
+        if report.published != self.a.rows as u64 {
+            bail!("A published {} of {} rows", report.published, self.a.rows);
+        }
+        Ok(Row {
+            name: format!(
+                "A. PostgreSQL limit, ordering = \"{ordering}\": claim + delete, no broker"
+            ),
+            rows: self.a.rows,
+            secs,
+            broker: "",
+            ordering,
+            rss_mb: None,
+            cpu_per_100k: None,
+        })
+    }
+
+    /// B: the same messages through the relay's sink, no database.
+    async fn broker_limit(&self, sink_name: &'static str) -> Result<Row> {
+        let config = self.config(sink_name, "none")?;
+        let sink = Arc::new(Sink::connect(&config.sink).await?);
+        let payload: Vec<u8> = std::iter::repeat_n(b'x', self.a.payload as usize).collect();
+        let payload = bytes::Bytes::from(payload);
+        let per_worker = self.a.rows as usize / self.a.workers;
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for w in 0..self.a.workers {
+            let sink = sink.clone();
+            let payload = payload.clone();
+            let batch = self.a.batch;
+            let keys = self.a.keys as usize;
+            tasks.push(tokio::spawn(async move {
+                let mut n = w * per_worker;
+                let end = n + per_worker;
+                while n < end {
+                    let messages: Vec<Message> = (n..(n + batch).min(end))
+                        .map(|i| Message {
+                            id: format!("bench.limit:{i}"),
+                            topic: format!("bench.{}", i % TOPICS),
+                            key: Some(format!("k{}", i % keys)),
+                            payload: payload.clone(),
+                            headers: Vec::new(),
+                        })
+                        .collect();
+                    let refs: Vec<&Message> = messages.iter().collect();
+                    for r in sink.publish_batch(&refs).await {
+                        r.map_err(|e| anyhow::anyhow!("{}", e.message))?;
+                    }
+                    n += messages.len();
+                }
+                Ok::<_, anyhow::Error>(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let _ = sink.close(Duration::from_secs(5)).await;
+        Ok(Row {
+            name: format!("B. {sink_name} limit: publish, acks awaited, no database"),
+            rows: (per_worker * self.a.workers) as i64,
+            secs,
+            broker: "",
+            ordering: "",
+            rss_mb: None,
+            cpu_per_100k: None,
+        })
+    }
+
+    /// C + E: the release binary's drain, with its peak RSS and CPU time.
+    async fn drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
+        self.seed().await?;
+        if sink == "nats" {
+            self.reset_nats().await?;
+        }
+        let path = self.dir.join(format!("{sink}-{ordering}.toml"));
+        std::fs::write(&path, self.config_text(sink, ordering))?;
+        let started = Instant::now();
+        let child = Command::new(&self.a.relay)
+            .args(["drain", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start outbox-relay")?;
+        let (status, usage) = wait_with_usage(child.id() as i32)?;
+        let secs = started.elapsed().as_secs_f64();
+        if status != 0 {
+            bail!("drain ({sink}, {ordering}) exited with {status}");
+        }
+        let cpu = usage.ru_utime.tv_sec as f64
+            + usage.ru_utime.tv_usec as f64 / 1e6
+            + usage.ru_stime.tv_sec as f64
+            + usage.ru_stime.tv_usec as f64 / 1e6;
+        Ok(Row {
+            name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
+            rows: self.a.rows,
+            secs,
+            broker: sink,
+            ordering,
+            rss_mb: Some(usage.ru_maxrss as f64 / 1024.0),
+            cpu_per_100k: Some(cpu / (self.a.rows as f64 / 100_000.0)),
+        })
+    }
+}
+
+/// Waits for child `pid` and returns its exit status and resource usage.
+fn wait_with_usage(pid: i32) -> Result<(i32, libc::rusage)> {
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; wait4 fills it for our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if r < 0 {
+        bail!("wait4: {}", std::io::Error::last_os_error());
+    }
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    Ok((code, usage))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = args()?;
+    eprintln!(
+        "==> Starting throwaway PostgreSQL, nats-server{} on free 127.0.0.1 ports",
+        if a.kafka { " and tansu" } else { "" }
+    );
+    let pg = Postgres::start()?;
+    let db_url = pg.create_database("app").await?;
+    let nats = NatsServer::start()?;
+    let kafka = if a.kafka {
+        let broker = KafkaBroker::start()?;
+        for t in 0..TOPICS {
+            broker.create_topic(&format!("bench.{t}"), 3)?;
+        }
+        Some(broker)
+    } else {
+        None
+    };
+    let dir = std::env::temp_dir().join(format!("outbox-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let bench = Bench {
+        a,
+        pg,
+        db_url,
+        nats,
+        kafka,
+        dir,
+    };
+    let out = Command::new(&bench.a.relay)
+        .args(["migrate", "--no-notify", "--config"])
+        .arg({
+            let p = bench.dir.join("migrate.toml");
+            std::fs::write(&p, bench.config_text("stdout", "key"))?;
+            p
+        })
+        .output()?;
+    if !out.status.success() {
+        bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    let mut rows = Vec::new();
+    let mut step = |row: Result<Row>| -> Result<()> {
+        let row = row?;
+        eprintln!(
+            "    {}: {} rows in {:.2}s = {:.0} rows/s",
+            row.name,
+            row.rows,
+            row.secs,
+            row.rate()
+        );
+        rows.push(row);
+        Ok(())
+    };
+    eprintln!(
+        "==> {} rows, {} keys, {}-byte payloads, {} workers, batches of {}",
+        bench.a.rows, bench.a.keys, bench.a.payload, bench.a.workers, bench.a.batch
+    );
+    step(bench.postgres_limit("key").await)?;
+    step(bench.postgres_limit("none").await)?;
+    bench.reset_nats().await?;
+    step(bench.broker_limit("nats").await)?;
+    if bench.kafka.is_some() {
+        step(bench.broker_limit("kafka").await)?;
+    }
+    step(bench.drain("nats", "key").await)?;
+    step(bench.drain("nats", "none").await)?;
+    if bench.kafka.is_some() {
+        step(bench.drain("kafka", "key").await)?;
+        step(bench.drain("kafka", "none").await)?;
+    }
+    let _ = std::fs::remove_dir_all(&bench.dir);
+
+    let limit_of = |broker: &str, ordering: &str| -> Option<f64> {
+        let a = rows
+            .iter()
+            .find(|r| r.name.starts_with("A.") && r.ordering == ordering)?
+            .rate();
+        let b = rows
+            .iter()
+            .find(|r| r.name.starts_with(&format!("B. {broker} ")))?
+            .rate();
+        Some(a.min(b))
+    };
+    println!(
+        "\n{} rows, {} keys, {}-byte payloads, {} workers, batch {}; {} cores\n",
+        bench.a.rows,
+        bench.a.keys,
+        bench.a.payload,
+        bench.a.workers,
+        bench.a.batch,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!("| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows |");
+    println!("|---|---:|---:|---:|---:|");
+    for r in &rows {
+        let ratio = match r.broker {
+            "" => "limit".to_owned(),
+            b => limit_of(b, r.ordering).map_or("-".into(), |l| format!("{:.2}", r.rate() / l)),
+        };
+        println!(
+            "| {} | {:.0} | {} | {} | {} |",
+            r.name,
+            r.rate(),
+            ratio,
+            r.rss_mb.map_or("-".into(), |m| format!("{m:.0} MB")),
+            r.cpu_per_100k.map_or("-".into(), |c| format!("{c:.2}")),
+        );
+    }
+    Ok(())
+}
