@@ -6,18 +6,9 @@
 
 mod common;
 
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-
-fn start_run(env: &Env) -> Child {
-    env.command(&["run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {
     count(client, "SELECT count(*) FROM public.outbox").await
@@ -31,7 +22,7 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
     let inserted = ids(&client).await;
 
     for kill in 1..=5 {
-        let mut relay = start_run(&env);
+        let mut relay = env.spawn_run();
         let pause = Duration::from_millis(rand::random_range(150..600));
         tokio::time::sleep(pause).await;
         relay.kill().unwrap(); // SIGKILL: no drain, no rollback from the client side
@@ -45,16 +36,10 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 
     let audit = audit(&inserted, &env.stored().await);
-    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
-    assert!(audit.phantoms.is_empty(), "{:?}", audit.phantoms);
+    audit.assert_nothing_lost_in_order();
     // JetStream drops re-sends inside its duplicate window, so even the rows in flight
     // at each kill are stored once.
     assert_eq!(audit.duplicates, 0);
-    assert!(
-        audit.order_violations.is_empty(),
-        "{:?}",
-        audit.order_violations
-    );
     assert_eq!(pending(&client).await, 0);
 }
 
@@ -66,7 +51,7 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
     let inserted = ids(&client).await;
     drop(client);
 
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     tokio::time::sleep(Duration::from_millis(300)).await;
     env.pg.stop_immediate();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -77,14 +62,7 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
     wait_for_empty_outbox(&client, "the relay to finish after the restart", 60).await;
     terminate_cleanly(&mut relay);
 
-    let audit = audit(&inserted, &env.stored().await);
-    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
-    assert!(audit.phantoms.is_empty());
-    assert!(
-        audit.order_violations.is_empty(),
-        "{:?}",
-        audit.order_violations
-    );
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -100,7 +78,7 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     seed(&client, 30_000, 50, 0).await;
     let inserted = ids(&client).await;
 
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     wait_until("the stream to start", Duration::from_secs(30), async || {
         pending(&client).await < 28_000
     })
@@ -144,14 +122,7 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     eprintln!("table empty {:?} after NATS came back", back.elapsed());
     terminate_cleanly(&mut relay);
 
-    let audit = audit(&inserted, &env.stored().await);
-    assert!(audit.lost.is_empty(), "lost {} rows", audit.lost.len());
-    assert!(audit.phantoms.is_empty());
-    assert!(
-        audit.order_violations.is_empty(),
-        "{:?}",
-        audit.order_violations
-    );
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -216,7 +187,7 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
     .await
     .unwrap();
 
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     wait_until(
         "the other keys to drain",
         Duration::from_secs(30),
@@ -231,13 +202,8 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
     terminate_cleanly(&mut relay);
 
     let audit = audit(&inserted, &env.stored().await);
-    assert!(audit.lost.is_empty());
+    audit.assert_nothing_lost_in_order();
     assert_eq!(audit.duplicates, 0);
-    assert!(
-        audit.order_violations.is_empty(),
-        "{:?}",
-        audit.order_violations
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -249,7 +215,7 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     );
     std::fs::write(&env.config, config).unwrap();
     let client = env.client().await;
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     wait_until(
         "the relay's sessions",
         Duration::from_secs(10),

@@ -4,7 +4,7 @@
 mod common;
 
 use std::os::unix::net::UnixDatagram;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -42,19 +42,11 @@ fn sample(metrics: &str, prefix: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-fn start_run(env: &Env) -> Child {
-    env.command(&["run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
     let (env, addr) = env_with_http("workers = 2\nbatch_size = 100").await;
     let client = env.client().await;
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
     let (status, before) = http_get(&addr, "/metrics").unwrap();
     assert_eq!(status, 200);
@@ -108,7 +100,7 @@ async fn metrics_families_are_present_and_move() {
 #[tokio::test(flavor = "multi_thread")]
 async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
     let (mut env, addr) = env_with_http("workers = 2").await;
-    let mut relay = start_run(&env);
+    let mut relay = env.spawn_run();
     let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
     eprintln!("ready {took:?} after start");
     assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);

@@ -125,6 +125,15 @@ drain_timeout = "10s"
         cmd
     }
 
+    /// Starts `outbox-relay run` in the background, output discarded.
+    pub fn spawn_run(&self) -> Child {
+        self.command(&["run"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start outbox-relay run")
+    }
+
     pub async fn client(&self) -> tokio_postgres::Client {
         self.pg.connect("app").await.expect("connect")
     }
@@ -333,6 +342,19 @@ pub struct Audit {
     pub duplicates: usize,
     /// Keys whose first occurrences are not in id order.
     pub order_violations: Vec<String>,
+}
+
+impl Audit {
+    /// Every row arrived, nothing else did, and each key's first occurrences are in order.
+    pub fn assert_nothing_lost_in_order(&self) {
+        assert!(self.lost.is_empty(), "lost {} rows", self.lost.len());
+        assert!(self.phantoms.is_empty(), "phantoms {:?}", self.phantoms);
+        assert!(
+            self.order_violations.is_empty(),
+            "keys out of order: {:?}",
+            self.order_violations
+        );
+    }
 }
 
 /// Compares `inserted` ids of `public.outbox` with the stream's messages.
