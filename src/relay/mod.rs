@@ -86,6 +86,9 @@ struct Shared {
     stats: Stats,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
+    /// Rows published when the backlog gauges were last read (drain's progress line
+    /// subtracts what was published since).
+    published_at_backlog_read: AtomicU64,
 }
 
 impl Shared {
@@ -154,6 +157,9 @@ async fn progress(shared: Arc<Shared>, done: CancellationToken) {
                 shared.ops.metrics.backlog.get_or_create(&label).get()
             })
             .sum();
+        // The gauge is a few seconds old: take off what was published since.
+        let since = published.saturating_sub(shared.published_at_backlog_read.load(Relaxed));
+        let backlog = (backlog - since as i64).max(0);
         eprint!(
             "\r\x1b[2Kdraining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
             started.elapsed().as_secs_f64()
@@ -197,6 +203,7 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
 
         if postgres && Instant::now() >= gauges_due {
             gauges_due = Instant::now() + ops::GAUGE_INTERVAL;
+            let published = shared.stats.published.load(Relaxed);
             for table in &shared.tables {
                 let label = ops::metrics::TableLabel {
                     table: table.config.name.to_string(),
@@ -216,6 +223,7 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
                     Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
                 }
             }
+            shared.published_at_backlog_read.store(published, Relaxed);
         }
         tokio::select! {
             _ = done.cancelled() => return,
@@ -351,6 +359,7 @@ pub async fn run_with_sink(
         stats: Stats::default(),
         breaker: breaker::Breaker::default(),
         ops: Ops::new(config.relay.poll_interval),
+        published_at_backlog_read: AtomicU64::new(0),
     });
     tracing::info!(
         tables = shared.tables.len(),
