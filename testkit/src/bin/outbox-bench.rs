@@ -12,11 +12,13 @@
 //! Prints one markdown table; each drain also as a ratio to min(A, B) for its ordering
 //! mode and broker.
 //!
-//! Not measured yet (issue 7 continues): D, steady-state commit-to-consumer latency under
-//! an open-loop writer.
+//! - D. Steady state: `outbox-relay run` with the default relay settings (NOTIFY trigger
+//!   installed), an open-loop writer committing small transactions every 10 ms at 1k, 2k, 5k
+//!   and 20k rows/s, and a consumer subscribed to the subjects: commit-to-consumer latency
+//!   p50/p99/max per rate; then the time from SIGTERM to exit of the idle relay.
 //!
 //! Usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES]
-//!        [--workers N] [--batch N] [--no-kafka]
+//!        [--workers N] [--batch N] [--no-kafka] [--steady-secs N (10; 0 skips D)]
 
 use std::process::Command;
 use std::sync::Arc;
@@ -40,10 +42,12 @@ struct Args {
     workers: usize,
     batch: usize,
     kafka: bool,
+    /// Seconds per writer rate in D; 0 skips D.
+    steady_secs: u64,
 }
 
 fn args() -> Result<Args> {
-    let usage = "usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES] [--workers N] [--batch N] [--no-kafka]";
+    let usage = "usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES] [--workers N] [--batch N] [--no-kafka] [--steady-secs N]";
     let mut it = std::env::args().skip(1);
     let mut a = Args {
         relay: it.next().context(usage)?,
@@ -53,6 +57,7 @@ fn args() -> Result<Args> {
         workers: 4,
         batch: 500,
         kafka: true,
+        steady_secs: 10,
     };
     while let Some(arg) = it.next() {
         let mut value = || -> Result<String> { it.next().context(usage) };
@@ -63,6 +68,7 @@ fn args() -> Result<Args> {
             "--workers" => a.workers = value()?.parse()?,
             "--batch" => a.batch = value()?.parse()?,
             "--no-kafka" => a.kafka = false,
+            "--steady-secs" => a.steady_secs = value()?.parse()?,
             other => bail!("unknown argument {other:?}; {usage}"),
         }
     }
@@ -371,6 +377,11 @@ async fn main() -> Result<()> {
         step(bench.drain("kafka", "key").await)?;
         step(bench.drain("kafka", "none").await)?;
     }
+    let steady = if bench.a.steady_secs > 0 {
+        Some(bench.steady_state().await?)
+    } else {
+        None
+    };
     let _ = std::fs::remove_dir_all(&bench.dir);
 
     let limit_of = |broker: &str, ordering: &str| -> Option<f64> {
@@ -409,5 +420,173 @@ async fn main() -> Result<()> {
             r.cpu_per_100k.map_or("-".into(), |c| format!("{c:.2}")),
         );
     }
+    if let Some(steady) = steady {
+        println!(
+            "\nD. steady state, `outbox-relay run` with default relay settings, NATS, \
+             {}s per rate; commit-to-consumer latency\n",
+            bench.a.steady_secs
+        );
+        println!("| writer rows/s | rows | delivered | p50 | p99 | max |");
+        println!("|---:|---:|---:|---:|---:|---:|");
+        for l in &steady.rates {
+            println!(
+                "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms |",
+                l.rate, l.rows, l.delivered, l.p50_ms, l.p99_ms, l.max_ms
+            );
+        }
+        println!(
+            "\nIdle relay: exit {} {:.0} ms after SIGTERM.",
+            steady.exit_code, steady.exit_ms
+        );
+    }
     Ok(())
+}
+
+struct Latency {
+    rate: u32,
+    rows: usize,
+    delivered: usize,
+    p50_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+struct Steady {
+    rates: Vec<Latency>,
+    exit_code: i32,
+    exit_ms: f64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i]
+}
+
+impl Bench {
+    /// D: an open-loop writer, the relay running, a consumer timing each message.
+    async fn steady_state(&self) -> Result<Steady> {
+        use futures_util::StreamExt;
+        use std::collections::HashMap;
+        use std::sync::Mutex;
+
+        let client = self.pg.connect("app").await?;
+        client.batch_execute("TRUNCATE public.outbox").await?;
+        self.reset_nats().await?;
+        // Default relay settings, and the NOTIFY trigger the default migrate installs.
+        let path = self.dir.join("steady.toml");
+        std::fs::write(
+            &path,
+            format!(
+                "[postgres]\nurl = \"{}\"\n[sink]\nkind = \"nats\"\n[sink.nats]\nurl = \"{}\"\n\
+                 [[tables]]\nname = \"public.outbox\"\n",
+                self.db_url,
+                self.nats.url()
+            ),
+        )?;
+        let out = Command::new(&self.a.relay)
+            .args(["migrate", "--config"])
+            .arg(&path)
+            .output()?;
+        if !out.status.success() {
+            bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
+        }
+
+        let received: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+        let nc = async_nats::connect(self.nats.url()).await?;
+        let mut sub = nc.subscribe("bench.>").await?;
+        let sink = received.clone();
+        let consumer = tokio::spawn(async move {
+            while let Some(m) = sub.next().await {
+                let now = Instant::now();
+                let id = m
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .and_then(|v| v.as_str().rsplit(':').next()?.parse::<i64>().ok());
+                if let Some(id) = id {
+                    sink.lock().unwrap().entry(id).or_insert(now);
+                }
+            }
+        });
+
+        let mut relay = Command::new(&self.a.relay)
+            .args(["run", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "warn")
+            .spawn()?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+
+        let payload = "x".repeat(self.a.payload as usize);
+        let mut rates = Vec::new();
+        for rate in [1_000u32, 2_000, 5_000, 20_000] {
+            eprintln!("    D. writer at {rate} rows/s for {}s", self.a.steady_secs);
+            let per_tick = (rate / 100).max(1) as i64; // a transaction every 10 ms
+            let ticks = self.a.steady_secs * 100;
+            let mut committed: HashMap<i64, Instant> = HashMap::new();
+            let start = Instant::now();
+            for tick in 0..ticks {
+                // Open loop: each transaction at its scheduled time, however late the last.
+                let due = start + Duration::from_millis(tick * 10);
+                tokio::time::sleep_until(due.into()).await;
+                let ids: Vec<i64> = client
+                    .query(
+                        "INSERT INTO public.outbox (topic, key, payload)
+                         SELECT 'bench.' || (n % 8), 'k' || (n % $3::bigint), convert_to($2, 'UTF8')
+                         FROM generate_series(1, $1::bigint) n RETURNING id",
+                        &[&per_tick, &payload, &self.a.keys],
+                    )
+                    .await?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                let at = Instant::now(); // autocommit: the INSERT has committed
+                committed.extend(ids.into_iter().map(|id| (id, at)));
+            }
+            // Let the tail arrive.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                let all_arrived = {
+                    let got = received.lock().unwrap();
+                    committed.keys().all(|id| got.contains_key(id))
+                };
+                if all_arrived {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let got = received.lock().unwrap();
+            let mut latencies: Vec<f64> = committed
+                .iter()
+                .filter_map(|(id, at)| {
+                    got.get(id)
+                        .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+                })
+                .collect();
+            latencies.sort_by(|a, b| a.total_cmp(b));
+            rates.push(Latency {
+                rate,
+                rows: committed.len(),
+                delivered: latencies.len(),
+                p50_ms: percentile(&latencies, 0.50),
+                p99_ms: percentile(&latencies, 0.99),
+                max_ms: latencies.last().copied().unwrap_or(f64::NAN),
+            });
+        }
+        // The relay is idle now: how fast does it leave on SIGTERM?
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let sent = Instant::now();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
+        let status = relay.wait()?;
+        let exit_ms = sent.elapsed().as_secs_f64() * 1000.0;
+        consumer.abort();
+        Ok(Steady {
+            rates,
+            exit_code: status.code().unwrap_or(-1),
+            exit_ms,
+        })
+    }
 }
