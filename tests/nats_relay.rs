@@ -80,10 +80,16 @@ async fn same_key_rows_arrive_in_id_order_across_workers_and_processes() {
     let client = env.client().await;
     seed(&client, 6_000, 20, 11).await;
 
-    // Three processes of six workers each, all on the same table at once.
+    // Three processes of six workers each, all on the same table at once; one of them
+    // prepares every statement afresh (postgres.prepared_statements = false, as behind an
+    // old PgBouncer), the others keep them prepared.
     let children: Vec<Child> = (0..3)
-        .map(|_| {
+        .map(|i| {
             env.command(&["drain"])
+                .env(
+                    "OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS",
+                    if i == 0 { "false" } else { "true" },
+                )
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()

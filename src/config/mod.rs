@@ -44,6 +44,8 @@ pub struct PostgresConfig {
     pub pool_size: usize,
     pub statement_timeout: Duration,
     pub connect_timeout: Duration,
+    /// Keep the claim's statements prepared per session (see `source::Tx`).
+    pub prepared_statements: bool,
 }
 
 impl PostgresConfig {
@@ -75,6 +77,7 @@ impl std::fmt::Debug for PostgresConfig {
             .field("pool_size", &self.pool_size)
             .field("statement_timeout", &self.statement_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("prepared_statements", &self.prepared_statements)
             .finish()
     }
 }
@@ -458,6 +461,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         pool_size: raw.postgres.pool_size,
         statement_timeout: positive("postgres.statement_timeout", raw.postgres.statement_timeout)?,
         connect_timeout: positive("postgres.connect_timeout", raw.postgres.connect_timeout)?,
+        prepared_statements: raw.postgres.prepared_statements,
     };
 
     let target = match raw.sink.kind {

@@ -41,6 +41,10 @@ pub struct RawPostgres {
     /// Deadline for opening a connection. Default `10s`.
     #[serde(default = "defaults::connect_timeout")]
     pub connect_timeout: DurationValue,
+    /// Keep the hot path's statements prepared on each session. Default true; false
+    /// behind PgBouncer before 1.21 in transaction mode.
+    #[serde(default = "defaults::yes")]
+    pub prepared_statements: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -277,6 +281,10 @@ mod defaults {
     pub fn pool_size() -> usize {
         8
     }
+    pub fn yes() -> bool {
+        true
+    }
+
     pub fn statement_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(30))
     }

@@ -185,12 +185,13 @@ impl Worker {
         let stop = shared.shutdown.stop_token();
         let abort = shared.shutdown.abort_token();
         let claim = async {
-            let tx = session.transaction().await?;
+            let tx = shared.source.begin(session).await?;
             let rows = claim_batch(
                 &tx,
                 &table.sql,
                 shared.relay.ordering,
                 shared.relay.batch_size,
+                self.id,
             )
             .await?;
             Ok::<_, SourceError>((tx, rows))
@@ -202,10 +203,7 @@ impl Worker {
             r = shared.source.bounded(claim) => r?,
         };
         if rows.is_empty() {
-            shared
-                .source
-                .bounded(async { Ok(tx.rollback().await?) })
-                .await?;
+            shared.source.bounded(tx.rollback()).await?;
             return Ok(Batch::Empty);
         }
         let started = Instant::now();

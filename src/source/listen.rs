@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Notify;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_util::sync::CancellationToken;
@@ -17,8 +17,8 @@ use super::describe;
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
 
-/// Listens until `stop` is cancelled, reconnecting with a capped backoff; every
-/// notification calls `wake.notify_waiters()`.
+/// Listens until `stop` is cancelled, reconnecting with a capped backoff; each burst of
+/// notifications calls `wake.notify_waiters()` once.
 pub async fn listen(config: tokio_postgres::Config, wake: Arc<Notify>, stop: CancellationToken) {
     let mut backoff = Duration::from_millis(250);
     while !stop.is_cancelled() {
@@ -58,15 +58,28 @@ async fn listen_once(
                 // Rows may have committed while we were not listening.
                 wake.notify_waiters();
             }
-            message = messages.next() => match message {
-                Some(Ok(AsyncMessage::Notification(n))) => {
-                    tracing::trace!(table = n.payload(), "Outbox rows committed");
+            message = messages.next() => {
+                // Debounce: a burst of commits arrives as a burst of notifications; every
+                // one already received wakes the workers once, not once each.
+                let mut message = message;
+                let mut committed = 0usize;
+                loop {
+                    match message {
+                        Some(Ok(AsyncMessage::Notification(_))) => committed += 1,
+                        Some(Ok(_)) => {}
+                        Some(Err(e)) => return Err(describe(&e)),
+                        None => return Err("connection closed".to_owned()),
+                    }
+                    match messages.next().now_or_never() {
+                        Some(next) => message = next,
+                        None => break,
+                    }
+                }
+                if committed > 0 {
+                    tracing::trace!(notifications = committed, "Outbox rows committed");
                     wake.notify_waiters();
                 }
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Err(describe(&e)),
-                None => return Err("connection closed".to_owned()),
-            },
+            }
         }
     }
 }

@@ -86,6 +86,8 @@ struct Row {
     ordering: &'static str,
     rss_mb: Option<f64>,
     cpu_per_100k: Option<f64>,
+    /// Cores the whole machine kept busy during the measurement (all processes).
+    cores_busy: f64,
 }
 
 impl Row {
@@ -176,6 +178,7 @@ impl Bench {
         self.seed().await?;
         let config = self.config("stdout", ordering)?;
         let started = Instant::now();
+        let machine = MachineCpu::now();
         let report = relay::run_with_sink(
             &config,
             Mode::Drain,
@@ -197,6 +200,7 @@ impl Bench {
             ordering,
             rss_mb: None,
             cpu_per_100k: None,
+            cores_busy: machine.busy_since(),
         })
     }
 
@@ -208,6 +212,7 @@ impl Bench {
         let payload = bytes::Bytes::from(payload);
         let per_worker = self.a.rows as usize / self.a.workers;
         let started = Instant::now();
+        let machine = MachineCpu::now();
         let mut tasks = Vec::new();
         for w in 0..self.a.workers {
             let sink = sink.clone();
@@ -249,6 +254,7 @@ impl Bench {
             ordering: "",
             rss_mb: None,
             cpu_per_100k: None,
+            cores_busy: machine.busy_since(),
         })
     }
 
@@ -261,6 +267,7 @@ impl Bench {
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
         std::fs::write(&path, self.config_text(sink, ordering))?;
         let started = Instant::now();
+        let machine = MachineCpu::now();
         let child = Command::new(&self.a.relay)
             .args(["drain", "--config"])
             .arg(&path)
@@ -285,7 +292,48 @@ impl Bench {
             ordering,
             rss_mb: Some(usage.ru_maxrss as f64 / 1024.0),
             cpu_per_100k: Some(cpu / (self.a.rows as f64 / 100_000.0)),
+            cores_busy: machine.busy_since(),
         })
+    }
+}
+
+/// Machine-wide CPU time from `/proc/stat`: how many cores every process together kept
+/// busy. On a machine shared by PostgreSQL, the broker and the relay this shows whether a
+/// limit is the CPU itself.
+struct MachineCpu {
+    busy: u64,
+    total: u64,
+}
+
+impl MachineCpu {
+    fn now() -> MachineCpu {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let ticks: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        let total: u64 = ticks.iter().take(8).sum();
+        // user nice system idle iowait irq softirq steal: idle and iowait are not busy.
+        let idle = ticks.get(3).copied().unwrap_or(0) + ticks.get(4).copied().unwrap_or(0);
+        MachineCpu {
+            busy: total - idle,
+            total,
+        }
+    }
+
+    /// Cores busy on average since `self` was read.
+    fn busy_since(&self) -> f64 {
+        let now = MachineCpu::now();
+        let total = now.total.saturating_sub(self.total);
+        if total == 0 {
+            return 0.0;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        cores * now.busy.saturating_sub(self.busy) as f64 / total as f64
     }
 }
 
@@ -404,20 +452,23 @@ async fn main() -> Result<()> {
         bench.a.batch,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    println!("| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows |");
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows | machine cores busy |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
     for r in &rows {
         let ratio = match r.broker {
             "" => "limit".to_owned(),
             b => limit_of(b, r.ordering).map_or("-".into(), |l| format!("{:.2}", r.rate() / l)),
         };
         println!(
-            "| {} | {:.0} | {} | {} | {} |",
+            "| {} | {:.0} | {} | {} | {} | {:.2} |",
             r.name,
             r.rate(),
             ratio,
             r.rss_mb.map_or("-".into(), |m| format!("{m:.0} MB")),
             r.cpu_per_100k.map_or("-".into(), |c| format!("{c:.2}")),
+            r.cores_busy,
         );
     }
     if let Some(steady) = steady {
