@@ -41,7 +41,7 @@ impl KafkaEnv {
             format!(
                 r#"
 [postgres]
-url = "{url}"
+url = "{relay_url}"
 [relay]
 poll_interval = "50ms"
 {relay}
@@ -55,7 +55,8 @@ brokers = "{}"
 [[tables]]
 name = "public.outbox"
 "#,
-                broker.bootstrap()
+                broker.bootstrap(),
+                relay_url = as_relay_role(&url),
             ),
         )
         .unwrap();
@@ -65,8 +66,15 @@ name = "public.outbox"
             config,
             _dir: TempDir(dir),
         };
-        let out = env.relay(&["migrate"]);
+        // migrate as the owner; everything else as the least-privilege role.
+        let out = Command::new(BIN)
+            .args(["migrate", "--config"])
+            .arg(&env.config)
+            .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+            .output()
+            .unwrap();
         assert!(out.status.success(), "{}", text(&out));
+        grant_relay_role(&env.pg.connect("app").await.unwrap(), "public.outbox").await;
         env
     }
 
@@ -271,11 +279,20 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
         .collect();
 
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/debezium.toml");
+    // migrate as the owner, then the least-privilege role for everything else.
+    let relay_url = as_relay_role(&url);
     let relay = |args: &[&str]| {
         Command::new(BIN)
             .args(args)
             .args(["--config", config])
-            .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+            .env(
+                "OUTBOX_RELAY__POSTGRES__URL",
+                if args[0] == "migrate" {
+                    &url
+                } else {
+                    &relay_url
+                },
+            )
             .env("OUTBOX_RELAY__SINK__KAFKA__BROKERS", broker.bootstrap())
             .output()
             .unwrap()
@@ -289,6 +306,7 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
     );
     let out = relay(&["migrate"]);
     assert!(text(&out).contains("up to date"), "{}", text(&out));
+    grant_relay_role(&client, "public.outboxevent").await;
     let out = relay(&["check"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let out = relay(&["drain"]);

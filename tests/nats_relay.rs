@@ -389,7 +389,7 @@ async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
 async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
     let env = Env::new("").await;
     let client = env.client().await;
-    let out = env.relay(&["migrate"]);
+    let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("public.outbox: up to date"));
     let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_notify'";
@@ -403,10 +403,10 @@ async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
         1
     );
 
-    let out = env.relay(&["migrate", "--no-notify"]);
+    let out = env.migrate(&["--no-notify"]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(count(&client, triggers).await, 0);
-    let out = env.relay(&["migrate"]);
+    let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(count(&client, triggers).await, 1);
 }

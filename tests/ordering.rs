@@ -147,9 +147,10 @@ async fn a_busy_table_does_not_starve_a_quiet_one() {
         "workers = 2\nbatch_size = 100",
         "[[tables]]\nname = \"public.quiet\"\ntopic = \"{topic}\"\n",
     );
-    let out = env.relay(&["migrate"]);
+    let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     let client = env.client().await;
+    grant_relay_role(&client, "public.quiet").await;
     seed(&client, 20_000, 50, 0).await;
     client
         .execute(

@@ -54,10 +54,17 @@ FROM pg_catalog.pg_attribute a
 JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = to_regclass($1::text) AND a.attnum > 0 AND NOT a.attisdropped";
 
+/// Whether the schema `$1` exists, and this role may use it (looked up in the catalog, so a
+/// schema this role cannot use is reported, not raised as an error).
+const SCHEMA_SQL: &str = "\
+SELECT has_schema_privilege(n.oid, 'USAGE') FROM pg_catalog.pg_namespace n WHERE n.nspname = $1";
+
 const PRIVILEGES_SQL: &str = "\
 SELECT has_table_privilege(to_regclass($1::text), 'SELECT'),
-       has_table_privilege(to_regclass($1::text), 'UPDATE'),
        has_table_privilege(to_regclass($1::text), 'DELETE')";
+
+const COLUMN_PRIVILEGE_SQL: &str =
+    "SELECT has_column_privilege(to_regclass($1::text), $2::text, 'UPDATE')";
 
 /// Every problem found with one table, each a sentence saying what to fix.
 pub async fn inspect(
@@ -66,6 +73,26 @@ pub async fn inspect(
     on_publish: OnPublish,
 ) -> Result<Result<TableShape, Vec<String>>, SourceError> {
     let name = table.name.quoted();
+    let schema = table.name.schema.as_str();
+    match client.query_opt(SCHEMA_SQL, &[&schema]).await? {
+        None => {
+            return Ok(Err(vec![format!(
+                "table {}: schema {} does not exist: run `outbox-relay migrate`, or fix \
+                 tables.name",
+                table.name,
+                table.name.schema.quoted()
+            )]));
+        }
+        Some(row) if !row.get::<_, bool>(0) => {
+            let schema = table.name.schema.quoted();
+            return Ok(Err(vec![format!(
+                "table {}: this role lacks USAGE on schema {schema}: GRANT USAGE ON SCHEMA \
+                 {schema} TO <relay role> (see migrations/outbox_relay_role.sql)",
+                table.name,
+            )]));
+        }
+        Some(_) => {}
+    }
     let rows = client.query(COLUMNS_SQL, &[&name]).await?;
     if rows.is_empty() {
         return Ok(Err(vec![format!(
@@ -166,16 +193,39 @@ pub async fn inspect(
         ));
     }
 
+    // Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants
+    // it): SELECT, DELETE in delete mode, and UPDATE of the bookkeeping columns only.
     let privileges = client.query_one(PRIVILEGES_SQL, &[&name]).await?;
-    let needed: &[(usize, &str)] = match on_publish {
-        OnPublish::Delete => &[(0, "SELECT"), (1, "UPDATE"), (2, "DELETE")],
-        OnPublish::Mark => &[(0, "SELECT"), (1, "UPDATE")],
-    };
+    let mut needed = vec![(0, "SELECT")];
+    if on_publish == OnPublish::Delete {
+        needed.push((1, "DELETE"));
+    }
     for (i, privilege) in needed {
-        if !privileges.get::<_, bool>(*i) {
+        if !privileges.get::<_, bool>(i) {
             problems.push(format!(
                 "table {}: this role lacks {privilege}: GRANT {privilege} ON {} TO <relay role>",
                 table.name,
+                table.name.quoted()
+            ));
+        }
+    }
+    let mut updated = vec![&c.attempts, &c.last_error, &c.dead_at];
+    if on_publish == OnPublish::Mark {
+        updated.push(&c.published_at);
+    }
+    for column in updated {
+        if !types.contains_key(column.as_str()) {
+            continue; // reported above as missing
+        }
+        let row = client
+            .query_one(COLUMN_PRIVILEGE_SQL, &[&name, &column.as_str()])
+            .await?;
+        if !row.get::<_, bool>(0) {
+            problems.push(format!(
+                "table {}: this role lacks UPDATE on column {column}: GRANT UPDATE ({}) ON {} \
+                 TO <relay role>",
+                table.name,
+                column.quoted(),
                 table.name.quoted()
             ));
         }

@@ -11,6 +11,22 @@ use std::time::{Duration, Instant};
 use testkit::{NatsServer, Postgres, StoredMessage};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
+/// The least-privilege role the relay runs as in every test that uses [`Env`].
+pub const ROLE_SQL: &str = include_str!("../../migrations/outbox_relay_role.sql");
+
+/// Creates role `outbox_relay` (once per cluster) with exactly the grants of
+/// `migrations/outbox_relay_role.sql` on `table`, as the superuser behind `client`.
+pub async fn grant_relay_role(client: &tokio_postgres::Client, table: &str) {
+    client
+        .batch_execute(&ROLE_SQL.replace("public.outbox", table))
+        .await
+        .expect("apply migrations/outbox_relay_role.sql");
+}
+
+/// `url` (the superuser's) as the least-privilege role `outbox_relay`.
+pub fn as_relay_role(url: &str) -> String {
+    url.replacen("postgres://postgres@", "postgres://outbox_relay@", 1)
+}
 pub const STREAM: &str = "OUTBOX";
 
 /// A database with a migrated `public.outbox`, a nats-server with stream `OUTBOX` on
@@ -54,9 +70,18 @@ impl Env {
             nats,
         };
         env.write_config(relay, "");
-        let out = env.relay(&["migrate"]);
+        let out = env.migrate(&[]);
         assert!(out.status.success(), "migrate failed: {}", text(&out));
+        grant_relay_role(&env.client().await, "public.outbox").await;
         env
+    }
+
+    /// `outbox-relay migrate` as the tables' owner: the config's role may not create tables.
+    pub fn migrate(&self, args: &[&str]) -> Output {
+        self.command(&[&["migrate"], args].concat())
+            .env("OUTBOX_RELAY__POSTGRES__URL", &self.db_url)
+            .output()
+            .expect("run outbox-relay migrate")
     }
 
     /// Rewrites the config; `relay` goes into `[relay]`, `more` is appended.
@@ -86,7 +111,7 @@ topic = "{{topic}}"
 drain_timeout = "10s"
 {more}
 "#,
-            db = self.db_url,
+            db = as_relay_role(&self.db_url),
             nats = self.nats.url(),
             poll = if relay.contains("poll_interval") {
                 ""

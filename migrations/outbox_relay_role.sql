@@ -1,0 +1,33 @@
+-- The least-privilege role for `outbox-relay run`, `drain`, `check`, `status` and
+-- `requeue`: exactly what their statements need, nothing else. No TRUNCATE, no DDL, no
+-- INSERT, not a superuser, cannot create roles or databases.
+--
+-- `outbox-relay migrate` creates tables, indexes and a trigger, so run it as the table's
+-- owner, not as this role.
+--
+-- Run as a superuser (or the outbox table's owner with CREATEROLE), in the application's
+-- database, after `outbox-relay migrate`:
+--     psql -v ON_ERROR_STOP=1 -d app -f migrations/outbox_relay_role.sql
+-- then give the role a password (psql prompts; it never lands in a file or the history):
+--     \password outbox_relay
+-- For another table, schema or mapped column names ([tables.columns]), change the names
+-- below and repeat the three GRANTs for each table. `outbox-relay check` names any
+-- privilege that is still missing.
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_catalog.pg_roles WHERE rolname = 'outbox_relay') THEN
+        CREATE ROLE outbox_relay LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION
+            NOBYPASSRLS;
+    END IF;
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO outbox_relay', current_database());
+END
+$$;
+
+GRANT USAGE ON SCHEMA public TO outbox_relay;
+-- Read the rows to publish; DELETE is only needed with on_publish = "delete".
+GRANT SELECT, DELETE ON public.outbox TO outbox_relay;
+-- The bookkeeping columns: published_at (on_publish = "mark"), attempts, last_error and
+-- dead_at (failures, dead-lettering, `requeue`). Row locks (FOR UPDATE) need UPDATE on at
+-- least one column, which this gives.
+GRANT UPDATE (published_at, attempts, last_error, dead_at) ON public.outbox TO outbox_relay;
