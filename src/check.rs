@@ -94,7 +94,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
     let pg = session_config(&config.postgres, limits);
     let connected = tokio::time::timeout(
         config.postgres.connect_timeout + Duration::from_secs(1),
-        pg.connect(tokio_postgres::NoTls),
+        crate::source::connect(&config.postgres, &pg),
     )
     .await;
     let client = match connected {
@@ -103,11 +103,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
             client
         }
         Ok(Err(e)) => {
-            out.push(
-                Level::Fail,
-                target,
-                format!("cannot connect: {}", describe(&e)),
-            );
+            out.push(Level::Fail, target, format!("cannot connect: {e}"));
             return Vec::new();
         }
         Err(_) => {

@@ -32,6 +32,11 @@ const FATAL_SQLSTATES: &[&str] = &[
 pub fn classify_postgres(e: &tokio_postgres::Error) -> ErrorClass {
     match e.code() {
         Some(code) => classify_sqlstate(code.code()),
+        // The server's certificate was refused, or it does not offer the TLS that was
+        // asked for: waiting will not fix that, the operator must.
+        None if crate::source::tls::explain(&crate::source::describe(e)).is_some() => {
+            ErrorClass::Fatal
+        }
         None => ErrorClass::Transient, // I/O: connection refused, reset, closed
     }
 }

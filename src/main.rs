@@ -8,7 +8,7 @@ use outbox_relay::cli::{Cli, Command, LogFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
-use outbox_relay::source::{describe, migrate, session_config, SessionLimits};
+use outbox_relay::source::{migrate, session_config, SessionLimits};
 use outbox_relay::{admin, check};
 
 /// Exit codes, fixed by the contract.
@@ -183,13 +183,13 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
         idle_in_transaction_timeout: std::time::Duration::from_secs(60),
     };
     let pg = session_config(&config.postgres, limits);
-    let (mut client, connection) = match pg.connect(tokio_postgres::NoTls).await {
+    let (mut client, connection) = match outbox_relay::source::connect(&config.postgres, &pg).await
+    {
         Ok(pair) => pair,
         Err(e) => {
             eprintln!(
-                "error: cannot connect to {}: {}",
+                "error: cannot connect to {}: {e}",
                 config.postgres.redacted(),
-                describe(&e)
             );
             return EXIT_FAILURE;
         }

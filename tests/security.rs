@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use testkit::Postgres;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn least_privilege_role_relays_but_cannot_truncate_insert_or_alter() {
@@ -148,5 +149,167 @@ async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
              <relay role>"
         ),
         "{stdout}"
+    );
+}
+
+/// The URL of `env`'s database as `outbox_relay` with `password`, reached as `host`
+/// (`hostaddr` keeps the connection on 127.0.0.1), plus `params`.
+fn tls_url(env: &Env, host: &str, password: &str, params: &str) -> String {
+    format!(
+        "postgres://outbox_relay:{password}@{host}:{}/app?hostaddr=127.0.0.1&{params}",
+        env.pg.port()
+    )
+}
+
+fn with_url(env: &Env, url: &str, args: &[&str]) -> std::process::Output {
+    env.command(args)
+        .env("OUTBOX_RELAY__POSTGRES__URL", url)
+        .output()
+        .unwrap()
+}
+
+const PASSWORD: &str = "Tr0ub4dor-never-printed";
+
+#[tokio::test(flavor = "multi_thread")]
+async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
+    let ca = testkit::TestCa::new().unwrap();
+    let other_ca = testkit::TestCa::new().unwrap();
+    let env = Env::on(Postgres::start_tls(&ca).unwrap(), "").await;
+    let owner = env.client().await;
+    owner
+        .batch_execute(&format!("ALTER ROLE outbox_relay PASSWORD '{PASSWORD}'"))
+        .await
+        .unwrap();
+    seed(&owner, 300, 10, 0).await;
+    let root = |ca: &testkit::TestCa| ca.ca_cert().display().to_string();
+
+    // The right CA and the name in the certificate: drains. pg_hba rejects outbox_relay
+    // without TLS, so success means the session was encrypted.
+    let good = tls_url(
+        &env,
+        "127.0.0.1",
+        PASSWORD,
+        &format!("sslmode=verify-full&sslrootcert={}", root(&ca)),
+    );
+    let out = with_url(&env, &good, &["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = with_url(&env, &good, &["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(env.stored().await.len(), 300);
+
+    // A CA that did not sign the server's certificate.
+    let wrong_ca = tls_url(
+        &env,
+        "127.0.0.1",
+        PASSWORD,
+        &format!("sslmode=verify-full&sslrootcert={}", root(&other_ca)),
+    );
+    for command in ["check", "drain"] {
+        let out = with_url(&env, &wrong_ca, &[command]);
+        assert_eq!(out.status.code(), Some(1), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains("not signed by a CA in sslrootcert"),
+            "{command}: {}",
+            text(&out)
+        );
+        assert!(!text(&out).contains(PASSWORD), "{}", text(&out));
+    }
+
+    // The right CA, but a host name the certificate does not list.
+    let wrong_host = tls_url(
+        &env,
+        "db.wrong.example",
+        PASSWORD,
+        &format!("sslmode=verify-full&sslrootcert={}", root(&ca)),
+    );
+    let out = with_url(&env, &wrong_host, &["drain"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("does not name the host"),
+        "{}",
+        text(&out)
+    );
+    // verify-ca checks the chain only: the same host name passes.
+    let out = with_url(
+        &env,
+        &wrong_host.replace("verify-full", "verify-ca"),
+        &["check"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    // A client certificate is sent when given (and a key that does not match is refused).
+    let with_client_cert = format!(
+        "{good}&sslcert={}&sslkey={}",
+        ca.client_cert().display(),
+        ca.client_key().display()
+    );
+    let out = with_url(&env, &with_client_cert, &["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let mismatched = format!(
+        "{good}&sslcert={}&sslkey={}",
+        ca.client_cert().display(),
+        other_ca.client_key().display()
+    );
+    let out = with_url(&env, &mismatched, &["check"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("does not belong to sslcert"),
+        "{}",
+        text(&out)
+    );
+
+    // A wrong password: refused, and neither password appears anywhere.
+    let wrong_password = "Wr0ng-pa55word-also-secret";
+    let bad = tls_url(
+        &env,
+        "127.0.0.1",
+        wrong_password,
+        &format!("sslmode=verify-full&sslrootcert={}", root(&ca)),
+    );
+    for command in ["check", "drain", "status"] {
+        let out = with_url(&env, &bad, &[command]);
+        assert_ne!(out.status.code(), Some(0), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains("password authentication failed"),
+            "{command}: {}",
+            text(&out)
+        );
+        assert!(
+            !text(&out).contains(wrong_password),
+            "{command}: {}",
+            text(&out)
+        );
+        assert!(!text(&out).contains(PASSWORD), "{command}: {}", text(&out));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_asked_for_is_never_given_up_for_a_plain_connection() {
+    // This server has no TLS at all.
+    let env = Env::new("").await;
+    let url = format!("{}?sslmode=require", as_relay_role(&env.db_url));
+    for command in ["check", "drain"] {
+        let out = with_url(&env, &url, &[command]);
+        assert_eq!(out.status.code(), Some(1), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains("does not offer TLS"),
+            "{command}: {}",
+            text(&out)
+        );
+    }
+    // Without sslmode (prefer) the same server is used in plain text, as with libpq.
+    let out = with_url(&env, &as_relay_role(&env.db_url), &["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let out = with_url(
+        &env,
+        &format!("{url}&sslrootcert=/nonexistent/root.crt"),
+        &["check"],
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("postgres.url: sslrootcert /nonexistent/root.crt does not exist"),
+        "{}",
+        text(&out)
     );
 }

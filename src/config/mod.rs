@@ -46,6 +46,8 @@ pub struct PostgresConfig {
     pub connect_timeout: Duration,
     /// Keep the claim's statements prepared per session (see `source::Tx`).
     pub prepared_statements: bool,
+    /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
+    pub tls: crate::source::tls::TlsSettings,
 }
 
 impl PostgresConfig {
@@ -78,6 +80,7 @@ impl std::fmt::Debug for PostgresConfig {
             .field("statement_timeout", &self.statement_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("prepared_statements", &self.prepared_statements)
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -418,13 +421,18 @@ fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
 }
 
 fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
-    let connection = tokio_postgres::Config::from_str(&raw.postgres.url).map_err(|e| {
+    let (url, tls) = crate::source::tls::split_tls_params(&raw.postgres.url)
+        .map_err(|e| err("postgres.url", e))?;
+    // Certificate files are read now: a missing one is a config error, not a runtime one.
+    tls.connector().map_err(|e| err("postgres.url", e))?;
+    let mut connection = tokio_postgres::Config::from_str(&url).map_err(|e| {
         // tokio-postgres names the option at fault without echoing values.
         err(
             "postgres.url",
             format!("not a valid PostgreSQL connection URL ({e})"),
         )
     })?;
+    connection.ssl_mode(tls.ssl_mode());
     if connection.get_hosts().is_empty() {
         return Err(err(
             "postgres.url",
@@ -462,6 +470,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         statement_timeout: positive("postgres.statement_timeout", raw.postgres.statement_timeout)?,
         connect_timeout: positive("postgres.connect_timeout", raw.postgres.connect_timeout)?,
         prepared_statements: raw.postgres.prepared_statements,
+        tls,
     };
 
     let target = match raw.sink.kind {

@@ -398,6 +398,7 @@ pub async fn run_with_sink(
 
     let tracker = TaskTracker::new();
     tracker.spawn(crate::source::listen::listen(
+        config.postgres.clone(),
         session_config(&config.postgres, limits),
         shared.wake.clone(),
         shutdown.stop_token().clone(),

@@ -9,20 +9,26 @@ use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Notify;
-use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::describe;
+use crate::config::PostgresConfig;
 
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
 
 /// Listens until `stop` is cancelled, reconnecting with a capped backoff; each burst of
 /// notifications calls `wake.notify_waiters()` once.
-pub async fn listen(config: tokio_postgres::Config, wake: Arc<Notify>, stop: CancellationToken) {
+pub async fn listen(
+    pg: PostgresConfig,
+    config: tokio_postgres::Config,
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+) {
     let mut backoff = Duration::from_millis(250);
     while !stop.is_cancelled() {
-        match listen_once(&config, &wake, &stop).await {
+        match listen_once(&pg, &config, &wake, &stop).await {
             Ok(()) => return,
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection lost; polling meanwhile");
@@ -38,11 +44,12 @@ pub async fn listen(config: tokio_postgres::Config, wake: Arc<Notify>, stop: Can
 
 /// One connection's life: returns `Ok` when stopped, `Err` when the connection failed.
 async fn listen_once(
+    pg: &PostgresConfig,
     config: &tokio_postgres::Config,
     wake: &Notify,
     stop: &CancellationToken,
 ) -> Result<(), String> {
-    let (client, mut connection) = config.connect(NoTls).await.map_err(|e| describe(&e))?;
+    let (client, mut connection) = super::connect(pg, config).await?;
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let statement = format!("LISTEN {CHANNEL}");
     let subscribe = client.batch_execute(&statement);

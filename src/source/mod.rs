@@ -10,11 +10,11 @@ pub mod listen;
 pub mod migrate;
 pub mod schema;
 pub mod sql;
+pub mod tls;
 
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
 
 use crate::config::PostgresConfig;
 use crate::error::{classify_postgres, ErrorClass};
@@ -76,10 +76,36 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
         }
         return s;
     }
-    match std::error::Error::source(e) {
-        Some(cause) => format!("{e}: {cause}"),
-        None => e.to_string(),
+    // The chain, each cause once (OpenSSL repeats its error stack at every level).
+    let mut s = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !s.contains(&text) {
+            s.push_str(&format!(": {text}"));
+        }
+        cause = c.source();
     }
+    match tls::explain(&s) {
+        Some(why) => format!("{why} ({s})"),
+        None => s,
+    }
+}
+
+/// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.
+pub type Connection = tokio_postgres::Connection<
+    tokio_postgres::Socket,
+    postgres_openssl::TlsStream<tokio_postgres::Socket>,
+>;
+
+/// Opens one connection with `config` and the TLS settings of `pg`; the error is a
+/// sentence for the operator.
+pub async fn connect(
+    pg: &PostgresConfig,
+    config: &tokio_postgres::Config,
+) -> Result<(tokio_postgres::Client, Connection), String> {
+    let tls = pg.tls.connector()?;
+    config.connect(tls).await.map_err(|e| describe(&e))
 }
 
 /// Server-side deadlines for the relay's sessions.
@@ -197,7 +223,7 @@ impl Source {
     pub fn new(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
         let manager = Manager::from_config(
             session_config(pg, limits),
-            NoTls,
+            pg.tls.connector().map_err(SourceError::Pool)?,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

@@ -6,6 +6,7 @@
 //! dies without unwinding (a test killed by a timeout, `kill -9` of the demo).
 
 use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -101,6 +102,110 @@ fn pg_identity() -> Result<Option<(u32, u32)>> {
     bail!("running as root, but there is no `postgres` user to run PostgreSQL as: install the postgresql package")
 }
 
+/// A throwaway certificate authority made with the `openssl` command: a CA, a server
+/// certificate for IP 127.0.0.1 (no host name), and a client certificate for
+/// `outbox_relay`. A second `TestCa` is a different, untrusted CA.
+pub struct TestCa {
+    dir: PathBuf,
+}
+
+impl TestCa {
+    pub fn new() -> Result<TestCa> {
+        let dir = scratch_dir("ca")?;
+        let run = |args: &[&str]| -> Result<()> {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .output()
+                .context("run openssl (apt-get install openssl)")?;
+            if !out.status.success() {
+                bail!(
+                    "openssl {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(())
+        };
+        std::fs::write(dir.join("server.ext"), "subjectAltName = IP:127.0.0.1\n")?;
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=outbox-relay test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ])?;
+        for (name, subject, ext) in [
+            ("server", "/CN=127.0.0.1", Some("server.ext")),
+            ("client", "/CN=outbox_relay", None),
+        ] {
+            let key = format!("{name}.key");
+            let csr = format!("{name}.csr");
+            let crt = format!("{name}.crt");
+            run(&[
+                "req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, "-keyout", &key, "-out",
+                &csr,
+            ])?;
+            let mut sign = vec![
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-out",
+                &crt,
+            ];
+            if let Some(ext) = ext {
+                sign.extend(["-extfile", ext]);
+            }
+            run(&sign)?;
+        }
+        Ok(TestCa { dir })
+    }
+
+    pub fn ca_cert(&self) -> PathBuf {
+        self.dir.join("ca.crt")
+    }
+
+    pub fn server_cert(&self) -> PathBuf {
+        self.dir.join("server.crt")
+    }
+
+    pub fn server_key(&self) -> PathBuf {
+        self.dir.join("server.key")
+    }
+
+    pub fn client_cert(&self) -> PathBuf {
+        self.dir.join("client.crt")
+    }
+
+    pub fn client_key(&self) -> PathBuf {
+        self.dir.join("client.key")
+    }
+}
+
+impl Drop for TestCa {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 /// A throwaway PostgreSQL cluster. Superuser `postgres`, trust authentication, on
 /// 127.0.0.1 only.
 pub struct Postgres {
@@ -117,6 +222,17 @@ impl Postgres {
     }
 
     pub fn start_with(durable: bool) -> Result<Postgres> {
+        Self::start_inner(durable, None)
+    }
+
+    /// A cluster with `ssl = on`, serving `ca`'s server certificate (SAN: IP 127.0.0.1
+    /// only). pg_hba: role `outbox_relay` must come over TLS with a SCRAM password (a plain
+    /// connection is rejected); everyone else is trusted, with or without TLS.
+    pub fn start_tls(ca: &TestCa) -> Result<Postgres> {
+        Self::start_inner(false, Some(ca))
+    }
+
+    fn start_inner(durable: bool, tls: Option<&TestCa>) -> Result<Postgres> {
         let dir = scratch_dir("pg")?;
         let identity = pg_identity()?;
         if let Some((uid, gid)) = identity {
@@ -158,6 +274,28 @@ impl Postgres {
         );
         if !durable {
             conf.push_str("fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n");
+        }
+        if let Some(ca) = tls {
+            for (from, to) in [
+                (ca.server_cert(), "server.crt"),
+                (ca.server_key(), "server.key"),
+            ] {
+                let target = data.join(to);
+                std::fs::copy(&from, &target)?;
+                std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600))?;
+                if let Some((uid, gid)) = identity {
+                    std::os::unix::fs::chown(&target, Some(uid), Some(gid))?;
+                }
+            }
+            conf.push_str("ssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+            conf.push_str("password_encryption = 'scram-sha-256'\n");
+            std::fs::write(
+                data.join("pg_hba.conf"),
+                "local all all trust\n\
+                 hostnossl all outbox_relay 127.0.0.1/32 reject\n\
+                 hostssl all outbox_relay 127.0.0.1/32 scram-sha-256\n\
+                 host all all 127.0.0.1/32 trust\n",
+            )?;
         }
         std::fs::write(data.join("postgresql.auto.conf"), conf)?;
         pg.spawn()?;

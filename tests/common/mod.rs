@@ -50,7 +50,11 @@ impl Drop for TempDir {
 impl Env {
     /// Servers up, table migrated, config written with `extra` appended to `[relay]`.
     pub async fn new(relay: &str) -> Env {
-        let pg = Postgres::start().expect("start postgres");
+        Env::on(Postgres::start().expect("start postgres"), relay).await
+    }
+
+    /// The same on a PostgreSQL started by the caller (e.g. [`Postgres::start_tls`]).
+    pub async fn on(pg: Postgres, relay: &str) -> Env {
         let nats = NatsServer::start().expect("start nats-server");
         let db_url = pg.create_database("app").await.expect("create database");
         nats.create_stream(STREAM, &["events.>"])
