@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use testkit::Postgres;
+use testkit::{NatsServer, Postgres, TestCa};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn least_privilege_role_relays_but_cannot_truncate_insert_or_alter() {
@@ -174,7 +174,12 @@ const PASSWORD: &str = "Tr0ub4dor-never-printed";
 async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
     let ca = testkit::TestCa::new().unwrap();
     let other_ca = testkit::TestCa::new().unwrap();
-    let env = Env::on(Postgres::start_tls(&ca).unwrap(), "").await;
+    let env = Env::on(
+        Postgres::start_tls(&ca).unwrap(),
+        NatsServer::start().unwrap(),
+        "",
+    )
+    .await;
     let owner = env.client().await;
     owner
         .batch_execute(&format!("ALTER ROLE outbox_relay PASSWORD '{PASSWORD}'"))
@@ -312,4 +317,70 @@ async fn tls_asked_for_is_never_given_up_for_a_plain_connection() {
         "{}",
         text(&out)
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_over_tls_with_an_nkey_and_secrets_from_files_never_printed() {
+    let ca = TestCa::new().unwrap();
+    let other_ca = TestCa::new().unwrap();
+    let (nats, nkey_seed) = NatsServer::start_secure(&ca).unwrap();
+    let env = Env::on(Postgres::start_tls(&ca).unwrap(), nats, "").await;
+    let owner = env.client().await;
+    owner
+        .batch_execute(&format!("ALTER ROLE outbox_relay PASSWORD '{PASSWORD}'"))
+        .await
+        .unwrap();
+    seed(&owner, 200, 5, 0).await;
+    let dir = std::env::temp_dir().join(format!("outbox-relay-secrets-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let password_file = dir.join("pg-password");
+    std::fs::write(&password_file, format!("{PASSWORD}\n")).unwrap();
+    let nkey_file = dir.join("nats.nk");
+    std::fs::write(&nkey_file, format!("{nkey_seed}\n")).unwrap();
+    // The password comes from a file, not the URL.
+    let url = format!(
+        "postgres://outbox_relay@127.0.0.1:{}/app?sslmode=verify-full&sslrootcert={}",
+        env.pg.port(),
+        ca.ca_cert().display()
+    );
+    let secure = |ca_file: &std::path::Path, args: &[&str]| {
+        env.command(args)
+            .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+            .env("OUTBOX_RELAY__POSTGRES__PASSWORD_FILE", &password_file)
+            .env(
+                "OUTBOX_RELAY__SINK__NATS__URL",
+                env.nats.url().replace("nats://", "tls://"),
+            )
+            .env("OUTBOX_RELAY__SINK__NATS__NKEY_FILE", &nkey_file)
+            .env("OUTBOX_RELAY__SINK__NATS__TLS_CA_FILE", ca_file)
+            .env("RUST_LOG", "debug")
+            .output()
+            .unwrap()
+    };
+    let out = secure(&ca.ca_cert(), &["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = secure(&ca.ca_cert(), &["drain"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(env.stored().await.len(), 200);
+    for shown in [text(&out), text(&secure(&ca.ca_cert(), &["check"]))] {
+        assert!(!shown.contains(PASSWORD), "{shown}");
+        assert!(!shown.contains(&nkey_seed), "{shown}");
+    }
+
+    // The broker's certificate from another CA: refused, seed still not shown.
+    let out = secure(&other_ca.ca_cert(), &["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("FAIL nats"), "{}", text(&out));
+    assert!(!text(&out).contains(&nkey_seed), "{}", text(&out));
+
+    // Without the nkey the server refuses the relay.
+    let out = env
+        .command(&["check"])
+        .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+        .env("OUTBOX_RELAY__POSTGRES__PASSWORD_FILE", &password_file)
+        .env("OUTBOX_RELAY__SINK__NATS__TLS_CA_FILE", ca.ca_cert())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -8,6 +8,9 @@
 mod env;
 pub mod names;
 pub mod raw;
+pub mod secret;
+
+pub use secret::Secret;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -112,6 +115,74 @@ pub enum SinkTarget {
 pub struct NatsConfig {
     /// Server URLs; may carry `user:password@`, so `Debug` is redacted.
     pub urls: Vec<String>,
+    pub auth: NatsAuth,
+    /// `tls_ca_file`: verify the server against these CAs (and require TLS).
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// `tls_cert_file` and `tls_key_file`.
+    pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
+}
+
+/// How the relay authenticates to NATS beyond what the URL carries.
+#[derive(Debug, Clone)]
+pub enum NatsAuth {
+    None,
+    /// A `.creds` file, read by the client at connect time.
+    CredentialsFile(std::path::PathBuf),
+    /// A user nkey seed, read from `nkey_file`.
+    NKey(Secret),
+}
+
+fn nats_config(urls: Vec<String>, raw: raw::RawNats) -> Result<NatsConfig, ConfigError> {
+    let file = |key: &str, path: std::path::PathBuf| {
+        let key = format!("sink.nats.{key}");
+        secret::existing_file(&key, path).map_err(|e| err(&key, strip_key(&e)))
+    };
+    let auth = match (raw.credentials_file, raw.nkey_file) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                "sink.nats.nkey_file",
+                "is set and sink.nats.credentials_file too: a .creds file carries its own \
+                 nkey; keep one"
+                    .into(),
+            ))
+        }
+        (Some(path), None) => NatsAuth::CredentialsFile(file("credentials_file", path)?),
+        (None, Some(path)) => {
+            let seed = Secret::from_file("sink.nats.nkey_file", &path)
+                .map_err(|e| err("sink.nats.nkey_file", strip_key(&e)))?;
+            if !seed.expose().trim().starts_with("SU") {
+                return Err(err(
+                    "sink.nats.nkey_file",
+                    format!(
+                        "{} does not hold a user nkey seed (one line starting with SU)",
+                        path.display()
+                    ),
+                ));
+            }
+            NatsAuth::NKey(Secret::new(seed.expose().trim().to_owned()))
+        }
+        (None, None) => NatsAuth::None,
+    };
+    let tls_ca = raw
+        .tls_ca_file
+        .map(|p| file("tls_ca_file", p))
+        .transpose()?;
+    let tls_client = match (raw.tls_cert_file, raw.tls_key_file) {
+        (Some(c), Some(k)) => Some((file("tls_cert_file", c)?, file("tls_key_file", k)?)),
+        (None, None) => None,
+        _ => {
+            return Err(err(
+                "sink.nats.tls_cert_file",
+                "and sink.nats.tls_key_file go together: give both".into(),
+            ))
+        }
+    };
+    Ok(NatsConfig {
+        urls,
+        auth,
+        tls_ca,
+        tls_client,
+    })
 }
 
 impl NatsConfig {
@@ -137,6 +208,8 @@ impl std::fmt::Debug for NatsConfig {
 pub struct KafkaConfig {
     pub brokers: String,
     pub properties: BTreeMap<String, String>,
+    /// `[sink.kafka.property_files]`: properties whose values came from files.
+    pub secret_properties: BTreeMap<String, Secret>,
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -154,6 +227,7 @@ impl std::fmt::Debug for KafkaConfig {
         f.debug_struct("KafkaConfig")
             .field("brokers", &self.brokers)
             .field("properties", &shown)
+            .field("secret_properties", &self.secret_properties)
             .finish()
     }
 }
@@ -416,6 +490,11 @@ fn describe_serde_error(
     format!("{key}: {message}{source}")
 }
 
+/// `key: message` -> `message`, for errors built by helpers that name their key.
+fn strip_key(e: &str) -> String {
+    e.split_once(": ").map_or(e, |(_, rest)| rest).to_owned()
+}
+
 fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
     text.strip_prefix(prefix)?.split('`').next()
 }
@@ -433,6 +512,17 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         )
     })?;
     connection.ssl_mode(tls.ssl_mode());
+    if let Some(path) = raw.postgres.password_file {
+        if connection.get_password().is_some() {
+            return Err(err(
+                "postgres.password_file",
+                "is set and postgres.url has a password too: keep one".into(),
+            ));
+        }
+        let password = Secret::from_file("postgres.password_file", &path)
+            .map_err(|e| err("postgres.password_file", strip_key(&e)))?;
+        connection.password(password.expose());
+    }
     if connection.get_hosts().is_empty() {
         return Err(err(
             "postgres.url",
@@ -475,16 +565,19 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
 
     let target = match raw.sink.kind {
         SinkKind::Nats => {
-            let url = raw
-                .sink
-                .nats
-                .map(|n| n.url)
-                .unwrap_or_else(|| "nats://127.0.0.1:4222".into());
-            let urls: Vec<String> = url.split(',').map(|u| u.trim().to_owned()).collect();
+            let nats = raw.sink.nats.unwrap_or(raw::RawNats {
+                url: "nats://127.0.0.1:4222".into(),
+                credentials_file: None,
+                nkey_file: None,
+                tls_ca_file: None,
+                tls_cert_file: None,
+                tls_key_file: None,
+            });
+            let urls: Vec<String> = nats.url.split(',').map(|u| u.trim().to_owned()).collect();
             if urls.iter().any(String::is_empty) {
                 return Err(err("sink.nats.url", "contains an empty server URL".into()));
             }
-            SinkTarget::Nats(NatsConfig { urls })
+            SinkTarget::Nats(nats_config(urls, nats)?)
         }
         SinkKind::Kafka => {
             let kafka = raw.sink.kafka.ok_or_else(|| {
@@ -493,6 +586,26 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
                     "required key is missing when sink.kind = \"kafka\"".into(),
                 )
             })?;
+            let mut secret_properties = BTreeMap::new();
+            for (name, path) in kafka.property_files {
+                let key = format!("sink.kafka.property_files.{name}");
+                if !crate::sink::kafka::is_secret(&name) {
+                    return Err(err(
+                        &key,
+                        "only secret properties (passwords, secrets, tokens, keys) are read \
+                         from files; set this one in sink.kafka.properties"
+                            .into(),
+                    ));
+                }
+                if kafka.properties.contains_key(&name) {
+                    return Err(err(
+                        &key,
+                        format!("{name} is set in sink.kafka.properties too: keep one"),
+                    ));
+                }
+                let value = Secret::from_file(&key, &path).map_err(|e| err(&key, strip_key(&e)))?;
+                secret_properties.insert(name, value);
+            }
             SinkTarget::Kafka(KafkaConfig {
                 brokers: kafka.brokers,
                 properties: kafka
@@ -500,6 +613,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
                     .into_iter()
                     .map(|(k, v)| (k, v.0))
                     .collect(),
+                secret_properties,
             })
         }
         SinkKind::Stdout => SinkTarget::Stdout,
@@ -612,6 +726,58 @@ mod tests {
             vars,
         )
         .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn secrets_from_files_are_used_and_never_shown() {
+        let dir = std::env::temp_dir().join(format!("cfg-secret-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "file-pa55\n").unwrap();
+        let text = format!(
+            "[postgres]\nurl = \"postgres://relay@db/app\"\npassword_file = \"{}\"\n\
+             [sink]\nkind = \"kafka\"\n[sink.kafka]\nbrokers = \"k:9092\"\n\
+             [sink.kafka.properties]\n\"security.protocol\" = \"SASL_SSL\"\n\
+             [sink.kafka.property_files]\n\"sasl.password\" = \"{}\"\n\
+             [[tables]]\nname = \"outbox\"\n",
+            pw.display(),
+            pw.display()
+        );
+        let c = load(&text, &[]).unwrap();
+        assert_eq!(
+            c.postgres.connection.get_password(),
+            Some(&b"file-pa55"[..])
+        );
+        let SinkTarget::Kafka(k) = &c.sink.target else {
+            panic!("kafka")
+        };
+        assert_eq!(k.secret_properties["sasl.password"].expose(), "file-pa55");
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("file-pa55"), "{shown}");
+        assert!(shown.contains("SASL_SSL"), "{shown}");
+
+        let both = text.replace("postgres://relay@db", "postgres://relay:x@db");
+        let e = load(&both, &[]).unwrap_err();
+        assert!(
+            e.contains("postgres.password_file: is set and postgres.url has a password too"),
+            "{e}"
+        );
+        let not_secret = text.replace("\"sasl.password\" = ", "\"acks\" = ");
+        let e = load(&not_secret, &[]).unwrap_err();
+        assert!(
+            e.contains("sink.kafka.property_files.acks: only secret properties"),
+            "{e}"
+        );
+        let missing = text.replace(
+            &format!("password_file = \"{}\"", pw.display()),
+            "password_file = \"/nope/pw\"",
+        );
+        let e = load(&missing, &[]).unwrap_err();
+        assert!(
+            e.contains("postgres.password_file: cannot read /nope/pw"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

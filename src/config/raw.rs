@@ -45,6 +45,10 @@ pub struct RawPostgres {
     /// behind PgBouncer before 1.21 in transaction mode.
     #[serde(default = "defaults::yes")]
     pub prepared_statements: bool,
+    /// The password, read from this file (Kubernetes secret, systemd credential) instead
+    /// of the URL.
+    #[serde(default)]
+    pub password_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,6 +138,9 @@ pub struct RawKafka {
     /// Passed through to librdkafka.
     #[serde(default)]
     pub properties: BTreeMap<String, PropertyValue>,
+    /// librdkafka properties whose values are read from files (e.g. `sasl.password`).
+    #[serde(default)]
+    pub property_files: BTreeMap<String, std::path::PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -142,6 +149,20 @@ pub struct RawNats {
     /// Server URL(s), comma separated. Default `nats://127.0.0.1:4222`.
     #[serde(default = "defaults::nats_url")]
     pub url: String,
+    /// A `.creds` file (user JWT and nkey seed).
+    #[serde(default)]
+    pub credentials_file: Option<std::path::PathBuf>,
+    /// A file holding a user nkey seed (`SU...`).
+    #[serde(default)]
+    pub nkey_file: Option<std::path::PathBuf>,
+    /// CA certificates (PEM) to verify the server with; implies TLS.
+    #[serde(default)]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Client certificate and key (PEM) for servers that verify clients.
+    #[serde(default)]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default)]
+    pub tls_key_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]

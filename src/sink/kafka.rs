@@ -71,7 +71,7 @@ pub fn unsafe_properties(properties: &BTreeMap<String, String>) -> Vec<String> {
 }
 
 /// Property names whose values are secrets: never logged, scrubbed from errors.
-fn is_secret(name: &str) -> bool {
+pub(crate) fn is_secret(name: &str) -> bool {
     ["password", "secret", "token", "key.pem", "keystore"]
         .iter()
         .any(|s| name.contains(s))
@@ -108,6 +108,12 @@ impl KafkaSink {
             .iter()
             .filter(|(k, _)| is_secret(k))
             .map(|(_, v)| v.clone())
+            .chain(
+                config
+                    .secret_properties
+                    .values()
+                    .map(|s| s.expose().to_owned()),
+            )
             .collect();
         let mut client = ClientConfig::new();
         client.set("bootstrap.servers", &config.brokers);
@@ -121,6 +127,9 @@ impl KafkaSink {
         }
         for (name, value) in &config.properties {
             client.set(name, value);
+        }
+        for (name, value) in &config.secret_properties {
+            client.set(name, value.expose());
         }
         let producer: FutureProducer = client.create().map_err(|e| {
             SinkError::fatal(format!(

@@ -8,7 +8,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 
 use super::{scrub, Message, SinkError};
-use crate::config::NatsConfig;
+use crate::config::{NatsAuth, NatsConfig};
 use crate::error::ErrorClass;
 
 /// The header JetStream de-duplicates on.
@@ -27,9 +27,34 @@ pub struct NatsSink {
 impl NatsSink {
     /// Connects to the servers; fails (transient) if none answers within `timeout`.
     pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
-        let (addrs, secrets) = parse_servers(config)?;
+        let (addrs, mut secrets) = parse_servers(config)?;
+        let mut options = async_nats::ConnectOptions::new();
+        match &config.auth {
+            NatsAuth::None => {}
+            NatsAuth::CredentialsFile(path) => {
+                options = options.credentials_file(path).await.map_err(|e| {
+                    SinkError::fatal(format!(
+                        "sink.nats.credentials_file: {} is not a usable .creds file: {e}",
+                        path.display()
+                    ))
+                })?;
+            }
+            NatsAuth::NKey(seed) => {
+                secrets.push(seed.expose().to_owned());
+                options = options.nkey(seed.expose().to_owned());
+            }
+        }
+        if let Some(ca) = &config.tls_ca {
+            options = options.add_root_certificates(ca.clone()).require_tls(true);
+        }
+        if let Some((cert, key)) = &config.tls_client {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+        if config.urls.iter().any(|u| u.starts_with("tls://")) {
+            options = options.require_tls(true);
+        }
         let scrub = |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets);
-        let client = async_nats::ConnectOptions::new()
+        let client = options
             .name("outbox-relay")
             .connection_timeout(timeout)
             .max_reconnects(None)

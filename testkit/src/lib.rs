@@ -404,6 +404,9 @@ pub struct NatsServer {
     dir: PathBuf,
     port: u16,
     child: Option<Child>,
+    /// With [`NatsServer::start_secure`]: the CA that signed the server's certificate and
+    /// the one user's nkey seed, for this harness's own clients.
+    secure: Option<(PathBuf, String)>,
 }
 
 impl NatsServer {
@@ -412,9 +415,48 @@ impl NatsServer {
             dir: scratch_dir("nats")?,
             port: free_port(),
             child: None,
+            secure: None,
         };
         server.spawn()?;
         Ok(server)
+    }
+
+    /// A server that requires TLS (`ca`'s server certificate, IP 127.0.0.1) and admits one
+    /// user, by nkey. Returns the server and that user's seed (`SU...`).
+    pub fn start_secure(ca: &TestCa) -> Result<(NatsServer, String)> {
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().map_err(|e| anyhow::anyhow!("nkey seed: {e}"))?;
+        let dir = scratch_dir("nats")?;
+        std::fs::write(
+            dir.join("server.conf"),
+            format!(
+                "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n}}\n\
+                 authorization {{\n  users = [ {{ nkey: \"{}\" }} ]\n}}\n",
+                ca.server_cert().display(),
+                ca.server_key().display(),
+                user.public_key()
+            ),
+        )?;
+        let mut server = NatsServer {
+            dir,
+            port: free_port(),
+            child: None,
+            secure: Some((ca.ca_cert(), seed.clone())),
+        };
+        server.spawn()?;
+        Ok((server, seed))
+    }
+
+    /// A client of this server, with its TLS and nkey when it has them.
+    pub async fn client(&self) -> Result<async_nats::Client> {
+        let mut options = async_nats::ConnectOptions::new();
+        if let Some((ca, seed)) = &self.secure {
+            options = options
+                .add_root_certificates(ca.clone())
+                .require_tls(true)
+                .nkey(seed.clone());
+        }
+        Ok(options.connect(self.url()).await?)
     }
 
     fn spawn(&mut self) -> Result<()> {
@@ -430,9 +472,11 @@ impl NatsServer {
             &self.port.to_string(),
             "-sd",
         ])
-        .arg(self.dir.join("js"))
-        .stdout(log_file.try_clone()?)
-        .stderr(log_file);
+        .arg(self.dir.join("js"));
+        if self.secure.is_some() {
+            cmd.arg("-c").arg(self.dir.join("server.conf"));
+        }
+        cmd.stdout(log_file.try_clone()?).stderr(log_file);
         die_with_parent(&mut cmd);
         let mut child = cmd
             .spawn()
@@ -495,7 +539,7 @@ impl NatsServer {
         subjects: &[&str],
         duplicate_window: Duration,
     ) -> Result<()> {
-        let client = async_nats::connect(self.url()).await?;
+        let client = self.client().await?;
         let js = async_nats::jetstream::new(client);
         js.create_stream(async_nats::jetstream::stream::Config {
             name: name.to_owned(),
@@ -511,7 +555,7 @@ impl NatsServer {
     /// Every message stored in `stream`, in stream order, read by an ordered consumer.
     pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
         use futures_util::StreamExt;
-        let client = async_nats::connect(self.url()).await?;
+        let client = self.client().await?;
         let js = async_nats::jetstream::new(client);
         let mut s = js
             .get_stream(stream)

@@ -50,12 +50,14 @@ impl Drop for TempDir {
 impl Env {
     /// Servers up, table migrated, config written with `extra` appended to `[relay]`.
     pub async fn new(relay: &str) -> Env {
-        Env::on(Postgres::start().expect("start postgres"), relay).await
+        let pg = Postgres::start().expect("start postgres");
+        let nats = NatsServer::start().expect("start nats-server");
+        Env::on(pg, nats, relay).await
     }
 
-    /// The same on a PostgreSQL started by the caller (e.g. [`Postgres::start_tls`]).
-    pub async fn on(pg: Postgres, relay: &str) -> Env {
-        let nats = NatsServer::start().expect("start nats-server");
+    /// The same on servers started by the caller (e.g. [`Postgres::start_tls`],
+    /// [`NatsServer::start_secure`]).
+    pub async fn on(pg: Postgres, nats: NatsServer, relay: &str) -> Env {
         let db_url = pg.create_database("app").await.expect("create database");
         nats.create_stream(STREAM, &["events.>"])
             .await

@@ -1,0 +1,78 @@
+//! Secrets read from files (`*_file` keys): kept out of `Debug`, logs and errors.
+
+use std::path::{Path, PathBuf};
+
+/// A secret value. It has no `Display`, and its `Debug` shows only that it is set: the
+/// one way to the value is [`Secret::expose`], at the point of use.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: String) -> Secret {
+        Secret(value)
+    }
+
+    /// Reads a secret file as Kubernetes and systemd credentials write them: the whole
+    /// file, one trailing newline dropped. `key` names the config key for errors, which
+    /// show the path, never the contents.
+    pub fn from_file(key: &str, path: &Path) -> Result<Secret, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            format!(
+                "{key}: cannot read {}: {e}: give a readable file",
+                path.display()
+            )
+        })?;
+        let value = text
+            .strip_suffix("\r\n")
+            .or_else(|| text.strip_suffix('\n'))
+            .unwrap_or(&text);
+        if value.is_empty() {
+            return Err(format!("{key}: {} is empty", path.display()));
+        }
+        Ok(Secret(value.to_owned()))
+    }
+
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// A file the relay reads later (a NATS `.creds` file, a CA): it must exist now.
+pub fn existing_file(key: &str, path: PathBuf) -> Result<PathBuf, String> {
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_file() => Ok(path),
+        Ok(_) => Err(format!("{key}: {} is not a file", path.display())),
+        Err(e) => Err(format!(
+            "{key}: cannot read {}: {e}: give a readable file",
+            path.display()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_value_and_one_newline_is_dropped() {
+        let dir = std::env::temp_dir().join(format!("secret-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("pw");
+        std::fs::write(&path, "hunter2\n").unwrap();
+        let s = Secret::from_file("postgres.password_file", &path).unwrap();
+        assert_eq!(s.expose(), "hunter2");
+        assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
+        std::fs::write(&path, "\n").unwrap();
+        let e = Secret::from_file("postgres.password_file", &path).unwrap_err();
+        assert!(e.ends_with("is empty"), "{e}");
+        let e = Secret::from_file("k", &dir.join("missing")).unwrap_err();
+        assert!(e.starts_with("k: cannot read"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
