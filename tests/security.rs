@@ -384,3 +384,92 @@ async fn nats_over_tls_with_an_nkey_and_secrets_from_files_never_printed() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Identifiers from the config reach SQL only quoted: random names built to break quoting
+/// (quotes, dots, `--`, `$$`, `;`, multi-byte) come back from PostgreSQL unchanged, and a
+/// table whose schema, name and columns are such names relays like any other.
+#[tokio::test(flavor = "multi_thread")]
+async fn adversarial_identifiers_are_quoted_for_postgresql() {
+    use outbox_relay::config::names::{adversarial_ident, Ident};
+    use rand::SeedableRng;
+
+    let env = Env::new("").await;
+    let owner = env.client().await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for _ in 0..500 {
+        let name = adversarial_ident(&mut rng);
+        let quoted = Ident::parse(&format!("\"{}\"", name.replace('"', "\"\"")))
+            .unwrap()
+            .quoted();
+        let rows = owner
+            .query(&format!("SELECT 1 AS {quoted}"), &[])
+            .await
+            .unwrap_or_else(|e| panic!("{quoted}: {e}"));
+        assert_eq!(rows[0].columns()[0].name(), name);
+    }
+
+    // A whole table of such names: created with PostgreSQL's own quoting (quote_ident), then
+    // mapped in the config and relayed.
+    let [schema, table, key, body] = [0; 4].map(|_| adversarial_ident(&mut rng));
+    let toml_ident =
+        |n: &str| toml::Value::String(format!("\"{}\"", n.replace('"', "\"\""))).to_string();
+    let create = format!(
+        "CREATE SCHEMA {s}; CREATE TABLE {s}.{t} (id bigint GENERATED ALWAYS AS IDENTITY \
+         PRIMARY KEY, topic text NOT NULL, {k} text, {b} bytea)",
+        s = quote_by_server(&owner, &schema).await,
+        t = quote_by_server(&owner, &table).await,
+        k = quote_by_server(&owner, &key).await,
+        b = quote_by_server(&owner, &body).await,
+    );
+    owner.batch_execute(&create).await.unwrap();
+    let full = format!(
+        "{}.{}",
+        quote_by_server(&owner, &schema).await,
+        quote_by_server(&owner, &table).await
+    );
+    owner
+        .batch_execute(&format!(
+            "INSERT INTO {full} (topic, {k}, {b}) SELECT 'events.odd', 'k' || (n % 3), 'x' \
+             FROM generate_series(1, 50) n",
+            k = quote_by_server(&owner, &key).await,
+            b = quote_by_server(&owner, &body).await,
+        ))
+        .await
+        .unwrap();
+    env.write_config(
+        "",
+        &format!(
+            "[[tables]]\nname = {}\n[tables.columns]\nkey = {}\npayload = {}\n",
+            toml::Value::String(format!(
+                "\"{}\".\"{}\"",
+                schema.replace('"', "\"\""),
+                table.replace('"', "\"\"")
+            )),
+            toml_ident(&key),
+            toml_ident(&body),
+        ),
+    );
+    let migrate = env.migrate(&[]);
+    assert!(migrate.status.success(), "{}", text(&migrate));
+    // Owner's URL: the role file names public.outbox only.
+    let out = env
+        .command(&["drain"])
+        .env("OUTBOX_RELAY__POSTGRES__URL", &env.db_url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("drained: 50 rows"), "{}", text(&out));
+    assert_eq!(
+        count(&owner, &format!("SELECT count(*) FROM {full}")).await,
+        0
+    );
+}
+
+/// PostgreSQL's own quoting of `name`, independent of the relay's.
+async fn quote_by_server(client: &tokio_postgres::Client, name: &str) -> String {
+    client
+        .query_one("SELECT quote_ident($1)", &[&name])
+        .await
+        .unwrap()
+        .get(0)
+}
