@@ -27,7 +27,8 @@ $$;
 GRANT USAGE ON SCHEMA public TO outbox_relay;
 -- Read the rows to publish; DELETE is only needed with on_publish = "delete".
 GRANT SELECT, DELETE ON public.outbox TO outbox_relay;
--- The bookkeeping columns: published_at (on_publish = "mark"), attempts, last_error and
--- dead_at (failures, dead-lettering, `requeue`). Row locks (FOR UPDATE) need UPDATE on at
--- least one column, which this gives.
-GRANT UPDATE (published_at, attempts, last_error, dead_at) ON public.outbox TO outbox_relay;
+-- The bookkeeping columns: published_at (on_publish = "mark"), attempts, last_error,
+-- dead_at and next_attempt_at (failures, the retry schedule, dead-lettering, `requeue`).
+-- Row locks (FOR UPDATE) need UPDATE on at least one column, which this gives.
+GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
+    ON public.outbox TO outbox_relay;

@@ -1,5 +1,6 @@
-//! The operator's commands: `status` (backlog, oldest pending age, failing and dead rows
-//! per table) and `requeue` (clear `dead_at` and `attempts` so dead rows are tried again).
+//! The operator's commands: `status` (backlog, oldest pending age, failing, waiting, held
+//! back and dead rows per table) and `requeue` (clear `dead_at`, `attempts` and
+//! `next_attempt_at` so dead rows are tried again; `--waiting`: waiting rows are due now).
 //!
 //! Both read the tables the way the relay does (mapped columns included) and hold no lock
 //! longer than one statement. `requeue` then sends the NOTIFY that wakes idle relays.
@@ -11,8 +12,8 @@ use crate::config::{Config, TableName};
 use crate::relay::{session_limits, try_prepare_tables, TablePlan};
 use crate::source::{Source, SourceError};
 
-/// Dead rows listed per table by `status`.
-const DEAD_ROWS_SHOWN: i64 = 10;
+/// Held rows (dead or waiting) listed per table by `status`.
+const HELD_ROWS_SHOWN: i64 = 10;
 
 /// One table's state, as `status` prints it.
 #[derive(Debug, Clone)]
@@ -24,19 +25,32 @@ pub struct TableStatus {
     pub dead: i64,
     /// Rows kept with `published_at` set (mark mode).
     pub published: i64,
+    /// Pending rows waiting for their next attempt (`next_attempt_at` in the future).
+    pub waiting: i64,
+    /// The earliest next attempt among them, as PostgreSQL prints a timestamp.
+    pub next_attempt: Option<String>,
+    /// Pending rows held back (key order) by an earlier dead or waiting row of their key.
+    pub held_back: i64,
     /// Age of the oldest pending row; `None` when nothing is pending or the table has no
     /// creation-time column.
     pub oldest_pending: Option<Duration>,
-    /// The oldest dead rows: id, attempts, dead since, last error.
-    pub dead_rows: Vec<DeadRow>,
+    /// The oldest held rows, dead or waiting.
+    pub held_rows: Vec<HeldRow>,
 }
 
+/// A row that holds back the later rows of its key: dead, or waiting for a retry.
 #[derive(Debug, Clone)]
-pub struct DeadRow {
+pub struct HeldRow {
     pub id: i64,
     pub attempts: i64,
-    pub dead_at: String,
+    /// Set when dead-lettered.
+    pub dead_at: Option<String>,
+    /// Set while waiting for its next attempt.
+    pub next_attempt_at: Option<String>,
     pub last_error: Option<String>,
+    pub key: Option<String>,
+    /// Later pending rows of its key.
+    pub holds_back: i64,
 }
 
 impl fmt::Display for TableStatus {
@@ -47,24 +61,45 @@ impl fmt::Display for TableStatus {
         };
         write!(
             f,
-            "{}: {} pending{oldest}, {} failing, {} dead, {} kept as published",
-            self.table, self.pending, self.failing, self.dead, self.published
+            "{}: {} pending{oldest}, {} failing, {} waiting for retry{}, {} held back, \
+             {} dead, {} kept as published",
+            self.table,
+            self.pending,
+            self.failing,
+            self.waiting,
+            match &self.next_attempt {
+                Some(at) => format!(" (next at {at})"),
+                None => String::new(),
+            },
+            self.held_back,
+            self.dead,
+            self.published
         )?;
-        for row in &self.dead_rows {
+        for row in &self.held_rows {
             let error = row.last_error.as_deref().unwrap_or("(none)");
             // One line per row: errors from brokers can span lines.
             let error: String = error.split_whitespace().collect::<Vec<_>>().join(" ");
+            let state = match (&row.dead_at, &row.next_attempt_at) {
+                (Some(at), _) => format!("dead id {}: dead since {at}", row.id),
+                (None, Some(at)) => format!("waiting id {}: next attempt at {at}", row.id),
+                (None, None) => format!("id {}", row.id),
+            };
+            let key = match &row.key {
+                Some(k) => format!(", holds back {} later rows of key {k:?}", row.holds_back),
+                None => String::new(),
+            };
             write!(
                 f,
-                "\n  dead id {}: {} attempts, dead since {}, last error: {error}",
-                row.id, row.attempts, row.dead_at
+                "\n  {state}, {} attempts{key}, last error: {error}",
+                row.attempts
             )?;
         }
-        if self.dead > self.dead_rows.len() as i64 {
+        let held = self.dead + self.waiting;
+        if held > self.held_rows.len() as i64 {
             write!(
                 f,
-                "\n  ... and {} more dead rows",
-                self.dead - self.dead_rows.len() as i64
+                "\n  ... and {} more dead or waiting rows",
+                held - self.held_rows.len() as i64
             )?;
         }
         Ok(())
@@ -92,13 +127,13 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
     let session = source.bounded(source.session()).await?;
     let mut out = Vec::new();
     for table in &tables {
-        let (counts, dead) = source
+        let (counts, held) = source
             .bounded(async {
                 let counts = session.query_one(&table.sql.status, &[]).await?;
-                let dead = session
-                    .query(&table.sql.dead_rows, &[&DEAD_ROWS_SHOWN])
+                let held = session
+                    .query(&table.sql.held_rows, &[&HELD_ROWS_SHOWN])
                     .await?;
-                Ok((counts, dead))
+                Ok((counts, held))
             })
             .await?;
         out.push(TableStatus {
@@ -107,16 +142,22 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
             failing: counts.get(1),
             dead: counts.get(2),
             published: counts.get(3),
+            waiting: counts.get(4),
+            next_attempt: counts.get(5),
+            held_back: counts.get(6),
             oldest_pending: counts
-                .get::<_, Option<f64>>(4)
+                .get::<_, Option<f64>>(7)
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
-            dead_rows: dead
+            held_rows: held
                 .iter()
-                .map(|r| DeadRow {
+                .map(|r| HeldRow {
                     id: r.get(0),
                     attempts: r.get(1),
                     dead_at: r.get(2),
-                    last_error: r.get(3),
+                    next_attempt_at: r.get(3),
+                    last_error: r.get(4),
+                    key: r.get(5),
+                    holds_back: r.get(6),
                 })
                 .collect(),
         });
@@ -124,11 +165,15 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
     Ok(out)
 }
 
-/// Which dead rows `requeue` clears.
+/// Which rows `requeue` makes due again.
 #[derive(Debug, Clone)]
 pub enum Requeue {
+    /// These dead rows.
     Ids(Vec<i64>),
+    /// Every dead row.
     All,
+    /// Every row waiting for its next attempt: due now.
+    Waiting,
 }
 
 /// What `requeue` did to one table.
@@ -140,8 +185,9 @@ pub struct RequeueReport {
     pub not_dead: Vec<i64>,
 }
 
-/// Clears `dead_at` and `attempts` of the chosen dead rows of `table` (or of the only
-/// configured table), in one transaction, and wakes idle relays.
+/// Clears `dead_at`, `attempts` and `next_attempt_at` of the chosen dead rows of `table`
+/// (or of the only configured table), or makes its waiting rows due now, in one
+/// transaction, and wakes idle relays.
 pub async fn requeue(
     config: &Config,
     table: Option<&str>,
@@ -179,6 +225,7 @@ pub async fn requeue(
             let rows = match &which {
                 Requeue::Ids(ids) => tx.query(&table.sql.requeue_ids, &[ids]).await?,
                 Requeue::All => tx.query(&table.sql.requeue_all, &[]).await?,
+                Requeue::Waiting => tx.query(&table.sql.requeue_waiting, &[]).await?,
             };
             tx.execute(
                 "SELECT pg_notify('outbox_relay', $1)",
@@ -194,7 +241,7 @@ pub async fn requeue(
             .into_iter()
             .filter(|id| !requeued.contains(id))
             .collect(),
-        Requeue::All => Vec::new(),
+        Requeue::All | Requeue::Waiting => Vec::new(),
     };
     let mut requeued = requeued;
     requeued.sort_unstable();

@@ -93,7 +93,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
     };
     let pg = session_config(&config.postgres, limits);
     let connected = tokio::time::timeout(
-        config.postgres.connect_timeout + Duration::from_secs(1),
+        crate::source::connect_timeout(&config.postgres),
         crate::source::connect(&config.postgres, &pg),
     )
     .await;

@@ -36,9 +36,11 @@ pub enum Command {
     Run,
     /// Relay until no publishable row is left, then exit (0: empty; 3: --timeout reached)
     Drain {
-        /// Give up after this long, e.g. "90s" or "5m"; the rows left stay in the table
-        #[arg(long, value_parser = parse_duration_arg, value_name = "DUR")]
-        timeout: Option<Duration>,
+        /// Give up after this long, start-up included, e.g. "90s" or "5m"; "0" waits
+        /// without bound. The rows left stay in the table (exit 3; 1 if PostgreSQL or the
+        /// broker was never reached)
+        #[arg(long, value_parser = parse_duration_arg, value_name = "DUR", default_value = "10m")]
+        timeout: Duration,
     },
     /// Create or upgrade the outbox schema (idempotent)
     Migrate {
@@ -50,20 +52,27 @@ pub enum Command {
     Check,
     /// Per table: pending rows and the oldest one's age, failing rows, dead rows
     Status,
-    /// Clear dead_at and attempts so dead rows are tried again
+    /// Clear dead_at and attempts so dead rows are tried again; --waiting: retries are due now
     Requeue {
         /// The table (schema.table); needed when several are configured
         #[arg(long, value_name = "NAME")]
         table: Option<String>,
         /// Ids of dead rows (the order column's values), e.g. --id 17 42
-        #[arg(long = "id", value_name = "N", num_args = 1.., required_unless_present = "all", conflicts_with = "all")]
+        #[arg(long = "id", value_name = "N", num_args = 1.., required_unless_present_any = ["all", "waiting"], conflicts_with_all = ["all", "waiting"])]
         ids: Vec<i64>,
         /// Every dead row of the table
-        #[arg(long)]
+        #[arg(long, conflicts_with = "waiting")]
         all: bool,
+        /// Rows waiting for their next attempt (after a failure) are due now
+        #[arg(long)]
+        waiting: bool,
     },
 }
 
+/// A duration as in the config (`90s`, `5m`), or `0`.
 fn parse_duration_arg(text: &str) -> Result<Duration, String> {
+    if text.trim() == "0" {
+        return Ok(Duration::ZERO);
+    }
     crate::config::raw::parse_duration(text)
 }

@@ -17,6 +17,7 @@
 //! - [`admin`]: the `status` and `requeue` commands.
 //! - [`ops`]: metrics, `/healthz` `/readyz`, systemd notifications.
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
+//! - [`retry`]: the one capped exponential backoff with full jitter everyone uses.
 
 pub mod admin;
 pub mod check;
@@ -25,6 +26,7 @@ pub mod config;
 pub mod error;
 pub mod ops;
 pub mod relay;
+pub mod retry;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

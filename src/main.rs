@@ -24,7 +24,7 @@ fn main() -> ExitCode {
     let config = match config::load(&path) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: invalid config: {e}");
+            fail(&format!("invalid config: {e}"));
             return ExitCode::from(EXIT_CONFIG);
         }
     };
@@ -34,7 +34,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
+            fail(&format!("cannot start the async runtime: {e}"));
             return ExitCode::from(EXIT_FAILURE);
         }
     };
@@ -47,7 +47,10 @@ fn main() -> ExitCode {
 async fn execute(command: Command, config: Config) -> u8 {
     match command {
         Command::Run => relay_until_stopped(&config, Mode::Run, None).await,
-        Command::Drain { timeout } => relay_until_stopped(&config, Mode::Drain, timeout).await,
+        Command::Drain { timeout } => {
+            let limit = (!timeout.is_zero()).then_some(timeout);
+            relay_until_stopped(&config, Mode::Drain, limit).await
+        }
         Command::Migrate { no_notify } => run_migrate(&config, !no_notify).await,
         Command::Check => {
             let findings = check::check(&config).await;
@@ -69,19 +72,30 @@ async fn execute(command: Command, config: Config) -> u8 {
             }
             Err(e) => admin_error(e),
         },
-        Command::Requeue { table, ids, all } => {
+        Command::Requeue {
+            table,
+            ids,
+            all,
+            waiting,
+        } => {
             let which = if all {
                 admin::Requeue::All
+            } else if waiting {
+                admin::Requeue::Waiting
             } else {
                 admin::Requeue::Ids(ids)
             };
             match admin::requeue(&config, table.as_deref(), which).await {
                 Ok(report) => {
                     let ids: Vec<String> = report.requeued.iter().map(i64::to_string).collect();
+                    let done = if waiting {
+                        format!("made {} rows waiting for a retry due now", ids.len())
+                    } else {
+                        format!("requeued {} dead rows", ids.len())
+                    };
                     println!(
-                        "{}: requeued {} dead rows{}",
+                        "{}: {done}{}",
                         report.table,
-                        ids.len(),
                         if ids.is_empty() {
                             String::new()
                         } else {
@@ -105,7 +119,7 @@ async fn execute(command: Command, config: Config) -> u8 {
 }
 
 fn admin_error(e: admin::AdminError) -> u8 {
-    eprintln!("error: {e}");
+    fail(&e.to_string());
     match e {
         admin::AdminError::Usage(_) => EXIT_CONFIG,
         admin::AdminError::Source(_) => EXIT_FAILURE,
@@ -119,15 +133,17 @@ async fn relay_until_stopped(
 ) -> u8 {
     let shutdown = Shutdown::new();
     if let Err(e) = shutdown.install_signal_handlers() {
-        eprintln!("error: cannot install signal handlers: {e}");
+        fail(&format!("cannot install signal handlers: {e}"));
         return EXIT_FAILURE;
     }
     if let Some(limit) = timeout {
+        // The timeout bounds the whole drain, start-up included: batches in flight roll
+        // back at once, as at the shutdown deadline (contract section 3).
         let s = shutdown.clone();
         tokio::spawn(async move {
             tokio::time::sleep(limit).await;
-            tracing::warn!(timeout = ?limit, "Drain timeout reached; stopping");
-            s.request_stop();
+            tracing::warn!(timeout = ?limit, "Drain timeout reached; rolling back batches in flight");
+            s.abort();
         });
     }
     match relay::run(config, mode, shutdown).await {
@@ -137,10 +153,26 @@ async fn relay_until_stopped(
             }
             exit_code(mode, &report)
         }
+        // `run` asked to stop while still waiting for a dependency: a clean stop.
+        Err(relay::RelayError::Unreachable { what, .. }) if mode == Mode::Run => {
+            tracing::info!(dependency = %what, "Stopped before it was reached");
+            EXIT_OK
+        }
         Err(e) => {
-            eprintln!("error: {e}");
+            fail(&e.to_string());
             EXIT_FAILURE
         }
+    }
+}
+
+/// How the process reports the error that ends it: `error: ...` on stderr, or one JSON
+/// log line with `--log-format json`, so log pipelines see it like any other event.
+static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
+
+fn fail(message: &str) {
+    match LOG_FORMAT.get() {
+        Some(LogFormat::Json) => tracing::error!(error = %message, "Exiting on an error"),
+        _ => eprintln!("error: {message}"),
     }
 }
 
@@ -160,10 +192,13 @@ fn print_summary(config: &Config, report: &Report) {
     } else {
         0.0
     };
-    let state = if report.drained {
-        "drained".to_owned()
-    } else {
-        "stopped with publishable rows left".to_owned()
+    let state = match (&report.waiting, report.drained) {
+        (_, true) => "drained".to_owned(),
+        (Some((n, next)), false) => format!(
+            "stopped with publishable rows left ({n} waiting for a retry, the next due in {next}; \
+             `outbox-relay requeue --waiting` makes them due now)"
+        ),
+        (None, false) => "stopped with publishable rows left".to_owned(),
     };
     let line = format!(
         "{state}: {} rows published in {secs:.2}s ({rate:.0} rows/s), {} failed, {} dead-lettered",
@@ -183,20 +218,35 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
         idle_in_transaction_timeout: std::time::Duration::from_secs(60),
     };
     let pg = session_config(&config.postgres, limits);
-    let (mut client, connection) = match outbox_relay::source::connect(&config.postgres, &pg).await
-    {
-        Ok(pair) => pair,
-        Err(e) => {
-            eprintln!(
-                "error: cannot connect to {}: {e}",
+    // The whole connect, TLS and start-up included: a server that accepts TCP and never
+    // answers must not hang a deploy job.
+    let connect_timeout = outbox_relay::source::connect_timeout(&config.postgres);
+    let connect = tokio::time::timeout(
+        connect_timeout,
+        outbox_relay::source::connect(&config.postgres, &pg),
+    );
+    let (mut client, connection) = match connect.await {
+        Ok(Ok(pair)) => pair,
+        Ok(Err(e)) => {
+            fail(&format!(
+                "cannot connect to {}: {e}",
                 config.postgres.redacted(),
-            );
+            ));
+            return EXIT_FAILURE;
+        }
+        Err(_) => {
+            fail(&format!(
+                "cannot connect to {}: no answer within {connect_timeout:?} \
+                 (postgres.connect_timeout); is it a PostgreSQL server, and is it up?",
+                config.postgres.redacted(),
+            ));
             return EXIT_FAILURE;
         }
     };
     tokio::spawn(connection);
+    let deadline = config.postgres.statement_timeout + std::time::Duration::from_secs(2);
     for table in &config.tables {
-        match migrate::migrate_table(&mut client, table, notify).await {
+        match migrate::migrate_table(&mut client, table, notify, deadline).await {
             Ok(report) => {
                 let applied = if report.applied.is_empty() {
                     "up to date".to_owned()
@@ -211,7 +261,7 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
                 println!("{}: {applied}; {trigger}", report.table);
             }
             Err(e) => {
-                eprintln!("error: migrating {}: {e}", table.name);
+                fail(&format!("migrating {}: {e}", table.name));
                 return EXIT_FAILURE;
             }
         }
@@ -220,6 +270,7 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
 }
 
 fn init_tracing(format: LogFormat) {
+    let _ = LOG_FORMAT.set(format);
     use std::io::IsTerminal;
     // Default `info` for the relay; the client libraries only speak up when it matters.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -228,7 +279,7 @@ fn init_tracing(format: LogFormat) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr);
+        .with_writer(outbox_relay::ops::progress::Stderr);
     match format {
         LogFormat::Pretty => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),

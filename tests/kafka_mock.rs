@@ -48,9 +48,14 @@ drain_timeout = "10s"
     );
     let config = config::from_str(&text, |_| None, Vec::new()).unwrap();
     let mut client = pg.connect("app").await.unwrap();
-    outbox_relay::source::migrate::migrate_table(&mut client, &config.tables[0], true)
-        .await
-        .unwrap();
+    outbox_relay::source::migrate::migrate_table(
+        &mut client,
+        &config.tables[0],
+        true,
+        std::time::Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
     Mocked {
         _pg: pg,
         client,

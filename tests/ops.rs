@@ -44,7 +44,8 @@ fn sample(metrics: &str, prefix: &str) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
-    let (env, addr) = env_with_http("workers = 2\nbatch_size = 100").await;
+    let (env, addr) =
+        env_with_http("workers = 2\nbatch_size = 100\nretry_backoff = \"10ms\"").await;
     let client = env.client().await;
     let mut relay = env.spawn_run();
     wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
@@ -255,7 +256,13 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
     // The sidecar example gives the relay more than its drain deadline to stop.
     let k8s = include_str!("../examples/kubernetes-sidecar.yaml");
     assert!(k8s.contains("restartPolicy: Always"), "native sidecar");
-    assert!(k8s.contains("path: /readyz"));
+    // Liveness only: a readiness gate on the sidecar would pull the application out of
+    // its Service whenever the broker is down, the very outage an outbox absorbs.
+    assert!(k8s.contains("livenessProbe:") && k8s.contains("path: /healthz"));
+    assert!(
+        !k8s.lines().any(|l| l.trim_start().starts_with("readinessProbe:")),
+        "no readiness gate on the sidecar"
+    );
     let grace: u64 = k8s
         .lines()
         .find_map(|l| l.trim().strip_prefix("terminationGracePeriodSeconds: "))

@@ -92,7 +92,8 @@ pub struct Override {
 
 /// Applies `OUTBOX_RELAY__A__B=value` as key `a.b` = value. Numbers and booleans become
 /// TOML numbers and booleans, everything else a string. A numeric path segment indexes an
-/// array (`OUTBOX_RELAY__TABLES__0__TOPIC`).
+/// array (`OUTBOX_RELAY__TABLES__0__TOPIC`). Below `sink.kafka.properties` (and
+/// `property_files`) the rest of the path is one dotted librdkafka name.
 pub fn apply_overrides(
     root: &mut Table,
     vars: impl IntoIterator<Item = (String, String)>,
@@ -104,7 +105,7 @@ pub fn apply_overrides(
         .collect();
     vars.sort();
     for (variable, raw) in vars {
-        let path: Vec<String> = variable[OVERRIDE_PREFIX.len()..]
+        let mut path: Vec<String> = variable[OVERRIDE_PREFIX.len()..]
             .split("__")
             .map(str::to_lowercase)
             .collect();
@@ -112,6 +113,15 @@ pub fn apply_overrides(
             return Err(format!(
                 "{variable}: malformed override, write OUTBOX_RELAY__<SECTION>__<KEY>"
             ));
+        }
+        // librdkafka's names are dotted and a variable name cannot hold a dot:
+        // OUTBOX_RELAY__SINK__KAFKA__PROPERTIES__COMPRESSION__TYPE is `compression.type`.
+        if path.len() > 4
+            && path[..2] == ["sink", "kafka"]
+            && matches!(path[2].as_str(), "properties" | "property_files")
+        {
+            let name = path.split_off(3).join(".");
+            path.push(name);
         }
         set_path(root, &path, scalar(&raw)).map_err(|e| format!("{variable}: {e}"))?;
         applied.push(Override { variable, path });
@@ -221,6 +231,10 @@ mod tests {
                 ("OUTBOX_RELAY__RELAY__WORKERS".into(), "8".into()),
                 ("OUTBOX_RELAY__POSTGRES__URL".into(), "postgres://x".into()),
                 ("OUTBOX_RELAY__TABLES__0__TOPIC".into(), "t.{key}".into()),
+                (
+                    "OUTBOX_RELAY__SINK__KAFKA__PROPERTIES__COMPRESSION__TYPE".into(),
+                    "zstd".into(),
+                ),
                 ("UNRELATED".into(), "1".into()),
             ],
         )
@@ -228,5 +242,10 @@ mod tests {
         assert_eq!(root["relay"]["workers"].as_integer(), Some(8));
         assert_eq!(root["postgres"]["url"].as_str(), Some("postgres://x"));
         assert_eq!(root["tables"][0]["topic"].as_str(), Some("t.{key}"));
+        assert_eq!(
+            root["sink"]["kafka"]["properties"]["compression.type"].as_str(),
+            Some("zstd"),
+            "a librdkafka property keeps its dots"
+        );
     }
 }

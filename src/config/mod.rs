@@ -3,9 +3,14 @@
 //! [`load`] reads the TOML file, replaces `${VAR}` references, applies
 //! `OUTBOX_RELAY__SECTION__KEY` overrides, deserializes into the [`raw`] types (unknown keys
 //! rejected) and validates the result into a [`Config`]. Every error names the key at
-//! fault; no error ever contains a secret.
+//! fault (a TOML syntax error its line and column) in the file's words, never serde's
+//! ([`explain`]); no error ever contains a secret. Everything that can be known without
+//! the network is checked here, the Kafka producer's properties included ([`kafka`]), so
+//! that every such mistake exits 2.
 
 mod env;
+mod explain;
+pub mod kafka;
 pub mod names;
 pub mod raw;
 pub mod secret;
@@ -96,6 +101,10 @@ pub struct RelayConfig {
     pub ordering: Ordering,
     pub on_publish: OnPublish,
     pub max_attempts: u32,
+    /// The first retry's ceiling: a failed row's next attempt is due within
+    /// `min(retry_backoff_max, retry_backoff * 2^(attempts-1))` (full jitter).
+    pub retry_backoff: Duration,
+    pub retry_backoff_max: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -259,6 +268,8 @@ pub struct Columns {
     pub attempts: Ident,
     pub last_error: Ident,
     pub dead_at: Ident,
+    /// After a failure: the row is not claimed before this time (NULL = due).
+    pub next_attempt_at: Ident,
 }
 
 /// A column the relay can do without.
@@ -296,6 +307,7 @@ impl Default for Columns {
             attempts: c("attempts"),
             last_error: c("last_error"),
             dead_at: c("dead_at"),
+            next_attempt_at: c("next_attempt_at"),
         }
     }
 }
@@ -316,6 +328,7 @@ impl Columns {
                 Some(c.attempts.clone()),
                 Some(c.last_error.clone()),
                 Some(c.dead_at.clone()),
+                Some(c.next_attempt_at.clone()),
             ]
         };
         names(self) == names(&d)
@@ -351,6 +364,11 @@ impl Columns {
             attempts: ident(raw.attempts, "attempts", &defaults.attempts)?,
             last_error: ident(raw.last_error, "last_error", &defaults.last_error)?,
             dead_at: ident(raw.dead_at, "dead_at", &defaults.dead_at)?,
+            next_attempt_at: ident(
+                raw.next_attempt_at,
+                "next_attempt_at",
+                &defaults.next_attempt_at,
+            )?,
         };
         // One column cannot play two parts the relay writes or reads differently.
         let roles = [
@@ -362,6 +380,7 @@ impl Columns {
             ("attempts", Some(&columns.attempts)),
             ("last_error", Some(&columns.last_error)),
             ("dead_at", Some(&columns.dead_at)),
+            ("next_attempt_at", Some(&columns.next_attempt_at)),
         ];
         for (i, (role, column)) in roles.iter().enumerate() {
             if let Some(other) = roles[..i].iter().find(|(_, c)| c.is_some() && c == column) {
@@ -445,58 +464,20 @@ pub fn from_str(
     lookup: impl Fn(&str) -> Option<String>,
     vars: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Config, ConfigError> {
-    let mut table: toml::Table = toml::from_str(text)
-        .map_err(|e| ConfigError(format!("not valid TOML: {}", e.message())))?;
+    let mut table: toml::Table =
+        toml::from_str(text).map_err(|e| ConfigError(explain::syntax_error(text, &e)))?;
+    explain::check_lists(&table).map_err(ConfigError)?;
+    kafka::join_dotted_names(&mut table).map_err(ConfigError)?;
     env::interpolate_values(&mut table, &lookup).map_err(ConfigError)?;
     let overrides = env::apply_overrides(&mut table, vars).map_err(ConfigError)?;
     let raw: raw::RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
-        .map_err(|e| ConfigError(describe_serde_error(&e, &overrides)))?;
-    validate(raw)
-}
-
-/// Turns serde's message into one that leads with the full key, e.g.
-/// `relay.workerz: unknown key` or `postgres.url: required key is missing`.
-fn describe_serde_error(
-    e: &serde_path_to_error::Error<toml::de::Error>,
-    overrides: &[env::Override],
-) -> String {
-    let path = e.path().to_string();
-    let inner = e.inner().message().to_owned();
-    let join = |key: &str| {
-        if path.ends_with(key) {
-            path.clone()
-        } else if path == "." || path.is_empty() {
-            key.to_owned()
-        } else {
-            format!("{path}.{key}")
-        }
-    };
-    let (key, message) = if let Some(field) = backticked(&inner, "missing field `") {
-        (join(field), "required key is missing".to_owned())
-    } else if let Some(field) = backticked(&inner, "unknown field `") {
-        let expected = inner
-            .split_once(", expected ")
-            .map(|(_, rest)| format!(" (expected {rest})"))
-            .unwrap_or_default();
-        (join(field), format!("unknown key{expected}"))
-    } else {
-        (path.clone(), inner)
-    };
-    let source = overrides
-        .iter()
-        .find(|o| o.path.join(".") == key.replace(['[', ']'], "."))
-        .map(|o| format!(" (set by {})", o.variable))
-        .unwrap_or_default();
-    format!("{key}: {message}{source}")
+        .map_err(|e| ConfigError(explain::serde_error(&e, &overrides)))?;
+    validate(raw).map_err(|ConfigError(e)| ConfigError(explain::name_sources(&e, &overrides)))
 }
 
 /// `key: message` -> `message`, for errors built by helpers that name their key.
 fn strip_key(e: &str) -> String {
     e.split_once(": ").map_or(e, |(_, rest)| rest).to_owned()
-}
-
-fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
-    text.strip_prefix(prefix)?.split('`').next()
 }
 
 fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
@@ -542,6 +523,17 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     if relay.max_attempts == 0 {
         return Err(err("relay.max_attempts", "must be at least 1".into()));
     }
+    let retry_backoff = positive("relay.retry_backoff", relay.retry_backoff)?;
+    let retry_backoff_max = positive("relay.retry_backoff_max", relay.retry_backoff_max)?;
+    if retry_backoff_max < retry_backoff {
+        return Err(err(
+            "relay.retry_backoff_max",
+            format!(
+                "is {retry_backoff_max:?}, shorter than relay.retry_backoff ({retry_backoff:?}): \
+                 the cap must be at least the first wait"
+            ),
+        ));
+    }
     if relay.poll_interval.0 < Duration::from_millis(1) {
         return Err(err("relay.poll_interval", "must be at least 1ms".into()));
     }
@@ -563,6 +555,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         tls,
     };
 
+    let publish_timeout = positive("sink.publish_timeout", raw.sink.publish_timeout)?;
     let target = match raw.sink.kind {
         SinkKind::Nats => {
             let nats = raw.sink.nats.unwrap_or(raw::RawNats {
@@ -606,13 +599,20 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
                 let value = Secret::from_file(&key, &path).map_err(|e| err(&key, strip_key(&e)))?;
                 secret_properties.insert(name, value);
             }
+            let properties = kafka
+                .properties
+                .into_iter()
+                .map(|(k, v)| (k, v.0))
+                .collect();
+            self::kafka::check(
+                &kafka.brokers,
+                &properties,
+                &secret_properties,
+                publish_timeout,
+            )?;
             SinkTarget::Kafka(KafkaConfig {
                 brokers: kafka.brokers,
-                properties: kafka
-                    .properties
-                    .into_iter()
-                    .map(|(k, v)| (k, v.0))
-                    .collect(),
+                properties,
                 secret_properties,
             })
         }
@@ -620,7 +620,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     };
     let sink = SinkConfig {
         target,
-        publish_timeout: positive("sink.publish_timeout", raw.sink.publish_timeout)?,
+        publish_timeout,
     };
 
     if raw.tables.is_empty() {
@@ -675,6 +675,8 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             ordering: relay.ordering,
             on_publish: relay.on_publish,
             max_attempts: relay.max_attempts,
+            retry_backoff,
+            retry_backoff_max,
         },
         sink,
         tables,
@@ -831,12 +833,48 @@ mod tests {
     }
 
     #[test]
+    fn kafka_properties_are_checked_with_the_config() {
+        let kafka = MINIMAL.replace(
+            "kind = \"nats\"",
+            "kind = \"kafka\"\n[sink.kafka]\nbrokers = \"k:9092\"\n\
+             [sink.kafka.properties]\ncompression.type = \"lz4\"\n",
+        );
+        let c = load(&kafka, &[]).unwrap();
+        let SinkTarget::Kafka(k) = &c.sink.target else {
+            panic!("kafka")
+        };
+        assert_eq!(
+            k.properties["compression.type"], "lz4",
+            "dotted name joined"
+        );
+        let var = "OUTBOX_RELAY__SINK__KAFKA__PROPERTIES__ACKS";
+        let e = load(&kafka, &[(var, "1")]).unwrap_err();
+        assert!(
+            e.starts_with("sink.kafka.properties.acks: is \"1\", but"),
+            "{e}"
+        );
+        assert!(e.ends_with(&format!("(set by {var})")), "{e}");
+    }
+
+    #[test]
     fn environment_overrides_keys_and_is_named_in_errors() {
         let c = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "2")]).unwrap();
         assert_eq!(c.relay.workers, 2);
         let e = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "many")]).unwrap_err();
         assert!(e.contains("relay.workers"), "{e}");
         assert!(e.contains("OUTBOX_RELAY__RELAY__WORKERS"), "{e}");
+        // Refused by validation rather than by type, it still names the variable.
+        let e = load(MINIMAL, &[("OUTBOX_RELAY__RELAY__WORKERS", "0")]).unwrap_err();
+        assert_eq!(
+            e,
+            "relay.workers: must be between 1 and 256 (set by OUTBOX_RELAY__RELAY__WORKERS)"
+        );
+        let e = load(MINIMAL, &[("OUTBOX_RELAY__TABLES__0__NAME", "a b")]).unwrap_err();
+        assert!(e.starts_with("tables[0].name: "), "{e}");
+        assert!(
+            e.ends_with(" (set by OUTBOX_RELAY__TABLES__0__NAME)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
 
 #[derive(Debug, Deserialize)]
@@ -72,6 +73,13 @@ pub struct RawRelay {
     /// Failed attempts before a row is dead-lettered. Default 10.
     #[serde(default = "defaults::max_attempts")]
     pub max_attempts: u32,
+    /// A failed row waits this long before its next attempt, doubling with full jitter.
+    /// Default `1s`.
+    #[serde(default = "defaults::retry_backoff")]
+    pub retry_backoff: DurationValue,
+    /// The longest wait between two attempts of one row. Default `5m`.
+    #[serde(default = "defaults::retry_backoff_max")]
+    pub retry_backoff_max: DurationValue,
 }
 
 impl Default for RawRelay {
@@ -83,13 +91,14 @@ impl Default for RawRelay {
             ordering: Ordering::default(),
             on_publish: OnPublish::default(),
             max_attempts: defaults::max_attempts(),
+            retry_backoff: defaults::retry_backoff(),
+            retry_backoff_max: defaults::retry_backoff_max(),
         }
     }
 }
 
 /// Which rows must reach the broker in `id` order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Ordering {
     /// Rows sharing a non-NULL key are published in id order.
     #[default]
@@ -99,8 +108,7 @@ pub enum Ordering {
 }
 
 /// What happens to a row once the broker acknowledged it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnPublish {
     /// Delete the row.
     #[default]
@@ -109,12 +117,88 @@ pub enum OnPublish {
     Mark,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// Where messages go: `sink.kind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SinkKind {
     Kafka,
     Nats,
     Stdout,
+}
+
+/// A key whose value is one of a few words (`ordering = "key"`). Written by hand rather
+/// than derived so that a wrong value is answered with the list of right ones, whatever
+/// was written instead (serde's derive says "unknown variant" or "expected string only").
+trait Choice: Sized + Copy + 'static {
+    const CHOICES: &'static [(&'static str, Self)];
+
+    fn choose<'de, D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Word<T>(std::marker::PhantomData<T>);
+        impl<T: Choice> Visitor<'_> for Word<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "one of {}", T::listed())
+            }
+            fn visit_str<E: de::Error>(self, word: &str) -> Result<T, E> {
+                T::CHOICES
+                    .iter()
+                    .find(|(w, _)| *w == word)
+                    .map(|(_, value)| *value)
+                    .ok_or_else(|| {
+                        let shown: String = word.chars().take(40).collect();
+                        E::custom(format!(
+                            "{shown:?} is not a valid value; write one of {}",
+                            T::listed()
+                        ))
+                    })
+            }
+        }
+        d.deserialize_str(Word(std::marker::PhantomData))
+    }
+
+    /// `"key", "none"`
+    fn listed() -> String {
+        Self::CHOICES
+            .iter()
+            .map(|(word, _)| format!("\"{word}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl Choice for Ordering {
+    const CHOICES: &'static [(&'static str, Self)] =
+        &[("key", Ordering::Key), ("none", Ordering::None)];
+}
+
+impl Choice for OnPublish {
+    const CHOICES: &'static [(&'static str, Self)] =
+        &[("delete", OnPublish::Delete), ("mark", OnPublish::Mark)];
+}
+
+impl Choice for SinkKind {
+    const CHOICES: &'static [(&'static str, Self)] = &[
+        ("kafka", SinkKind::Kafka),
+        ("nats", SinkKind::Nats),
+        ("stdout", SinkKind::Stdout),
+    ];
+}
+
+impl<'de> Deserialize<'de> for Ordering {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::choose(d)
+    }
+}
+
+impl<'de> Deserialize<'de> for OnPublish {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::choose(d)
+    }
+}
+
+impl<'de> Deserialize<'de> for SinkKind {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Self::choose(d)
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -200,6 +284,8 @@ pub struct RawColumns {
     pub attempts: Option<String>,
     pub last_error: Option<String>,
     pub dead_at: Option<String>,
+    /// Not claimed before this time (set after a failure). Default `next_attempt_at`.
+    pub next_attempt_at: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -231,24 +317,29 @@ pub struct PropertyValue(pub String);
 
 impl<'de> Deserialize<'de> for PropertyValue {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Scalar {
-            S(String),
-            I(i64),
-            F(f64),
-            B(bool),
+        struct Scalar;
+        impl Visitor<'_> for Scalar {
+            type Value = PropertyValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("text in double quotes, a number or true/false")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PropertyValue, E> {
+                Ok(PropertyValue(v.to_owned()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PropertyValue, E> {
+                Ok(PropertyValue(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PropertyValue, E> {
+                Ok(PropertyValue(v.to_string()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<PropertyValue, E> {
+                Ok(PropertyValue(v.to_string()))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<PropertyValue, E> {
+                Ok(PropertyValue(v.to_string()))
+            }
         }
-        Ok(PropertyValue(
-            match Scalar::deserialize(d).map_err(|_| {
-                serde::de::Error::custom("a property must be a string, number or boolean")
-            })? {
-                Scalar::S(s) => s,
-                Scalar::I(i) => i.to_string(),
-                Scalar::F(f) => f.to_string(),
-                Scalar::B(b) => b.to_string(),
-            },
-        ))
+        d.deserialize_any(Scalar)
     }
 }
 
@@ -258,14 +349,35 @@ pub struct DurationValue(pub Duration);
 
 impl<'de> Deserialize<'de> for DurationValue {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let text = String::deserialize(d).map_err(|_| {
-            serde::de::Error::custom(
-                "a duration must be a quoted string such as \"250ms\", \"25s\" or \"5m\"",
-            )
-        })?;
-        parse_duration(&text)
-            .map(DurationValue)
-            .map_err(serde::de::Error::custom)
+        struct Text;
+        impl Visitor<'_> for Text {
+            type Value = DurationValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a duration in double quotes such as \"250ms\", \"25s\" or \"5m\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<DurationValue, E> {
+                parse_duration(v).map(DurationValue).map_err(E::custom)
+            }
+            // A bare number is the commonest slip: say which units there are.
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<DurationValue, E> {
+                Err(no_unit(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<DurationValue, E> {
+                Err(no_unit(v))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<DurationValue, E> {
+                Err(E::custom(format!(
+                    "{v} has no unit: write a whole number and a unit in double quotes, \
+                     e.g. \"1500ms\", \"25s\" or \"5m\""
+                )))
+            }
+        }
+        fn no_unit<E: de::Error>(v: impl std::fmt::Display) -> E {
+            E::custom(format!(
+                "{v} has no unit: write a duration in double quotes, e.g. \"{v}ms\" or \"{v}s\""
+            ))
+        }
+        d.deserialize_any(Text)
     }
 }
 
@@ -320,6 +432,12 @@ mod defaults {
     }
     pub fn poll_interval() -> DurationValue {
         DurationValue(Duration::from_millis(100))
+    }
+    pub fn retry_backoff() -> DurationValue {
+        DurationValue(Duration::from_secs(1))
+    }
+    pub fn retry_backoff_max() -> DurationValue {
+        DurationValue(Duration::from_secs(300))
     }
     pub fn max_attempts() -> u32 {
         10

@@ -29,6 +29,12 @@ pub struct SinkLabel {
     pub sink: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DependencyLabel {
+    /// `postgres` or `broker`.
+    pub dependency: String,
+}
+
 type Seconds = Family<TableSink, Histogram, fn() -> Histogram>;
 
 /// Every metric the relay exports.
@@ -56,6 +62,9 @@ pub struct Metrics {
     pub circuit_opened: Family<SinkLabel, Counter>,
     /// 1 while `/readyz` would answer 200.
     pub ready: Gauge,
+    /// Per dependency (`postgres`, `broker`): 1 when it answered the last probe, 0 when
+    /// not, or not yet reached (from the moment the configuration is valid).
+    pub up: Family<DependencyLabel, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -78,6 +87,7 @@ impl Default for Metrics {
             circuit_open: Family::default(),
             circuit_opened: Family::default(),
             ready: Gauge::default(),
+            up: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -135,6 +145,19 @@ impl Default for Metrics {
             "1 while PostgreSQL and the broker are reachable and the relay makes progress",
             metrics.ready.clone(),
         );
+        registry.register(
+            "dependency_up",
+            "1 while the dependency (postgres, broker) answers; 0 when not, or not reached yet",
+            metrics.up.clone(),
+        );
+        for dependency in ["postgres", "broker"] {
+            metrics
+                .up
+                .get_or_create(&DependencyLabel {
+                    dependency: dependency.to_owned(),
+                })
+                .set(0);
+        }
         Metrics {
             registry,
             ..metrics

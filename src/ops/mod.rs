@@ -10,6 +10,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod progress;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub struct Health {
     progress_window: Duration,
     postgres_ok: AtomicBool,
     broker_ok: AtomicBool,
+    postgres_seen: AtomicBool,
+    broker_seen: AtomicBool,
     stopping: AtomicBool,
 }
 
@@ -49,6 +52,8 @@ impl Health {
             progress_window: (poll_interval * 5).max(Duration::from_secs(10)),
             postgres_ok: AtomicBool::new(false),
             broker_ok: AtomicBool::new(false),
+            postgres_seen: AtomicBool::new(false),
+            broker_seen: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
         }
     }
@@ -77,9 +82,22 @@ impl Health {
         self.stopping.store(true, Relaxed);
     }
 
-    pub fn set_reachable(&self, postgres: bool, broker: bool) {
-        self.postgres_ok.store(postgres, Relaxed);
-        self.broker_ok.store(broker, Relaxed);
+    pub fn set_postgres_reachable(&self, up: bool) {
+        self.postgres_ok.store(up, Relaxed);
+        self.postgres_seen.fetch_or(up, Relaxed);
+    }
+
+    pub fn set_broker_reachable(&self, up: bool) {
+        self.broker_ok.store(up, Relaxed);
+        self.broker_seen.fetch_or(up, Relaxed);
+    }
+
+    /// Whether PostgreSQL, and the broker, ever answered since start.
+    pub fn ever_reached(&self) -> (bool, bool) {
+        (
+            self.postgres_seen.load(Relaxed),
+            self.broker_seen.load(Relaxed),
+        )
     }
 
     /// `Ok` when alive; otherwise why not.
@@ -97,11 +115,17 @@ impl Health {
         if self.stopping.load(Relaxed) {
             reasons.push("stopping".to_owned());
         }
-        if !self.postgres_ok.load(Relaxed) {
-            reasons.push("PostgreSQL not reachable".to_owned());
-        }
-        if !self.broker_ok.load(Relaxed) {
-            reasons.push("broker not reachable".to_owned());
+        for (ok, seen, what) in [
+            (&self.postgres_ok, &self.postgres_seen, "PostgreSQL"),
+            (&self.broker_ok, &self.broker_seen, "broker"),
+        ] {
+            if !ok.load(Relaxed) {
+                reasons.push(if seen.load(Relaxed) {
+                    format!("{what} not reachable")
+                } else {
+                    format!("starting: {what} not reached yet")
+                });
+            }
         }
         let quiet = self.since(&self.progress_ms);
         if quiet > self.progress_window {
@@ -127,6 +151,30 @@ impl Ops {
             metrics: Metrics::default(),
             health: Health::new(poll_interval),
         })
+    }
+
+    /// Records whether PostgreSQL answered: readiness and the `dependency_up` gauge.
+    pub fn postgres_reachable(&self, up: bool) {
+        self.health.alive();
+        self.health.set_postgres_reachable(up);
+        self.set_up("postgres", up);
+    }
+
+    /// Records whether the broker answered: readiness and the `dependency_up` gauge.
+    pub fn broker_reachable(&self, up: bool) {
+        self.health.alive();
+        self.health.set_broker_reachable(up);
+        self.set_up("broker", up);
+    }
+
+    fn set_up(&self, dependency: &str, up: bool) {
+        let label = metrics::DependencyLabel {
+            dependency: dependency.to_owned(),
+        };
+        self.metrics.up.get_or_create(&label).set(i64::from(up));
+        self.metrics
+            .ready
+            .set(i64::from(self.health.readiness().is_ok()));
     }
 }
 

@@ -27,7 +27,7 @@ use crate::source::schema;
 use crate::source::sql::TableSql;
 use crate::source::{session_config, SessionLimits, Source, SourceError};
 
-pub use worker::Backoff;
+use crate::retry::Backoff;
 
 /// A failure that ends the run (exit code 1).
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,9 @@ pub enum RelayError {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Fatal(String),
+    /// Stopped (drain --timeout, a signal) before a dependency was ever reached.
+    #[error("{what} was never reached: {last_error}")]
+    Unreachable { what: String, last_error: String },
 }
 
 /// What a run or drain achieved.
@@ -51,6 +54,9 @@ pub struct Report {
     pub aborted: bool,
     /// `drain` only: no publishable row was left when it finished.
     pub drained: bool,
+    /// Rows still waiting for their next attempt when the run ended: how many, and when
+    /// the earliest is due (as PostgreSQL prints an interval from now).
+    pub waiting: Option<(i64, String)>,
 }
 
 /// An outbox table, ready to relay.
@@ -133,15 +139,69 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Rows waiting for their next attempt, over every table, and the earliest due time;
+    /// `None` when there are none or the database does not answer.
+    async fn waiting(&self) -> Option<(i64, String)> {
+        let read = self.source.bounded(async {
+            let session = self.source.session().await?;
+            let mut total = 0;
+            let mut next: Option<(f64, String)> = None;
+            for table in &self.tables {
+                let row = session.query_one(&table.sql.waiting, &[]).await?;
+                total += row.get::<_, i64>(0);
+                if let (Some(text), Some(secs)) = (
+                    row.get::<_, Option<String>>(1),
+                    row.get::<_, Option<f64>>(2),
+                ) {
+                    if next.as_ref().is_none_or(|(s, _)| secs < *s) {
+                        next = Some((secs, text));
+                    }
+                }
+            }
+            Ok::<_, SourceError>((total, next))
+        });
+        match read.await {
+            Ok((n, Some((_, next)))) if n > 0 => Some((n, next)),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "Could not count rows waiting for a retry");
+                None
+            }
+        }
+    }
+}
+
+/// Follows the broker connection: the moment the client reports it lost, readiness says
+/// so and the breaker opens, so no worker claims rows it cannot publish.
+async fn watch_connection(
+    shared: Arc<Shared>,
+    mut connection: tokio::sync::watch::Receiver<bool>,
+    done: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            r = connection.wait_for(|up| !*up) => if r.is_err() { return },
+        }
+        shared.ops.broker_reachable(false);
+        shared.breaker.trip("connection to the broker lost");
+        tokio::select! {
+            _ = done.cancelled() => return,
+            r = connection.wait_for(|up| *up) => if r.is_err() { return },
+        }
+    }
+}
+
 /// `drain` on a terminal: one live line on stderr with rows published, the rate over the
 /// last second and the backlog left (as of the last gauge refresh).
 async fn progress(shared: Arc<Shared>, done: CancellationToken) {
-    use std::io::Write;
     let started = Instant::now();
     let mut last = (Instant::now(), 0u64);
     loop {
         tokio::select! {
             _ = done.cancelled() => break,
+            _ = shared.shutdown.stop_token().cancelled() => break,
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
         let published = shared.stats.published.load(Relaxed);
@@ -160,13 +220,12 @@ async fn progress(shared: Arc<Shared>, done: CancellationToken) {
         // The gauge is a few seconds old: take off what was published since.
         let since = published.saturating_sub(shared.published_at_backlog_read.load(Relaxed));
         let backlog = (backlog - since as i64).max(0);
-        eprint!(
-            "\r\x1b[2Kdraining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
+        ops::progress::draw(&format!(
+            "draining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
             started.elapsed().as_secs_f64()
-        );
-        let _ = std::io::stderr().flush();
+        ));
     }
-    eprint!("\r\x1b[2K");
+    ops::progress::clear();
 }
 
 /// Every [`ops::PROBE_INTERVAL`]: is PostgreSQL reachable, is the broker; the circuit
@@ -180,15 +239,13 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
     loop {
         let limit = Duration::from_secs(2);
         let postgres = shared.source.ping(limit).await.is_ok();
-        let broker = shared.breaker.state() == breaker::BreakerState::Closed
+        let broker = shared.breaker.state() != breaker::BreakerState::Open
             && matches!(
                 tokio::time::timeout(limit, shared.sink.healthcheck()).await,
                 Ok(Ok(()))
             );
-        ops.health.set_reachable(postgres, broker);
-        ops.metrics
-            .ready
-            .set(i64::from(ops.health.readiness().is_ok()));
+        ops.postgres_reachable(postgres);
+        ops.broker_reachable(broker);
         let open = shared.breaker.state() == breaker::BreakerState::Open;
         ops.metrics
             .circuit_open
@@ -249,13 +306,15 @@ pub enum Mode {
     Drain,
 }
 
-/// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait;
-/// failures `class` calls transient are retried with backoff (a database or broker still
-/// starting).
+/// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait (during
+/// an attempt too: `drain --timeout` bounds start-up); failures `class` calls transient are
+/// retried with backoff (a database or broker still starting). `reached` hears whether
+/// each attempt got an answer.
 async fn retry_transient<T, E, F, Fut>(
     what: &str,
     shutdown: &Shutdown,
     class: fn(&E) -> ErrorClass,
+    reached: impl Fn(bool),
     mut attempt: F,
 ) -> Result<T, RelayError>
 where
@@ -263,15 +322,31 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
+    let stop = shutdown.stop_token();
+    let unreachable = |last_error: String| RelayError::Unreachable {
+        what: what.to_owned(),
+        last_error,
+    };
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let mut last_error = "stopped before the first attempt ended".to_owned();
     loop {
-        match attempt().await {
-            Ok(value) => return Ok(value),
+        let result = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Err(unreachable(last_error)),
+            r = attempt() => r,
+        };
+        match result {
+            Ok(value) => {
+                reached(true);
+                return Ok(value);
+            }
             Err(e) if class(&e) == ErrorClass::Transient => {
+                reached(false);
                 let pause = backoff.next_pause();
                 tracing::warn!(error = %e, retry_in = ?pause, "{what} not reachable yet");
+                last_error = e.to_string();
                 tokio::select! {
-                    _ = shutdown.stop_token().cancelled() => return Err(e.into()),
+                    _ = stop.cancelled() => return Err(unreachable(last_error)),
                     _ = tokio::time::sleep(pause) => {}
                 }
             }
@@ -285,10 +360,15 @@ pub async fn prepare_tables(
     source: &Source,
     config: &Config,
     shutdown: &Shutdown,
+    ops: &Ops,
 ) -> Result<Vec<TablePlan>, RelayError> {
-    retry_transient("PostgreSQL", shutdown, SourceError::class, || {
-        try_prepare_tables(source, config)
-    })
+    retry_transient(
+        "PostgreSQL",
+        shutdown,
+        SourceError::class,
+        |up| ops.postgres_reachable(up),
+        || try_prepare_tables(source, config),
+    )
     .await
 }
 
@@ -313,20 +393,55 @@ pub async fn try_prepare_tables(
 }
 
 /// Connects the configured sink, waiting out transient failures.
-pub async fn connect_sink(config: &Config, shutdown: &Shutdown) -> Result<Sink, RelayError> {
+pub async fn connect_sink(
+    config: &Config,
+    shutdown: &Shutdown,
+    ops: &Ops,
+) -> Result<Sink, RelayError> {
     retry_transient(
         "Broker",
         shutdown,
         |e: &SinkError| e.class,
+        |up| ops.broker_reachable(up),
         || Sink::connect(&config.sink),
     )
     .await
 }
 
+/// The HTTP endpoints, served from the moment the configuration is valid (before any
+/// dependency is reachable, so a start-up probe sees a 503 with the reason, not a closed
+/// port) until the relay returns.
+struct Endpoints {
+    ops: Arc<Ops>,
+    /// Stops the HTTP server and the other operations tasks when dropped.
+    _done: tokio_util::sync::DropGuard,
+    done: CancellationToken,
+}
+
+impl Endpoints {
+    async fn start(config: &Config) -> Result<Endpoints, RelayError> {
+        let ops = Ops::new(config.relay.poll_interval);
+        let done = CancellationToken::new();
+        if let Some(http) = &config.http {
+            let listener = ops::http::bind(http.listen)
+                .await
+                .map_err(RelayError::Fatal)?;
+            tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
+            tokio::spawn(ops::http::serve(listener, ops.clone(), done.clone()));
+        }
+        Ok(Endpoints {
+            ops,
+            _done: done.clone().drop_guard(),
+            done,
+        })
+    }
+}
+
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
-    let sink = connect_sink(config, &shutdown).await?;
-    run_with_sink(config, mode, sink, shutdown).await
+    let endpoints = Endpoints::start(config).await?;
+    let sink = connect_sink(config, &shutdown, &endpoints.ops).await?;
+    relay(config, mode, sink, shutdown, endpoints).await
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
@@ -337,10 +452,22 @@ pub async fn run_with_sink(
     sink: Sink,
     shutdown: Shutdown,
 ) -> Result<Report, RelayError> {
+    let endpoints = Endpoints::start(config).await?;
+    endpoints.ops.broker_reachable(true);
+    relay(config, mode, sink, shutdown, endpoints).await
+}
+
+async fn relay(
+    config: &Config,
+    mode: Mode,
+    sink: Sink,
+    shutdown: Shutdown,
+    endpoints: Endpoints,
+) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = session_limits(config);
     let source = Source::new(&config.postgres, limits)?;
-    let tables = prepare_tables(&source, config, &shutdown).await?;
+    let tables = prepare_tables(&source, config, &shutdown, &endpoints.ops).await?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
 
     let shared = Arc::new(Shared {
@@ -358,7 +485,7 @@ pub async fn run_with_sink(
         fatal: Mutex::new(None),
         stats: Stats::default(),
         breaker: breaker::Breaker::default(),
-        ops: Ops::new(config.relay.poll_interval),
+        ops: endpoints.ops.clone(),
         published_at_backlog_read: AtomicU64::new(0),
     });
     tracing::info!(
@@ -371,16 +498,11 @@ pub async fn run_with_sink(
     );
 
     // Tasks that outlive the workers: HTTP, probes, watchdog. Stopped after the workers.
-    let done = CancellationToken::new();
-    let _stop_ops = done.clone().drop_guard();
-    if let Some(http) = &config.http {
-        let listener = ops::http::bind(http.listen)
-            .await
-            .map_err(RelayError::Fatal)?;
-        tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
-        tokio::spawn(ops::http::serve(listener, shared.ops.clone(), done.clone()));
-    }
+    let done = endpoints.done.clone();
     tokio::spawn(probe(shared.clone(), done.clone()));
+    if let Some(connection) = shared.sink.connection() {
+        tokio::spawn(watch_connection(shared.clone(), connection, done.clone()));
+    }
     if mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         tokio::spawn(progress(shared.clone(), done.clone()));
     }
@@ -435,8 +557,14 @@ pub async fn run_with_sink(
             }
         }
     }
-    // Every batch awaited its acks, so this flush has little to do; bound it anyway.
-    if let Err(e) = shared.sink.close(Duration::from_secs(2)).await {
+    // Every batch awaited its acks, so this flush has little to do; bound it anyway, and
+    // tightly after an abort, which must exit at once.
+    let flush = if shutdown.abort_token().is_cancelled() {
+        Duration::from_millis(250)
+    } else {
+        Duration::from_secs(2)
+    };
+    if let Err(e) = shared.sink.close(flush).await {
         tracing::warn!(error = %e, "Sink did not flush in time");
     }
 
@@ -449,7 +577,13 @@ pub async fn run_with_sink(
         let empty = shared.nothing_publishable().await;
         shared.drained.store(empty, Relaxed);
     }
+    let waiting = if mode == Mode::Drain && !shared.drained.load(Relaxed) {
+        shared.waiting().await
+    } else {
+        None
+    };
     let report = Report {
+        waiting,
         published: shared.stats.published.load(Relaxed),
         failed: shared.stats.failed.load(Relaxed),
         dead: shared.stats.dead.load(Relaxed),

@@ -18,6 +18,7 @@ use super::{message::to_message, Shared, TablePlan};
 use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
 use crate::ops::Metrics;
+use crate::retry::{self, Backoff};
 use crate::sink::SinkError;
 use crate::source::claim::claim_batch;
 use crate::source::{Source, SourceError};
@@ -232,6 +233,10 @@ impl Worker {
             _ = abort.cancelled() => return Ok(Batch::Aborted),
             r = publish => if r.is_err() {
                 tracing::warn!(timeout = ?shared.publish_timeout, "Broker did not acknowledge in time; unacknowledged rows stay pending");
+            },
+            // Acks cannot arrive over a lost connection: let go of the row locks now.
+            _ = connection_lost(&shared.sink) => {
+                tracing::warn!("Connection to the broker lost mid-batch; unacknowledged rows stay pending");
             }
         }
         metrics
@@ -242,6 +247,9 @@ impl Worker {
         let mut published: Vec<i64> = Vec::new();
         let mut bad_ids: Vec<i64> = Vec::new();
         let mut bad_errors: Vec<String> = Vec::new();
+        // Each failed row's next attempt: full jitter under retry_backoff doubled per
+        // attempt already made, up to retry_backoff_max.
+        let mut bad_waits: Vec<i64> = Vec::new();
         let mut trouble: Option<SinkError> = None;
         for (row, outcome) in rows.iter().zip(&outcomes) {
             match outcome {
@@ -250,6 +258,12 @@ impl Worker {
                     ErrorClass::BadRow => {
                         bad_ids.push(row.id);
                         bad_errors.push(e.message.clone());
+                        let wait = retry::full_jitter(
+                            shared.relay.retry_backoff,
+                            shared.relay.retry_backoff_max,
+                            row.attempts.max(0) as u32,
+                        );
+                        bad_waits.push(wait.as_micros() as i64);
                     }
                     ErrorClass::Fatal => return Err(WorkerError::Sink(e.clone())),
                     ErrorClass::Transient => trouble = Some(e.clone()),
@@ -273,7 +287,10 @@ impl Worker {
             if !bad_ids.is_empty() {
                 let max = shared.relay.max_attempts as i32;
                 for r in tx
-                    .query(&table.sql.record_failures, &[&bad_ids, &bad_errors, &max])
+                    .query(
+                        &table.sql.record_failures,
+                        &[&bad_ids, &bad_errors, &max, &bad_waits],
+                    )
                     .await?
                 {
                     if r.get::<_, bool>(1) {
@@ -334,6 +351,17 @@ impl Worker {
     }
 }
 
+/// Resolves when the sink's client reports its connection lost; never for sinks that do
+/// not tell.
+async fn connection_lost(sink: &crate::sink::Sink) {
+    if let Some(mut connection) = sink.connection() {
+        if connection.wait_for(|up| !*up).await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await
+}
+
 /// Counts a batch's rows in the in-flight gauge until it ends, however it ends.
 struct InFlight<'a>(&'a prometheus_client::metrics::gauge::Gauge, i64);
 
@@ -363,53 +391,5 @@ impl<'a> ActiveGuard<'a> {
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, Relaxed);
-    }
-}
-
-/// Capped exponential backoff with full jitter.
-pub struct Backoff {
-    base: Duration,
-    cap: Duration,
-    attempt: u32,
-}
-
-impl Backoff {
-    pub fn new(base: Duration, cap: Duration) -> Backoff {
-        Backoff {
-            base,
-            cap,
-            attempt: 0,
-        }
-    }
-
-    /// A random pause in `[0, min(cap, base * 2^attempt)]`, at least 10ms.
-    pub fn next_pause(&mut self) -> Duration {
-        let ceiling = self
-            .base
-            .saturating_mul(1u32 << self.attempt.min(16))
-            .min(self.cap);
-        self.attempt = self.attempt.saturating_add(1);
-        let millis = rand::random_range(0..=ceiling.as_millis() as u64);
-        Duration::from_millis(millis.max(10))
-    }
-
-    pub fn reset(&mut self) {
-        self.attempt = 0;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_to_its_cap_and_resets() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        for _ in 0..20 {
-            assert!(b.next_pause() <= Duration::from_secs(2));
-        }
-        assert!(b.attempt >= 20);
-        b.reset();
-        assert!(b.next_pause() <= Duration::from_millis(100));
     }
 }

@@ -29,45 +29,15 @@ const DEFAULTS: &[(&str, &str)] = &[
     ("client.id", "outbox-relay"),
 ];
 
-/// Why a property set would break the delivery promise, one sentence per problem.
+/// Why a property set would break the delivery promise, one line per problem
+/// (`acks: is "1", but ...`). The rule lives in the configuration
+/// ([`crate::config::kafka::refused_properties`]), where such a property is already a
+/// config error (exit 2); `check` and [`KafkaSink::connect`] ask again as a safeguard.
 pub fn unsafe_properties(properties: &BTreeMap<String, String>) -> Vec<String> {
-    let mut problems = Vec::new();
-    let get = |names: &[&'static str]| -> Option<(&'static str, String)> {
-        names.iter().find_map(|n| {
-            properties
-                .get(*n)
-                .map(|v| (*n, v.trim().to_ascii_lowercase()))
-        })
-    };
-    if let Some((name, v)) = get(&["enable.idempotence"]) {
-        if v != "true" {
-            problems.push(format!(
-                "{name} = {v}: the relay needs the idempotent producer (retries without \
-                 duplicates or reordering); remove the property"
-            ));
-        }
-    }
-    if let Some((name, v)) = get(&["acks", "request.required.acks"]) {
-        if v != "all" && v != "-1" {
-            problems.push(format!(
-                "{name} = {v}: a row is only marked once every in-sync replica has it; set \
-                 acks = \"all\" or remove the property"
-            ));
-        }
-    }
-    if let Some((name, v)) = get(&["max.in.flight.requests.per.connection", "max.in.flight"]) {
-        if v.parse::<u32>().map_or(true, |n| n > 5) {
-            problems.push(format!(
-                "{name} = {v}: above 5 the idempotent producer cannot keep order; use 5 or less"
-            ));
-        }
-    }
-    if properties.contains_key("bootstrap.servers")
-        || properties.contains_key("metadata.broker.list")
-    {
-        problems.push("set the brokers in sink.kafka.brokers, not as a property".to_owned());
-    }
-    problems
+    crate::config::kafka::refused_properties(properties)
+        .into_iter()
+        .map(|r| format!("{}: {}", r.property, r.reason))
+        .collect()
 }
 
 /// Property names whose values are secrets: never logged, scrubbed from errors.
@@ -376,9 +346,9 @@ mod tests {
             ("max.in.flight.requests.per.connection", "10"),
         ]));
         assert_eq!(problems.len(), 3, "{problems:?}");
-        assert!(problems[0].starts_with("enable.idempotence = false"));
-        assert!(problems[1].starts_with("acks = 1"));
-        assert!(problems[2].starts_with("max.in.flight.requests.per.connection = 10"));
+        assert!(problems[0].starts_with("enable.idempotence: is \"false\""));
+        assert!(problems[1].starts_with("acks: is \"1\""));
+        assert!(problems[2].starts_with("max.in.flight.requests.per.connection: is 10"));
     }
 
     #[test]

@@ -130,6 +130,16 @@ impl Sink {
         }
     }
 
+    /// Follows the broker connection, where the client knows it (NATS): `false` from the
+    /// moment it is lost until it is back. `None`: the client reconnects on its own and
+    /// says nothing (Kafka), or there is no connection.
+    pub fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        match self {
+            Sink::Nats(s) => Some(s.connection()),
+            Sink::Kafka(_) | Sink::Stdout(_) | Sink::Memory(_) => None,
+        }
+    }
+
     /// Whether the broker is reachable now.
     pub async fn healthcheck(&self) -> Result<(), SinkError> {
         match self {

@@ -1,7 +1,28 @@
 //! NATS JetStream: every message carries `Nats-Msg-Id: <table>:<id>` (JetStream drops a
 //! re-send inside the stream's duplicate window) and counts only once its PubAck arrived.
+//!
+//! # Whose fault is a failed publish?
+//!
+//! A row-level refusal must count against the row (retry schedule, then dead-letter) and
+//! never look like a broker outage, or one bad row stalls every key. Two refusals are the
+//! row's:
+//! - *No stream captures the subject.* A JetStream publish nobody answers comes back as
+//!   "no responders", which a stream leader election also produces, for every subject. So
+//!   the relay asks the server which stream captures the subject (`$JS.API.STREAM.NAMES`
+//!   with a subject filter, answers cached for [`CAPTURE_TTL`]): only a positive "none" makes
+//!   the row bad; a stream that exists, or no answer, keeps the failure transient.
+//! - *Publish permission denied for the subject.* The server drops the message and reports
+//!   `Permissions Violation for Publish to "<subject>"` as an asynchronous error, so the
+//!   PubAck never comes. The relay records those subjects from the connection's events; a
+//!   timed-out publish to a recently denied subject is the row's fault, and the next
+//!   publishes to it fail at once for [`DENIED_TTL`], without waiting out a timeout.
+//!
+//! Authorization refused at connect is fatal. Everything else (timeouts, a lost
+//! connection, server errors) is the broker's: transient.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
@@ -17,11 +38,22 @@ pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// JetStream API error: message larger than the stream's `max_msg_size`.
 const JS_MESSAGE_SIZE_EXCEEDS: u64 = 10054;
 
+/// How long the answer to "which stream captures this subject?" is trusted.
+pub const CAPTURE_TTL: Duration = Duration::from_secs(2);
+/// How long a subject the server refused to let us publish to fails without a try.
+pub const DENIED_TTL: Duration = Duration::from_secs(30);
+
 pub struct NatsSink {
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
     /// Strings that must never reach a log line: passwords and tokens from the URLs.
     secrets: Vec<String>,
+    /// Subjects looked up after "no responders": whether some stream captures each.
+    captured: Mutex<HashMap<String, (Instant, bool)>>,
+    /// Subjects the server refused a publish to, and when (from the connection's events).
+    denied: Arc<Mutex<HashMap<String, Instant>>>,
+    /// False from the moment the connection is lost until it is back.
+    connected: tokio::sync::watch::Receiver<bool>,
 }
 
 impl NatsSink {
@@ -54,25 +86,94 @@ impl NatsSink {
             options = options.require_tls(true);
         }
         let scrub = |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets);
+        let denied: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let (connected_tx, connected) = tokio::sync::watch::channel(true);
+        let events = {
+            let denied = denied.clone();
+            move |event: async_nats::Event| {
+                match &event {
+                    async_nats::Event::Connected => {
+                        connected_tx.send_replace(true);
+                    }
+                    async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                        connected_tx.send_replace(false);
+                    }
+                    async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
+                        if let Some(subject) = denied_subject(text) {
+                            denied.lock().unwrap().insert(subject, Instant::now());
+                        }
+                    }
+                    _ => {}
+                }
+                tracing::debug!(%event, "NATS connection event");
+                std::future::ready(())
+            }
+        };
         let client = options
             .name("outbox-relay")
             .connection_timeout(timeout)
             .max_reconnects(None)
+            .event_callback(events)
             .connect(addrs)
             .await
             .map_err(|e| {
-                SinkError::transient(format!(
+                let message = format!(
                     "cannot connect to NATS at {}: {}",
                     config.redacted(),
                     scrub(&e)
-                ))
+                );
+                match e.kind() {
+                    async_nats::ConnectErrorKind::AuthorizationViolation
+                    | async_nats::ConnectErrorKind::Authentication => SinkError::fatal(format!(
+                        "{message}: the server refused these credentials; fix the user, \
+                         password, token, nkey or .creds in [sink.nats]"
+                    )),
+                    _ => SinkError::transient(message),
+                }
             })?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
         Ok(NatsSink {
             client,
             js,
             secrets,
+            captured: Mutex::default(),
+            denied,
+            connected,
         })
+    }
+
+    /// Follows the connection: `false` from the moment it is lost until it is back.
+    pub fn connection(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.connected.clone()
+    }
+
+    /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
+    fn recently_denied(&self, subject: &str) -> bool {
+        let mut denied = self.denied.lock().unwrap();
+        denied.retain(|_, at| at.elapsed() < DENIED_TTL);
+        denied.contains_key(subject)
+    }
+
+    /// Whether some stream captures `subject`: `Ok(false)` only when the server said so.
+    async fn stream_captures(&self, subject: &str) -> Result<bool, String> {
+        if let Some((at, captured)) = self.captured.lock().unwrap().get(subject) {
+            if at.elapsed() < CAPTURE_TTL {
+                return Ok(*captured);
+            }
+        }
+        use async_nats::jetstream::context::GetStreamByNameErrorKind as Kind;
+        let lookup = self.js.stream_by_subject(subject);
+        let captured = match tokio::time::timeout(Duration::from_secs(2), lookup).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) if e.kind() == Kind::NotFound => false,
+            Ok(Err(e)) => return Err(scrub(&e.to_string(), &self.secrets)),
+            Err(_) => return Err("no answer within 2s".to_owned()),
+        };
+        self.captured
+            .lock()
+            .unwrap()
+            .insert(subject.to_owned(), (Instant::now(), captured));
+        Ok(captured)
     }
 
     /// The JetStream context, for `check`.
@@ -122,6 +223,11 @@ impl NatsSink {
         let mut acks = Vec::with_capacity(messages.len());
         // Queue the whole batch first, then collect the acks: one round trip, not one per row.
         for message in messages {
+            if self.recently_denied(&message.topic) {
+                acks.push(None);
+                results.push(Err(denied_error(&message.topic)));
+                continue;
+            }
             let mut headers = HeaderMap::new();
             for (name, value) in &message.headers {
                 headers.insert(name.as_str(), value.as_str());
@@ -134,7 +240,7 @@ impl NatsSink {
                 Ok(ack) => acks.push(Some(ack)),
                 Err(e) => {
                     acks.push(None);
-                    results.push(Err(self.classify(&message.topic, &e)));
+                    results.push(Err(self.classify(&message.topic, &e).await));
                     continue;
                 }
             }
@@ -143,14 +249,14 @@ impl NatsSink {
         for (i, ack) in acks.into_iter().enumerate() {
             if let Some(ack) = ack {
                 if let Err(e) = ack.await {
-                    results[i] = Err(self.classify(&messages[i].topic, &e));
+                    results[i] = Err(self.classify(&messages[i].topic, &e).await);
                 }
             }
         }
         results
     }
 
-    fn classify(
+    async fn classify(
         &self,
         subject: &str,
         e: &async_nats::jetstream::context::PublishError,
@@ -162,13 +268,28 @@ impl NatsSink {
         match classify_publish(e.kind(), code) {
             ErrorClass::BadRow => SinkError::bad_row(text),
             ErrorClass::Fatal => SinkError::fatal(text),
-            // A missing stream is an operator's to fix, not the row's fault: never let it
-            // dead-letter every row; retry until a stream exists.
             ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
-                SinkError::transient(format!(
-                    "no JetStream stream captures subject {subject:?}: create one \
-                     (`outbox-relay check` lists what is missing)"
-                ))
+                // "No responders": no stream, or a stream between leaders. Ask which.
+                match self.stream_captures(subject).await {
+                    Ok(false) => SinkError::bad_row(format!(
+                        "no JetStream stream captures subject {subject:?}: add the subject to \
+                         a stream, or fix the table's topic template \
+                         (`outbox-relay check` lists what is missing)"
+                    )),
+                    Ok(true) => SinkError::transient(format!(
+                        "the stream capturing {subject:?} did not answer (no responders: a \
+                         leader election?)"
+                    )),
+                    Err(lookup) => SinkError::transient(format!(
+                        "no responders for {subject:?}, and JetStream could not say which \
+                         stream captures it: {lookup}"
+                    )),
+                }
+            }
+            ErrorClass::Transient
+                if e.kind() == PublishErrorKind::TimedOut && self.recently_denied(subject) =>
+            {
+                denied_error(subject)
             }
             ErrorClass::Transient => SinkError::transient(text),
         }
@@ -203,6 +324,22 @@ impl NatsSink {
             Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
         }
     }
+}
+
+/// The error of a row whose subject this user may not publish to.
+fn denied_error(subject: &str) -> SinkError {
+    SinkError::bad_row(format!(
+        "the NATS server denies this user permission to publish to {subject:?}: allow it in \
+         the user's publish permissions, or fix the table's topic template"
+    ))
+}
+
+/// The subject of a server error `Permissions Violation for Publish to "<subject>"`.
+fn denied_subject(error: &str) -> Option<String> {
+    const MARK: &str = "permissions violation for publish to ";
+    let at = error.to_ascii_lowercase().find(MARK)? + MARK.len();
+    let subject = error[at..].trim().trim_matches(|c| c == '"' || c == '\'');
+    (!subject.is_empty()).then(|| subject.to_owned())
 }
 
 /// Parses the configured URLs, collecting any passwords or tokens they carry.
@@ -291,6 +428,23 @@ mod tests {
         ] {
             assert_eq!(classify_publish(kind, code), class, "{kind:?} {code:?}");
         }
+    }
+
+    #[test]
+    fn a_denied_publish_names_its_subject() {
+        assert_eq!(
+            denied_subject("Permissions Violation for Publish to \"orders.secret\""),
+            Some("orders.secret".to_owned())
+        );
+        assert_eq!(
+            denied_subject("permissions violation for publish to 'a.b'"),
+            Some("a.b".to_owned())
+        );
+        assert_eq!(
+            denied_subject("Permissions Violation for Subscription to \"x\""),
+            None
+        );
+        assert_eq!(denied_subject("maximum payload exceeded"), None);
     }
 
     #[test]

@@ -92,6 +92,8 @@ pub struct ClaimedRow {
     pub payload: Vec<u8>,
     /// The headers column as JSON text, unchecked.
     pub headers: Option<String>,
+    /// Failed attempts so far.
+    pub attempts: i32,
     /// Values of the topic template's columns, in template order.
     pub topic_values: Vec<Option<String>>,
     /// Values of the header columns, in configuration order.
@@ -100,10 +102,10 @@ pub struct ClaimedRow {
 
 impl ClaimedRow {
     fn from_row(row: &Row, layout: &RowLayout) -> ClaimedRow {
-        let mut i = 4;
+        let mut i = 5;
         let message_id = layout.message_id.then(|| {
             i += 1;
-            row.get(4)
+            row.get(5)
         });
         let topic_values = (i..i + layout.topic_columns).map(|n| row.get(n)).collect();
         i += layout.topic_columns;
@@ -114,6 +116,7 @@ impl ClaimedRow {
             key: row.get(1),
             payload: row.get::<_, Option<Vec<u8>>>(2).unwrap_or_default(),
             headers: row.get(3),
+            attempts: row.get(4),
             topic_values,
             header_values,
         }

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::describe;
 use crate::config::PostgresConfig;
+use crate::retry::Backoff;
 
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
@@ -26,19 +27,19 @@ pub async fn listen(
     wake: Arc<Notify>,
     stop: CancellationToken,
 ) {
-    let mut backoff = Duration::from_millis(250);
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     while !stop.is_cancelled() {
+        let pause = backoff.next_pause();
         match listen_once(&pg, &config, &wake, &stop).await {
             Ok(()) => return,
             Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?backoff, "LISTEN connection lost; polling meanwhile");
+                tracing::warn!(error = %e, retry_in = ?pause, "LISTEN connection lost; polling meanwhile");
             }
         }
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(pause) => {}
         }
-        backoff = (backoff * 2).min(Duration::from_secs(10));
     }
 }
 

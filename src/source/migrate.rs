@@ -2,10 +2,16 @@
 //!
 //! Migrations are the SQL files in `migrations/`, embedded in the binary. Applied versions
 //! are recorded per table in `<schema>.outbox_relay_migrations`, so running `migrate` again
-//! changes nothing. Everything for one table runs in one transaction under a
-//! transaction-level advisory lock, so concurrent `migrate` runs (several sidecars
-//! starting at once) apply each migration exactly once. Nothing here drops or rewrites
-//! user data.
+//! changes nothing. The transactional part of every migration for one table runs in one
+//! transaction, under the statement deadline. Indexes on a table that may already be large
+//! and live are built afterwards with `CREATE INDEX CONCURRENTLY`, outside any transaction
+//! and without a statement deadline, so the application keeps inserting while they build;
+//! an index left invalid by an interrupted build is dropped and built again. A
+//! session-level advisory lock, taken by polling so no transaction waits while holding a
+//! snapshot (that would stall a concurrent index build), serializes concurrent `migrate`
+//! runs (several sidecars starting at once). Nothing here drops or rewrites user data.
+
+use std::time::Duration;
 
 use tokio_postgres::Client;
 
@@ -17,20 +23,44 @@ pub struct Migration {
     pub version: i32,
     pub name: &'static str,
     sql: &'static str,
+    /// One `CREATE INDEX CONCURRENTLY IF NOT EXISTS` run after the transaction, on every
+    /// `migrate` (a no-op once the index is there and valid).
+    concurrent_index: Option<ConcurrentIndex>,
+}
+
+/// An index built without blocking writes.
+struct ConcurrentIndex {
+    /// The `{{placeholder}}` its name is rendered from.
+    name: &'static str,
+    sql: &'static str,
 }
 
 /// Every migration, in order. Append only: a released migration never changes.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "create_outbox",
-    sql: include_str!("../../migrations/0001_create_outbox.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "create_outbox",
+        sql: include_str!("../../migrations/0001_create_outbox.sql"),
+        concurrent_index: None,
+    },
+    Migration {
+        version: 2,
+        name: "next_attempt_at",
+        sql: include_str!("../../migrations/0002_next_attempt_at.sql"),
+        concurrent_index: Some(ConcurrentIndex {
+            name: "{{held_index}}",
+            sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
+        }),
+    },
+];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
 const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
 
 /// Serializes concurrent `migrate` runs. A constant, so it needs no hash function.
 const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
+/// How often a `migrate` waiting for another one tries the lock again.
+const LOCK_POLL: Duration = Duration::from_millis(200);
 
 /// What `migrate` did to one table.
 #[derive(Debug, Default)]
@@ -41,8 +71,122 @@ pub struct MigrateReport {
 }
 
 /// Brings `table` up to date; installs the NOTIFY trigger unless `notify` is false, in
-/// which case it removes one left from earlier.
+/// which case it removes one left from earlier. Every statement but the concurrent index
+/// builds runs within `deadline`.
 pub async fn migrate_table(
+    client: &mut Client,
+    table: &TableConfig,
+    notify: bool,
+    deadline: Duration,
+) -> Result<MigrateReport, SourceError> {
+    let bounded = |what| within(deadline, what);
+    let mut waiting = false;
+    while !bounded(try_lock(client)).await? {
+        if !waiting {
+            tracing::info!(table = %table.name, "Waiting for another `migrate` to finish");
+            waiting = true;
+        }
+        tokio::time::sleep(LOCK_POLL).await;
+    }
+    let result = migrate_locked(client, table, notify, deadline).await;
+    if result.is_ok() {
+        within(deadline, async {
+            Ok(client
+                .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK])
+                .await?)
+        })
+        .await?;
+    }
+    result
+}
+
+/// `fut` within `deadline`, or a timeout error.
+async fn within<T>(
+    deadline: Duration,
+    fut: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T, SourceError> {
+    tokio::time::timeout(deadline, fut)
+        .await
+        .map_err(|_| SourceError::Timeout(deadline))?
+}
+
+async fn try_lock(client: &Client) -> Result<bool, SourceError> {
+    let row = client
+        .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK])
+        .await?;
+    Ok(row.get(0))
+}
+
+async fn migrate_locked(
+    client: &mut Client,
+    table: &TableConfig,
+    notify: bool,
+    deadline: Duration,
+) -> Result<MigrateReport, SourceError> {
+    let mut report = within(deadline, migrate_in_transaction(client, table, notify)).await?;
+    for m in MIGRATIONS {
+        if let Some(index) = &m.concurrent_index {
+            if build_concurrently(client, table, index, deadline).await? {
+                report.applied.push(format!(
+                    "index {} (built concurrently)",
+                    render(index.name, table)
+                ));
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Builds `index` unless it exists and is valid; an invalid one (a build interrupted
+/// earlier) is dropped first. Returns whether it built. The build itself has no deadline:
+/// on a large table it takes as long as it takes, without blocking writes.
+async fn build_concurrently(
+    client: &Client,
+    table: &TableConfig,
+    index: &ConcurrentIndex,
+    deadline: Duration,
+) -> Result<bool, SourceError> {
+    let name = render(index.name, table);
+    let qualified = format!("{}.{}", table.name.schema.quoted(), name);
+    let valid: Option<bool> = within(deadline, async {
+        Ok(client
+            .query_opt(
+                "SELECT i.indisvalid FROM pg_catalog.pg_index i \
+                 WHERE i.indexrelid = to_regclass($1::text)",
+                &[&qualified],
+            )
+            .await?
+            .map(|r| r.get(0)))
+    })
+    .await?;
+    match valid {
+        Some(true) => return Ok(false),
+        Some(false) => {
+            tracing::warn!(index = %qualified, "Dropping an index left invalid by an interrupted build");
+            client
+                .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"))
+                .await?;
+        }
+        None => {}
+    }
+    tracing::info!(index = %qualified, "Building index concurrently (writes continue meanwhile)");
+    // One statement per call: a multi-statement string is an implicit transaction block,
+    // where CONCURRENTLY is refused.
+    let set = |sql: &'static str| {
+        within(
+            deadline,
+            async move { Ok(client.batch_execute(sql).await?) },
+        )
+    };
+    set("SET statement_timeout = 0").await?;
+    let built = client.batch_execute(&render(index.sql, table)).await;
+    set("RESET statement_timeout").await?;
+    built?;
+    Ok(true)
+}
+
+/// Every pending migration's transactional part, and the trigger, in one transaction.
+async fn migrate_in_transaction(
     client: &mut Client,
     table: &TableConfig,
     notify: bool,
@@ -56,8 +200,6 @@ pub async fn migrate_table(
             .quoted()
     );
     let tx = client.transaction().await?;
-    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATE_LOCK])
-        .await?;
     let exists: bool = tx
         .query_one(
             "SELECT to_regclass($1::text) IS NOT NULL",
@@ -140,6 +282,7 @@ fn render(sql: &str, table: &TableConfig) -> String {
         .replace("{{schema}}", &table.name.schema.quoted())
         .replace("{{pending_index}}", &index("pending_idx"))
         .replace("{{dead_index}}", &index("dead_idx"))
+        .replace("{{held_index}}", &index("held_idx"))
         .replace("{{order_index}}", &index("order_key"))
         .replace("{{order}}", &c.order.quoted())
         .replace("{{key}}", &c.key.quoted())
@@ -147,6 +290,7 @@ fn render(sql: &str, table: &TableConfig) -> String {
         .replace("{{attempts}}", &c.attempts.quoted())
         .replace("{{last_error}}", &c.last_error.quoted())
         .replace("{{dead_at}}", &c.dead_at.quoted())
+        .replace("{{next_attempt_at}}", &c.next_attempt_at.quoted())
 }
 
 #[cfg(test)]
@@ -164,7 +308,8 @@ mod tests {
         };
         for sql in MIGRATIONS
             .iter()
-            .map(|m| m.sql)
+            .flat_map(|m| [Some(m.sql), m.concurrent_index.as_ref().map(|i| i.sql)])
+            .flatten()
             .chain([NOTIFY_SQL, DROP_NOTIFY_SQL])
         {
             let out = render(sql, &table);

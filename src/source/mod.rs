@@ -143,12 +143,19 @@ pub fn session_config(pg: &PostgresConfig, limits: SessionLimits) -> tokio_postg
     if cfg.get_application_name().is_none() {
         cfg.application_name("outbox-relay");
     }
-    if cfg.get_connect_timeout().is_none() {
-        cfg.connect_timeout(pg.connect_timeout);
-    }
+    cfg.connect_timeout(connect_timeout(pg));
     cfg.keepalives(true);
     cfg.keepalives_idle(Duration::from_secs(30));
     cfg
+}
+
+/// How long opening a connection may take, start-up packet and authentication included:
+/// `connect_timeout` in `postgres.url` when given, else `postgres.connect_timeout`.
+pub fn connect_timeout(pg: &PostgresConfig) -> Duration {
+    pg.connection
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(pg.connect_timeout)
 }
 
 /// A claim transaction whose statements are prepared once per session and reused.
@@ -232,8 +239,8 @@ impl Source {
             .max_size(pg.pool_size)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(limits.statement_timeout))
-            .create_timeout(Some(pg.connect_timeout))
-            .recycle_timeout(Some(pg.connect_timeout))
+            .create_timeout(Some(connect_timeout(pg)))
+            .recycle_timeout(Some(connect_timeout(pg)))
             .build()
             .map_err(|e| SourceError::Pool(e.to_string()))?;
         Ok(Source {

@@ -106,12 +106,32 @@ pub async fn inspect(
         .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
         .collect();
     let mut problems = Vec::new();
+    let c = &table.columns;
+    // `migrate` adds the bookkeeping columns; every other column is the application's.
+    let bookkeeping = [
+        &c.published_at,
+        &c.attempts,
+        &c.last_error,
+        &c.dead_at,
+        &c.next_attempt_at,
+    ];
     let mut expect = |column: &str, role: &str, allowed: &[&str]| -> Option<String> {
         match types.get(column) {
+            None if bookkeeping.iter().any(|b| b.as_str() == column) => {
+                problems.push(format!(
+                    "table {}: column {column} ({role}) is missing: run `outbox-relay migrate`, \
+                     which adds it",
+                    table.name
+                ));
+                None
+            }
             None => {
                 problems.push(format!(
-                    "table {}: column {column} ({role}) is missing: run `outbox-relay migrate` \
-                     or add it",
+                    "table {}: column {column} ({role}) is missing, and only the application \
+                     can add it (migrate adds the relay's bookkeeping columns only): add the \
+                     column in the application's schema migration, or change the config to \
+                     name a column the table has ([[tables]] topic, [tables.columns], \
+                     [tables.header_columns])",
                     table.name
                 ));
                 None
@@ -127,7 +147,6 @@ pub async fn inspect(
             Some(ty) => Some(ty.clone()),
         }
     };
-    let c = &table.columns;
     let integers = &["int8", "int4", "int2"][..];
     if c.order == c.id {
         expect(c.id.as_str(), "message id and order", integers);
@@ -164,6 +183,11 @@ pub async fn inspect(
     expect(
         c.dead_at.as_str(),
         "dead-letter time",
+        &["timestamptz", "timestamp"],
+    );
+    expect(
+        c.next_attempt_at.as_str(),
+        "next attempt time, added by migrate 0002",
         &["timestamptz", "timestamp"],
     );
     let published_role = match on_publish {
@@ -209,7 +233,7 @@ pub async fn inspect(
             ));
         }
     }
-    let mut updated = vec![&c.attempts, &c.last_error, &c.dead_at];
+    let mut updated = vec![&c.attempts, &c.last_error, &c.dead_at, &c.next_attempt_at];
     if on_publish == OnPublish::Mark {
         updated.push(&c.published_at);
     }

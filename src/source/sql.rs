@@ -9,14 +9,16 @@ use super::schema::{PayloadType, TableShape};
 /// Statements for one outbox table.
 #[derive(Debug, Clone)]
 pub struct TableSql {
-    /// `ordering = "none"`: lock the oldest pending rows, skipping locked ones.
+    /// `ordering = "none"`: lock the oldest pending rows that are due, skipping locked ones.
     /// `$1` = limit. Returns rows as [`RowLayout`] describes.
     pub claim_unordered: String,
-    /// `ordering = "key"`: order values and keys of pending rows after `$1`, at most `$2`,
-    /// without locking, leaving out rows of the keys `$3` (held by other claimers) and
-    /// rows held back by an earlier dead row of their key.
+    /// `ordering = "key"`: order values and keys of pending, due rows after `$1`, at most
+    /// `$2`, without locking, leaving out rows of the keys `$3` (held by other claimers)
+    /// and rows held back by an earlier held row of their key (dead, or waiting for its
+    /// next attempt).
     pub window: String,
-    /// Locks the rows `$1` (order values) that are still pending, skipping locked ones.
+    /// Locks the rows `$1` (order values) that are still pending and due, skipping locked
+    /// ones.
     /// Returns rows as [`RowLayout`] describes.
     pub lock_rows: String,
     /// Deletes the published rows `$1`.
@@ -24,29 +26,39 @@ pub struct TableSql {
     /// Sets `published_at` on the published rows `$1`.
     pub mark: String,
     /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
-    /// reach `$3` attempts. Returns each row's order value and whether it is now dead.
+    /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
+    /// now. Returns each row's order value and whether it is now dead.
     pub record_failures: String,
-    /// Whether any row is left that a relay could publish now.
+    /// Whether any row is left that a relay could publish now or after a wait: pending,
+    /// and (key order) not held back by a dead row.
     pub publishable_exists: String,
-    /// `status`: pending, failing (pending with attempts), dead and kept-published
-    /// counts, and the oldest pending row's age in seconds (NULL without `created_at`).
+    /// Rows waiting for their next attempt: how many, and the earliest one due in (as
+    /// interval text and seconds).
+    pub waiting: String,
+    /// `status`: pending, failing (pending with attempts), dead, kept-published and
+    /// waiting counts, the earliest next attempt as text, the pending rows held back by
+    /// a held row of their key, and the oldest pending row's age in seconds (NULL
+    /// without `created_at`).
     pub status: String,
-    /// `status`: the oldest dead rows, at most `$1`: order value, attempts, dead_at as
-    /// text, last_error.
-    pub dead_rows: String,
+    /// `status`: the oldest held rows (dead or waiting), at most `$1`: order value,
+    /// attempts, dead_at and next_attempt_at as text, last_error, key, and how many later
+    /// pending rows of its key it holds back.
+    pub held_rows: String,
     /// `requeue --id`: clears dead_at and attempts of the dead rows `$1`; returns their
     /// order values.
     pub requeue_ids: String,
     /// `requeue --all`: the same for every dead row.
     pub requeue_all: String,
+    /// `requeue --waiting`: rows waiting for their next attempt are due now.
+    pub requeue_waiting: String,
     /// Metrics: pending rows (from the pending index) and the oldest pending row's age in
     /// seconds (0 when none or without a creation-time column).
     pub backlog: String,
     pub layout: RowLayout,
 }
 
-/// The columns a claim returns: order value, key, payload bytes, headers JSON, then the
-/// message id when it is not the order column, the topic template's columns and the
+/// The columns a claim returns: order value, key, payload bytes, headers JSON, attempts,
+/// then the message id when it is not the order column, the topic template's columns and the
 /// header columns, all as text.
 #[derive(Debug, Clone, Copy)]
 pub struct RowLayout {
@@ -67,6 +79,7 @@ impl TableSql {
         let dead_at = c.dead_at.quoted();
         let attempts = c.attempts.quoted();
         let last_error = c.last_error.quoted();
+        let next = c.next_attempt_at.quoted();
         let payload = match shape.payload {
             PayloadType::Bytea => c.payload.quoted(),
             PayloadType::Text => format!("convert_to({}::text, 'UTF8')", c.payload.quoted()),
@@ -80,7 +93,8 @@ impl TableSql {
             topic_columns: table.topic.columns().len(),
             header_columns: table.header_columns.len(),
         };
-        let mut columns = format!("{id}::bigint, {key}::text, {payload}, {headers}");
+        let mut columns =
+            format!("{id}::bigint, {key}::text, {payload}, {headers}, {attempts}::int4");
         let extra = layout
             .message_id
             .then_some(&c.id)
@@ -91,52 +105,85 @@ impl TableSql {
             columns.push_str(&format!(", {}::text", column.quoted()));
         }
         let pending = format!("{published_at} IS NULL AND {dead_at} IS NULL");
-        // A dead row holds back the later rows of its key until it is re-queued or deleted.
-        // The first, uncorrelated test runs once per statement (an InitPlan): with no dead
-        // row in the table, the common case, no row pays for the per-key probe (measured on a
-        // 2,000-row window: 1.3 ms with the probe alone, 0.8 ms with the test in front).
-        let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
+        // Not waiting for a later attempt. `now()` is the transaction's start: one instant
+        // for every statement of a claim, so its window and its locks agree.
+        let due = format!("({next} IS NULL OR {next} <= now())");
+        // A *held* row holds back the later rows of its key: dead (until re-queued or
+        // deleted), or waiting for its next attempt. The held index covers exactly these
+        // rows (migrations/0002_held_index.concurrent.sql), so both probes below are index
+        // lookups. The first, uncorrelated test runs once per statement (an InitPlan): with
+        // no held row in the table, the common case, no row pays for the per-key probe
+        // (measured on a 2,000-row window: 1.3 ms with the probe alone, 0.8 ms with the
+        // test in front).
+        let held =
+            format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
         let not_held_back = format!(
+            "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
+             OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
+             AND d.{id} < o.{id}))"
+        );
+        // Work left for `drain`: rows held back by a *waiting* row become publishable when
+        // it is due, so only a dead row takes its key's rows out of the count.
+        let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
+        let not_behind_dead = format!(
             "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {dead}) \
              OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {dead} \
              AND d.{id} < o.{id}))"
         );
+        let waiting = format!("{pending} AND {next} > now()");
+        let held_back = match ordering {
+            Ordering::Key => format!(
+                "count(*) FILTER (WHERE {pending} AND {key} IS NOT NULL AND EXISTS \
+                 (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND d.{id} < o.{id} AND {held}))"
+            ),
+            Ordering::None => "0::bigint".to_owned(),
+        };
         TableSql {
             claim_unordered: format!(
-                "SELECT {columns} FROM {t} WHERE {pending} ORDER BY {id} LIMIT $1 \
+                "SELECT {columns} FROM {t} WHERE {pending} AND {due} ORDER BY {id} LIMIT $1 \
                  FOR UPDATE SKIP LOCKED"
             ),
             window: format!(
                 "SELECT o.{id}::bigint, o.{key}::text FROM {t} o \
                  WHERE o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{id} > $1 \
+                 AND (o.{next} IS NULL OR o.{next} <= now()) \
                  AND (o.{key} IS NULL OR (o.{key}::text <> ALL($3::text[]) AND {not_held_back})) \
                  ORDER BY o.{id} LIMIT $2"
             ),
             lock_rows: format!(
                 "SELECT {columns} FROM {t} WHERE {id} = ANY($1::bigint[]) AND {pending} \
-                 ORDER BY {id} FOR UPDATE SKIP LOCKED"
+                 AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED"
             ),
             delete: format!("DELETE FROM {t} WHERE {id} = ANY($1::bigint[])"),
             mark: format!("UPDATE {t} SET {published_at} = now() WHERE {id} = ANY($1::bigint[])"),
             record_failures: format!(
                 "UPDATE {t} AS o SET {attempts} = o.{attempts} + 1, {last_error} = f.err, \
-                 {dead_at} = CASE WHEN o.{attempts} + 1 >= $3 THEN now() END \
-                 FROM unnest($1::bigint[], $2::text[]) AS f(id, err) WHERE o.{id} = f.id \
+                 {dead_at} = CASE WHEN o.{attempts} + 1 >= $3 THEN now() END, \
+                 {next} = CASE WHEN o.{attempts} + 1 < $3 \
+                 THEN clock_timestamp() + f.wait * interval '1 microsecond' END \
+                 FROM unnest($1::bigint[], $2::text[], $4::int8[]) AS f(id, err, wait) \
+                 WHERE o.{id} = f.id \
                  RETURNING o.{id}::bigint, o.{dead_at} IS NOT NULL"
             ),
             publishable_exists: match ordering {
                 Ordering::Key => format!(
                     "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.{published_at} IS NULL \
-                     AND o.{dead_at} IS NULL AND (o.{key} IS NULL OR {not_held_back}))"
+                     AND o.{dead_at} IS NULL AND (o.{key} IS NULL OR {not_behind_dead}))"
                 ),
                 Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
             },
+            waiting: format!(
+                "SELECT count(*), (min({next}) - now())::text, \
+                 extract(epoch FROM min({next}) - now())::float8 FROM {t} WHERE {waiting}"
+            ),
             status: format!(
                 "SELECT count(*) FILTER (WHERE {pending}), \
                  count(*) FILTER (WHERE {pending} AND {attempts} > 0), \
                  count(*) FILTER (WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL), \
                  count(*) FILTER (WHERE {published_at} IS NOT NULL), \
-                 {} FROM {t}",
+                 count(*) FILTER (WHERE {waiting}), \
+                 min({next}) FILTER (WHERE {waiting})::text, \
+                 {held_back}, {} FROM {t} o",
                 match &shape.created_at {
                     Some(c) => format!(
                         "extract(epoch FROM now() - min({}) FILTER (WHERE {pending}))::float8",
@@ -145,15 +192,20 @@ impl TableSql {
                     None => "NULL::float8".to_owned(),
                 }
             ),
-            dead_rows: format!(
-                "SELECT {id}::bigint, {attempts}::bigint, {dead_at}::text, {last_error}::text \
-                 FROM {t} WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL \
-                 ORDER BY {id} LIMIT $1"
+            held_rows: format!(
+                "SELECT d.{id}::bigint, d.{attempts}::bigint, d.{dead_at}::text, \
+                 d.{next}::text, d.{last_error}::text, d.{key}::text, \
+                 (SELECT count(*) FROM {t} o WHERE o.{key} = d.{key} AND o.{id} > d.{id} \
+                 AND o.{published_at} IS NULL AND o.{dead_at} IS NULL) \
+                 FROM {t} d WHERE {held} ORDER BY d.{id} LIMIT $1"
             ),
             requeue_ids: format!(
-                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = NULL \
                  WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
                  AND {published_at} IS NULL RETURNING {id}::bigint"
+            ),
+            requeue_waiting: format!(
+                "UPDATE {t} SET {next} = NULL WHERE {waiting} RETURNING {id}::bigint"
             ),
             backlog: format!(
                 "SELECT count(*)::bigint, COALESCE(({}), 0)::float8 FROM {t} WHERE {pending}",
@@ -167,7 +219,7 @@ impl TableSql {
                 }
             ),
             requeue_all: format!(
-                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0 \
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = NULL \
                  WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
             ),
             layout,

@@ -1,0 +1,451 @@
+//! `[sink.kafka]` checked with the rest of the configuration, so that `check`, `drain` and
+//! `run` all stop with exit code 2 before reaching a broker:
+//!
+//! 1. Properties that would break a delivery promise are refused ([`refused_properties`]):
+//!    the relay needs librdkafka's idempotent producer with `acks=all` (contract section 2).
+//! 2. Every property name and value is offered to librdkafka's own configuration parser
+//!    (no client is created, nothing touches the network): a misspelt name or an invalid
+//!    value is a config error, not a failure at connect time.
+//! 3. What librdkafka would otherwise refuse only when the producer is built: `linger.ms`
+//!    not below the time a record may wait for its acknowledgement, an `ssl.*.location`
+//!    file that cannot be read.
+//!
+//! No message shows the value of a secret property.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::types::RDKafkaConfRes;
+
+use super::{ConfigError, Secret};
+
+/// A property the relay refuses, and what to write instead.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The property as written, e.g. `acks`.
+    pub property: String,
+    /// Which promise it breaks and what to write instead. Never holds a secret.
+    pub reason: String,
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "sink.kafka.properties.{}: {}",
+            self.property, self.reason
+        )
+    }
+}
+
+/// The properties that would break the at-least-once or the per-key order promise, or
+/// that the relay sets itself. None of them is a secret, so their values may be shown.
+pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal> {
+    let mut refused = Vec::new();
+    let mut refuse = |property: &str, reason: String| {
+        refused.push(Refusal {
+            property: property.to_owned(),
+            reason,
+        })
+    };
+    // librdkafka reads either name of a property; both are checked.
+    let get = |names: &[&str]| {
+        names.iter().find_map(|n| {
+            properties
+                .get_key_value(*n)
+                .map(|(k, v)| (k.as_str(), v.trim().to_ascii_lowercase()))
+        })
+    };
+    if let Some((name, v)) = get(&["enable.idempotence"]) {
+        if !matches!(v.as_str(), "true" | "t" | "1") {
+            refuse(
+                name,
+                format!(
+                    "is {v:?}, but the relay needs the idempotent producer: without it a \
+                     retried record can be written twice or overtake an earlier record of its \
+                     key, which breaks the per-key order promise; remove the key (the relay \
+                     sets it to true)"
+                ),
+            );
+        }
+    }
+    if let Some((name, v)) = get(&["acks", "request.required.acks"]) {
+        if v != "all" && v != "-1" {
+            refuse(
+                name,
+                format!(
+                    "is {v:?}, but a row is deleted or marked as soon as Kafka acknowledges it, \
+                     and with fewer than all in-sync replicas an acknowledged record can still \
+                     be lost, which breaks the at-least-once promise; write \"all\" or remove \
+                     the key (the relay sets acks = \"all\")"
+                ),
+            );
+        }
+    }
+    if let Some((name, v)) = get(&["max.in.flight.requests.per.connection", "max.in.flight"]) {
+        // A value that is not a number is left to librdkafka's own check.
+        if v.parse::<u64>().is_ok_and(|n| n > 5) {
+            refuse(
+                name,
+                format!(
+                    "is {v}, but the idempotent producer keeps a partition's records in order \
+                     only with at most 5 requests in flight, which the per-key order promise \
+                     needs; write 5 or less, or remove the key"
+                ),
+            );
+        }
+    }
+    if let Some((name, v)) = get(&["retries", "message.send.max.retries"]) {
+        if v.parse::<u64>() == Ok(0) {
+            refuse(
+                name,
+                "is 0, but the idempotent producer the relay needs does not run without \
+                 retries (librdkafka refuses it); remove the key"
+                    .into(),
+            );
+        }
+    }
+    if let Some((name, v)) = get(&["queuing.strategy"]) {
+        if v != "fifo" {
+            refuse(
+                name,
+                format!(
+                    "is {v:?}, but records must leave in the order they were queued (the \
+                     per-key order promise); remove the key"
+                ),
+            );
+        }
+    }
+    if let Some((name, _)) = get(&["transactional.id"]) {
+        refuse(
+            name,
+            "the relay does not use Kafka transactions (the idempotent producer already \
+             writes each record once per attempt), and a transactional producer refuses \
+             records sent outside a transaction; remove the key"
+                .into(),
+        );
+    }
+    for name in ["bootstrap.servers", "metadata.broker.list"] {
+        if properties.contains_key(name) {
+            refuse(
+                name,
+                "the brokers are set by sink.kafka.brokers: move the list there and remove \
+                 this key"
+                    .into(),
+            );
+        }
+    }
+    refused
+}
+
+/// Everything wrong with `[sink.kafka]` that can be known without a broker, one line per
+/// problem, each naming its key.
+pub(super) fn check(
+    brokers: &str,
+    properties: &BTreeMap<String, String>,
+    secret_properties: &BTreeMap<String, Secret>,
+    publish_timeout: Duration,
+) -> Result<(), ConfigError> {
+    let mut problems: Vec<String> = Vec::new();
+    if brokers.trim().is_empty() {
+        problems.push(
+            "sink.kafka.brokers: is empty: write host:port[,host:port], e.g. \
+             \"127.0.0.1:9092\""
+                .into(),
+        );
+    }
+    let refused = refused_properties(properties);
+    problems.extend(refused.iter().map(Refusal::to_string));
+    for (name, value) in properties {
+        if refused.iter().any(|r| &r.property == name) {
+            continue;
+        }
+        let secret = crate::sink::kafka::is_secret(name);
+        if let Some(why) = librdkafka_refuses(name, value, secret) {
+            problems.push(format!("sink.kafka.properties.{name}: {why}"));
+        }
+    }
+    for (name, value) in secret_properties {
+        if let Some(why) = librdkafka_refuses(name, value.expose(), true) {
+            problems.push(format!("sink.kafka.property_files.{name}: {why}"));
+        }
+    }
+    problems.extend(linger_too_long(properties, publish_timeout));
+    problems.extend(unreadable_files(properties));
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError(problems.join("\n")))
+    }
+}
+
+/// Joins dotted property names back together. Unquoted, `compression.type = "lz4"` is in
+/// TOML a table `compression` holding `type`; librdkafka's names are dotted, so under
+/// `[sink.kafka.properties]` and `[sink.kafka.property_files]` both spellings mean the
+/// same property.
+pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), String> {
+    fn flatten(
+        table: toml::Table,
+        prefix: &str,
+        section: &str,
+        out: &mut toml::Table,
+    ) -> Result<(), String> {
+        for (key, value) in table {
+            let name = if prefix.is_empty() {
+                key
+            } else {
+                format!("{prefix}.{key}")
+            };
+            match value {
+                toml::Value::Table(inner) => flatten(inner, &name, section, out)?,
+                value => {
+                    if out.insert(name.clone(), value).is_some() {
+                        return Err(format!(
+                            "sink.kafka.{section}.{name}: is set twice (once with quotes, once \
+                             without); keep one"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    let Some(kafka) = root
+        .get_mut("sink")
+        .and_then(toml::Value::as_table_mut)
+        .and_then(|sink| sink.get_mut("kafka"))
+        .and_then(toml::Value::as_table_mut)
+    else {
+        return Ok(());
+    };
+    for section in ["properties", "property_files"] {
+        if let Some(toml::Value::Table(table)) = kafka.get_mut(section) {
+            let mut flat = toml::Table::new();
+            flatten(std::mem::take(table), "", section, &mut flat)?;
+            *table = flat;
+        }
+    }
+    Ok(())
+}
+
+/// Offers one property to librdkafka's configuration parser (no client is created).
+fn librdkafka_refuses(name: &str, value: &str, secret: bool) -> Option<String> {
+    let mut config = ClientConfig::new();
+    config.set(name, value);
+    match config.create_native_config() {
+        Ok(_) => None,
+        Err(KafkaError::ClientConfig(RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, ..)) => Some(
+            "librdkafka has no such property: check the name against \
+             https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"
+                .into(),
+        ),
+        // librdkafka's description quotes the value: fine, unless it is a secret.
+        Err(KafkaError::ClientConfig(_, description, ..)) if !secret => {
+            Some(format!("librdkafka refuses it: {description}"))
+        }
+        Err(_) => Some("librdkafka refuses this value (not shown: it is a secret)".into()),
+    }
+}
+
+/// librdkafka refuses to build a producer whose `linger.ms` is not below the record
+/// timeout: the relay's `sink.publish_timeout`, unless a property sets its own.
+fn linger_too_long(
+    properties: &BTreeMap<String, String>,
+    publish_timeout: Duration,
+) -> Option<String> {
+    let millis = |names: &[&str]| {
+        names.iter().find_map(|n| {
+            let (name, value) = properties.get_key_value(*n)?;
+            Some((name.as_str(), value.trim().parse::<f64>().ok()?))
+        })
+    };
+    let (name, linger) = millis(&["linger.ms", "queue.buffering.max.ms"])?;
+    let (limit, source) = match millis(&["message.timeout.ms", "delivery.timeout.ms"]) {
+        Some((timeout, value)) => (value, format!("sink.kafka.properties.{timeout}")),
+        None => (
+            publish_timeout.as_secs_f64() * 1000.0,
+            "sink.publish_timeout".to_owned(),
+        ),
+    };
+    (limit > 0.0 && linger >= limit).then(|| {
+        format!(
+            "sink.kafka.properties.{name}: is {linger} ms, not shorter than {source} ({limit} \
+             ms), the longest a record may wait for its acknowledgement; librdkafka refuses \
+             that: lower it"
+        )
+    })
+}
+
+/// `ssl.ca.location`, `ssl.certificate.location`, `ssl.key.location`, ...: librdkafka
+/// reads them when the producer is built; a missing one is a config error now. A CA
+/// location may be a directory, or `probe` (the system's CAs).
+fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<String> {
+    properties
+        .iter()
+        .filter(|(name, _)| name.starts_with("ssl.") && name.ends_with(".location"))
+        .filter(|(name, value)| !(*name == "ssl.ca.location" && value.as_str() == "probe"))
+        .filter_map(|(name, value)| {
+            let path = std::path::Path::new(value);
+            let readable = if path.is_dir() && name.as_str() == "ssl.ca.location" {
+                std::fs::read_dir(path).map(|_| ())
+            } else {
+                std::fs::File::open(path).map(|_| ())
+            };
+            readable.err().map(|e| {
+                format!(
+                    "sink.kafka.properties.{name}: cannot read {value}: {e}: give a readable \
+                     file"
+                )
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn check_props(pairs: &[(&str, &str)]) -> Result<(), String> {
+        check(
+            "k:9092",
+            &props(pairs),
+            &BTreeMap::new(),
+            Duration::from_secs(10),
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn properties_that_break_a_promise_are_refused_by_name() {
+        assert!(refused_properties(&props(&[
+            ("compression.type", "lz4"),
+            ("acks", "-1"),
+            ("enable.idempotence", "true"),
+            ("max.in.flight", "5"),
+        ]))
+        .is_empty());
+        let refused = refused_properties(&props(&[
+            ("enable.idempotence", "false"),
+            ("request.required.acks", "1"),
+            ("max.in.flight.requests.per.connection", "10"),
+            ("bootstrap.servers", "k:9092"),
+            ("transactional.id", "x"),
+        ]));
+        let named: Vec<&str> = refused.iter().map(|r| r.property.as_str()).collect();
+        assert_eq!(
+            named,
+            [
+                "enable.idempotence",
+                "request.required.acks",
+                "max.in.flight.requests.per.connection",
+                "transactional.id",
+                "bootstrap.servers"
+            ]
+        );
+        let acks = refused[1].to_string();
+        assert!(
+            acks.starts_with("sink.kafka.properties.request.required.acks: is \"1\""),
+            "{acks}"
+        );
+        assert!(acks.contains("at-least-once"), "{acks}");
+        assert!(acks.contains("write \"all\""), "{acks}");
+        assert!(refused[0].reason.contains("per-key order"));
+    }
+
+    #[test]
+    fn librdkafka_checks_names_and_values_without_a_broker() {
+        assert_eq!(
+            check_props(&[("compression.type", "lz4"), ("linger.ms", "5")]),
+            Ok(())
+        );
+        let e = check_props(&[("compresion.type", "lz4")]).unwrap_err();
+        assert!(
+            e.starts_with("sink.kafka.properties.compresion.type: librdkafka has no such property"),
+            "{e}"
+        );
+        let e = check_props(&[("compression.type", "lz5")]).unwrap_err();
+        assert!(
+            e.starts_with("sink.kafka.properties.compression.type: librdkafka refuses it:"),
+            "{e}"
+        );
+        assert!(e.contains("lz5"), "{e}");
+    }
+
+    #[test]
+    fn secret_values_are_never_shown() {
+        let e = check_props(&[("acks", "0"), ("ssl.keystore.password", "s3cr3t\0x")]).unwrap_err();
+        assert!(e.contains("sink.kafka.properties.acks: is \"0\""), "{e}");
+        assert!(
+            e.contains("sink.kafka.properties.ssl.keystore.password: librdkafka refuses"),
+            "{e}"
+        );
+        assert!(!e.contains("s3cr3t"), "{e}");
+    }
+
+    #[test]
+    fn dotted_names_mean_the_same_property_quoted_or_not() {
+        let mut root: toml::Table = toml::from_str(
+            "[sink.kafka.properties]\ncompression.type = \"lz4\"\n\"linger.ms\" = 5\n\
+             ssl = { ca.location = \"/ca.pem\" }\n",
+        )
+        .unwrap();
+        join_dotted_names(&mut root).unwrap();
+        let properties = root["sink"]["kafka"]["properties"].as_table().unwrap();
+        let names: Vec<&str> = properties.keys().map(String::as_str).collect();
+        assert_eq!(names, ["compression.type", "linger.ms", "ssl.ca.location"]);
+        let mut twice: toml::Table = toml::from_str(
+            "[sink.kafka.properties]\ncompression.type = \"lz4\"\n\"compression.type\" = \"zstd\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            join_dotted_names(&mut twice).unwrap_err(),
+            "sink.kafka.properties.compression.type: is set twice (once with quotes, once \
+             without); keep one"
+        );
+    }
+
+    #[test]
+    fn ssl_files_must_be_readable_now() {
+        let ca = std::env::temp_dir().join(format!("kafka-ca-{}.pem", std::process::id()));
+        std::fs::write(&ca, "not checked here").unwrap();
+        let ca = ca.to_str().unwrap();
+        assert_eq!(check_props(&[("ssl.ca.location", ca)]), Ok(()));
+        assert_eq!(check_props(&[("ssl.ca.location", "probe")]), Ok(()));
+        let e = check_props(&[("ssl.key.location", "/nope/relay.key")]).unwrap_err();
+        assert!(
+            e.starts_with("sink.kafka.properties.ssl.key.location: cannot read /nope/relay.key:"),
+            "{e}"
+        );
+        std::fs::remove_file(ca).unwrap();
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let e = check(
+            " ",
+            &props(&[("acks", "1"), ("linger.ms", "20000")]),
+            &BTreeMap::new(),
+            Duration::from_secs(10),
+        )
+        .unwrap_err()
+        .to_string();
+        let lines: Vec<&str> = e.lines().collect();
+        assert_eq!(lines.len(), 3, "{e}");
+        assert!(lines[0].starts_with("sink.kafka.brokers: is empty"), "{e}");
+        assert!(lines[1].starts_with("sink.kafka.properties.acks:"), "{e}");
+        assert!(
+            lines[2].starts_with("sink.kafka.properties.linger.ms: is 20000 ms, not shorter than sink.publish_timeout"),
+            "{e}"
+        );
+    }
+}

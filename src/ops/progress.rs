@@ -1,0 +1,42 @@
+//! The live progress line `drain` draws on a terminal, and the log writer that keeps log
+//! lines from running into it: while the line is shown, every log line first erases it
+//! (the next refresh draws it again below the log line).
+
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+/// Whether a progress line is on the terminal now.
+static SHOWN: AtomicBool = AtomicBool::new(false);
+
+/// Erases the current terminal line (carriage return, then ANSI "erase line").
+const ERASE: &str = "\r\x1b[2K";
+
+/// Draws `line` in place of the previous one, on stderr.
+pub fn draw(line: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = write!(err, "{ERASE}{line}");
+    let _ = err.flush();
+    SHOWN.store(true, Relaxed);
+}
+
+/// Erases the line, for good or until the next [`draw`].
+pub fn clear() {
+    if SHOWN.swap(false, Relaxed) {
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "{ERASE}");
+        let _ = err.flush();
+    }
+}
+
+/// The log writer: stderr, erasing a shown progress line before each log line.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
+    type Writer = std::io::Stderr;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        clear();
+        std::io::stderr()
+    }
+}
