@@ -360,3 +360,49 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
         .get(0);
     assert_eq!(left, 0);
 }
+
+/// A topic the broker does not know (tansu creates none on its own) is the row's fault:
+/// it is retried on its schedule and dead-lettered, its key waits, and every other key
+/// flows without the circuit ever opening.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_a_topic_the_brokers_do_not_know_is_the_rows_fault_and_other_keys_flow() {
+    let env = KafkaEnv::new("retry_backoff = \"10ms\"\nmax_attempts = 3").await;
+    let client = env.pg.connect("app").await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES
+               ('no.such.topic', 'bad', 'b1'),
+               ('no.such.topic', 'bad', 'b2')",
+        )
+        .await
+        .unwrap();
+    seed(&client, 2_000, 20, 0).await;
+
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("circuit open"), "{stderr}");
+    let delivery = analyse_kafka(&env.read());
+    assert_eq!(delivery.counts.len(), 2_000, "every other row arrived");
+    let left: Vec<(i64, i32, bool, Option<String>)> = client
+        .query(
+            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert_eq!((left[0].0, left[0].1, left[0].2), (1, 3, true), "{left:?}");
+    assert!(
+        left[0]
+            .3
+            .as_deref()
+            .unwrap()
+            .contains("topic \"no.such.topic\" does not exist on the brokers"),
+        "{left:?}"
+    );
+    assert_eq!(left[1], (2, 0, false, None), "its key waits behind it");
+}

@@ -260,7 +260,8 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
     // its Service whenever the broker is down, the very outage an outbox absorbs.
     assert!(k8s.contains("livenessProbe:") && k8s.contains("path: /healthz"));
     assert!(
-        !k8s.lines().any(|l| l.trim_start().starts_with("readinessProbe:")),
+        !k8s.lines()
+            .any(|l| l.trim_start().starts_with("readinessProbe:")),
         "no readiness gate on the sidecar"
     );
     let grace: u64 = k8s

@@ -7,8 +7,9 @@
 //! retries, so the relay may put a whole batch in flight at once
 //! ([`super::Sink::keeps_order_in_flight`]).
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -52,6 +53,8 @@ pub struct KafkaSink {
     secrets: Vec<String>,
     /// The producer's `message.max.bytes`: larger records are refused before sending.
     max_message_bytes: usize,
+    /// Topic -> when the brokers were asked, and whether it exists.
+    topics: Mutex<HashMap<String, (Instant, bool)>>,
 }
 
 /// librdkafka's default `message.max.bytes`.
@@ -119,7 +122,50 @@ impl KafkaSink {
             producer,
             secrets,
             max_message_bytes,
+            topics: Mutex::default(),
         })
+    }
+
+    /// Whether `topic` exists, from metadata no older than [`TOPIC_TTL`]; `None` when the
+    /// brokers did not say (unreachable, or an error other than "unknown topic").
+    ///
+    /// librdkafka fails a record to a missing topic only after
+    /// `topic.metadata.propagation.max.ms` (30 s), later than the relay's publish timeout,
+    /// so the record would just time out - transient, retried forever, and its key stuck.
+    /// Asking first makes a topic the brokers positively do not know the row's fault.
+    async fn topic_exists(&self, topic: &str) -> Option<bool> {
+        if let Some((at, exists)) = self.topics.lock().unwrap().get(topic) {
+            if at.elapsed() < TOPIC_TTL {
+                return Some(*exists);
+            }
+        }
+        let producer = self.producer.clone();
+        let name = topic.to_owned();
+        let exists = tokio::task::spawn_blocking(move || {
+            let metadata = producer
+                .client()
+                .fetch_metadata(Some(&name), Duration::from_secs(5))
+                .ok()?;
+            let found = metadata.topics().iter().find(|t| t.name() == name)?;
+            match found.error() {
+                None => Some(!found.partitions().is_empty()),
+                Some(e) => {
+                    let code = RDKafkaErrorCode::from(e);
+                    matches!(
+                        code,
+                        RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic
+                    )
+                    .then_some(false)
+                }
+            }
+        })
+        .await
+        .ok()??;
+        self.topics
+            .lock()
+            .unwrap()
+            .insert(topic.to_owned(), (Instant::now(), exists));
+        Some(exists)
     }
 
     /// Rejects records Kafka would refuse for themselves, before anything of the batch is
@@ -147,8 +193,16 @@ impl KafkaSink {
     }
 
     /// Queues the whole batch, then awaits every delivery report. Once a record cannot
-    /// be queued, the later records of its key are not queued either.
+    /// be queued, the later records of its key are not queued either. A record to a topic
+    /// the brokers say does not exist is not queued: it is the row's fault.
     pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut missing: HashMap<&str, bool> = HashMap::new();
+        for message in messages {
+            if !missing.contains_key(message.topic.as_str()) {
+                let exists = self.topic_exists(&message.topic).await;
+                missing.insert(&message.topic, exists == Some(false));
+            }
+        }
         let mut pending = Vec::with_capacity(messages.len());
         let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
         for message in messages {
@@ -159,7 +213,11 @@ impl KafkaSink {
                 )));
                 continue;
             }
-            let enqueued = self.enqueue(message).await;
+            let enqueued = if missing[message.topic.as_str()] {
+                Err(missing_topic(&message.topic))
+            } else {
+                self.enqueue(message).await
+            };
             if let (Err(_), Some(k)) = (&enqueued, key) {
                 stopped.insert(k);
             }
@@ -222,9 +280,13 @@ impl KafkaSink {
             Some(Class::Fatal) => SinkError::fatal(format!(
                 "{text}: the broker refuses this producer; fix its credentials or ACLs"
             )),
-            Some(Class::MissingTopic) => SinkError::transient(format!(
-                "topic {topic:?} does not exist: create it (`outbox-relay check` lists what is missing)"
-            )),
+            // Metadata was stale when the record was queued; trust it once it is fresh.
+            Some(Class::MissingTopic) => {
+                self.topics.lock().unwrap().remove(topic);
+                SinkError::transient(format!(
+                    "topic {topic:?} is unknown to the brokers' metadata; checking again"
+                ))
+            }
             Some(Class::Transient) | None => SinkError::transient(text),
         }
     }
@@ -271,6 +333,17 @@ impl KafkaSink {
             .map_err(|e| SinkError::transient(format!("flush task failed: {e}")))?
             .map_err(|e| SinkError::transient(format!("Kafka flush: {e}")))
     }
+}
+
+/// How long a topic's existence, read from metadata, is trusted.
+const TOPIC_TTL: Duration = Duration::from_secs(5);
+
+/// The error of a row whose topic the brokers do not know.
+fn missing_topic(topic: &str) -> SinkError {
+    SinkError::bad_row(format!(
+        "topic {topic:?} does not exist on the brokers: create it, or fix the table's topic \
+         template (`outbox-relay check` lists what is missing)"
+    ))
 }
 
 enum Class {
