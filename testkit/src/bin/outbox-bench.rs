@@ -7,6 +7,10 @@
 //!   database, same concurrency and batch size.
 //! - C. `outbox-relay drain` end to end (the release binary as a child process): NATS and
 //!   Kafka, `ordering = "key"` and `"none"`.
+//! - C'. The NATS key-ordered drain again with 3 rows of one key to a subject no stream
+//!   captures at the head of the table (`retry_backoff = "10ms"`, `max_attempts = 3` in
+//!   both runs): the good rows' rate, as a ratio to the same drain without them. A
+//!   row-level refusal must not slow the other keys (goal: >= 0.8).
 //! - E. Peak RSS and CPU seconds per 100k rows of each drain (from `wait4`).
 //!
 //! Prints one markdown table; each drain also as a ratio to min(A, B) for its ordering
@@ -120,7 +124,8 @@ impl Bench {
         };
         format!(
             "[postgres]\nurl = \"{}\"\npool_size = {}\n[relay]\nworkers = {}\nbatch_size = {}\n\
-             ordering = \"{ordering}\"\n{sink}[[tables]]\nname = \"public.outbox\"\n",
+             ordering = \"{ordering}\"\nretry_backoff = \"10ms\"\nmax_attempts = 3\n\
+             {sink}[[tables]]\nname = \"public.outbox\"\n",
             self.db_url,
             self.a.workers + 2,
             self.a.workers,
@@ -137,9 +142,18 @@ impl Bench {
         .map_err(|e| anyhow::anyhow!("{e}"))
     }
 
-    async fn seed(&self) -> Result<()> {
+    /// Fills the table; `poison` rows of key `poison` to a subject no stream captures
+    /// come first, at the head of every claim window.
+    async fn seed(&self, poison: i64) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client.batch_execute("TRUNCATE public.outbox").await?;
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload) \
+                 SELECT 'nostream.orders', 'poison', 'x' FROM generate_series(1, $1::bigint)",
+                &[&poison],
+            )
+            .await?;
         client
             .execute(
                 "INSERT INTO public.outbox (topic, key, payload)
@@ -175,7 +189,7 @@ impl Bench {
 
     /// A: the library's drain with a sink that acknowledges at once.
     async fn postgres_limit(&self, ordering: &'static str) -> Result<Row> {
-        self.seed().await?;
+        self.seed(0).await?;
         let config = self.config("stdout", ordering)?;
         let started = Instant::now();
         let machine = MachineCpu::now();
@@ -260,7 +274,17 @@ impl Bench {
 
     /// C + E: the release binary's drain, with its peak RSS and CPU time.
     async fn drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
-        self.seed().await?;
+        self.drain_with(sink, ordering, 0).await
+    }
+
+    /// C with `poison` rows no broker accepts at the head; counts the good rows only.
+    async fn drain_with(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        poison: i64,
+    ) -> Result<Row> {
+        self.seed(poison).await?;
         if sink == "nats" {
             self.reset_nats().await?;
         }
@@ -284,8 +308,27 @@ impl Bench {
             + usage.ru_utime.tv_usec as f64 / 1e6
             + usage.ru_stime.tv_sec as f64
             + usage.ru_stime.tv_usec as f64 / 1e6;
+        if poison > 0 {
+            let client = self.pg.connect("app").await?;
+            let row = client
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE dead_at IS NOT NULL), count(*) FROM public.outbox",
+                    &[],
+                )
+                .await?;
+            let (dead, left): (i64, i64) = (row.get(0), row.get(1));
+            if dead != 1 || left != poison {
+                bail!("poisoned drain left {left} rows ({dead} dead); expected {poison} (1 dead)");
+            }
+        }
         Ok(Row {
-            name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
+            name: if poison > 0 {
+                format!(
+                    "C'. drain to {sink}, ordering = \"{ordering}\", {poison} rows no stream captures at the head"
+                )
+            } else {
+                format!("C. drain to {sink}, ordering = \"{ordering}\"")
+            },
             rows: self.a.rows,
             secs,
             broker: sink,
@@ -420,6 +463,7 @@ async fn main() -> Result<()> {
         step(bench.broker_limit("kafka").await)?;
     }
     step(bench.drain("nats", "key").await)?;
+    step(bench.drain_with("nats", "key", 3).await)?;
     step(bench.drain("nats", "none").await)?;
     if bench.kafka.is_some() {
         step(bench.drain("kafka", "key").await)?;
@@ -469,6 +513,21 @@ async fn main() -> Result<()> {
             r.rss_mb.map_or("-".into(), |m| format!("{m:.0} MB")),
             r.cpu_per_100k.map_or("-".into(), |c| format!("{c:.2}")),
             r.cores_busy,
+        );
+    }
+    let rate_of = |prefix: &str| {
+        rows.iter()
+            .find(|r| r.name.starts_with(prefix))
+            .map(Row::rate)
+    };
+    if let (Some(clean), Some(poisoned)) = (
+        rate_of("C. drain to nats, ordering = \"key\""),
+        rate_of("C'. drain to nats"),
+    ) {
+        println!(
+            "\nC' good rows behind 3 rows no stream captures: {poisoned:.0} rows/s, {:.2} of the \
+             same drain without them ({clean:.0} rows/s)",
+            poisoned / clean
         );
     }
     if let Some(steady) = steady {
