@@ -51,7 +51,13 @@ pub struct Breaker {
     opened: AtomicU64,
     /// The prober's pauses: grows across half-open trials, reset when rows flow again.
     backoff: Mutex<Backoff>,
+    /// When the circuit last went half-open.
+    half_open_at: Mutex<Option<std::time::Instant>>,
 }
+
+/// A half-open circuit that no batch failed for this long counts as recovered (an idle
+/// relay has no batch to close it): the next failure begins a new outage.
+pub const HALF_OPEN_SETTLES: Duration = Duration::from_secs(10);
 
 impl Default for Breaker {
     fn default() -> Self {
@@ -67,6 +73,7 @@ impl Breaker {
             failures: AtomicU32::new(0),
             opened: AtomicU64::new(0),
             backoff: Mutex::new(Backoff::new(base, cap)),
+            half_open_at: Mutex::new(None),
         }
     }
 
@@ -111,7 +118,16 @@ impl Breaker {
     }
 
     fn open(&self, error: &str) {
-        let before = self.state.send_replace(BreakerState::Open);
+        let mut before = self.state.send_replace(BreakerState::Open);
+        let settled = self
+            .half_open_at
+            .lock()
+            .unwrap()
+            .is_some_and(|at| at.elapsed() >= HALF_OPEN_SETTLES);
+        if before == BreakerState::HalfOpen && settled {
+            self.backoff.lock().unwrap().reset();
+            before = BreakerState::Closed;
+        }
         match before {
             BreakerState::Closed => {
                 self.opened.fetch_add(1, Relaxed);
@@ -156,6 +172,7 @@ impl Breaker {
             match sink.healthcheck().await {
                 Ok(()) => {
                     self.failures.store(0, Relaxed);
+                    *self.half_open_at.lock().unwrap() = Some(std::time::Instant::now());
                     self.state.send_if_modified(|state| {
                         let open = *state == BreakerState::Open;
                         if open {

@@ -572,13 +572,25 @@ async fn relay(
         return Err(RelayError::Fatal(message));
     }
     let aborted = shared.aborted.load(Relaxed);
+    // After an abort (drain --timeout, the deadline, a second signal) the process must
+    // exit at once: the closing look at the table gets a second, not a statement deadline.
+    let closing = if shutdown.abort_token().is_cancelled() {
+        Duration::from_secs(1)
+    } else {
+        shared.source.deadline()
+    };
     if mode == Mode::Drain && !aborted && !shared.drained.load(Relaxed) {
         // Stopped by a signal or --timeout: the outbox may still have emptied meanwhile.
-        let empty = shared.nothing_publishable().await;
+        let empty = tokio::time::timeout(closing, shared.nothing_publishable())
+            .await
+            .unwrap_or(false);
         shared.drained.store(empty, Relaxed);
     }
     let waiting = if mode == Mode::Drain && !shared.drained.load(Relaxed) {
-        shared.waiting().await
+        tokio::time::timeout(closing, shared.waiting())
+            .await
+            .ok()
+            .flatten()
     } else {
         None
     };

@@ -53,8 +53,34 @@ pub struct KafkaSink {
     secrets: Vec<String>,
     /// The producer's `message.max.bytes`: larger records are refused before sending.
     max_message_bytes: usize,
-    /// Topic -> when the brokers were asked, and whether it exists.
-    topics: Mutex<HashMap<String, (Instant, bool)>>,
+    /// What the brokers said of each topic a record went to.
+    topics: Mutex<HashMap<String, TopicSeen>>,
+}
+
+/// The brokers' answers about one topic.
+struct TopicSeen {
+    /// When they were last asked.
+    asked: Instant,
+    /// The last answer said it exists.
+    exists: bool,
+    /// The first of the unbroken run of answers that said it does not.
+    missing_since: Option<Instant>,
+    /// How many answers in that run.
+    missing_answers: u32,
+}
+
+impl TopicSeen {
+    fn verdict(&self) -> Option<bool> {
+        match self.missing_since {
+            Some(since)
+                if self.missing_answers >= 2 && since.elapsed() >= MISSING_CONFIRMED_AFTER =>
+            {
+                Some(false)
+            }
+            Some(_) => None,
+            None => self.exists.then_some(true),
+        }
+    }
 }
 
 /// librdkafka's default `message.max.bytes`.
@@ -127,45 +153,68 @@ impl KafkaSink {
     }
 
     /// Whether `topic` exists, from metadata no older than [`TOPIC_TTL`]; `None` when the
-    /// brokers did not say (unreachable, or an error other than "unknown topic").
+    /// brokers did not say for sure.
     ///
     /// librdkafka fails a record to a missing topic only after
     /// `topic.metadata.propagation.max.ms` (30 s), later than the relay's publish timeout,
     /// so the record would just time out - transient, retried forever, and its key stuck.
-    /// Asking first makes a topic the brokers positively do not know the row's fault.
+    /// Asking first makes a topic the brokers do not know the row's fault. But a broker
+    /// that just restarted may briefly answer "unknown topic" for a real one, so "missing"
+    /// needs two answers at least [`MISSING_CONFIRMED_AFTER`] apart; until then the record
+    /// is sent as usual.
     async fn topic_exists(&self, topic: &str) -> Option<bool> {
-        if let Some((at, exists)) = self.topics.lock().unwrap().get(topic) {
-            if at.elapsed() < TOPIC_TTL {
-                return Some(*exists);
+        if let Some(seen) = self.topics.lock().unwrap().get(topic) {
+            if seen.asked.elapsed() < TOPIC_TTL {
+                return seen.verdict();
             }
         }
         let producer = self.producer.clone();
         let name = topic.to_owned();
-        let exists = tokio::task::spawn_blocking(move || {
+        let answer = tokio::task::spawn_blocking(move || {
             let metadata = producer
                 .client()
                 .fetch_metadata(Some(&name), Duration::from_secs(5))
                 .ok()?;
             let found = metadata.topics().iter().find(|t| t.name() == name)?;
             match found.error() {
-                None => Some(!found.partitions().is_empty()),
-                Some(e) => {
-                    let code = RDKafkaErrorCode::from(e);
-                    matches!(
-                        code,
-                        RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic
-                    )
-                    .then_some(false)
-                }
+                // A topic still being created has no partitions yet: not known either way.
+                None => (!found.partitions().is_empty()).then_some(true),
+                Some(e) => matches!(
+                    RDKafkaErrorCode::from(e),
+                    RDKafkaErrorCode::UnknownTopicOrPartition | RDKafkaErrorCode::UnknownTopic
+                )
+                .then_some(false),
             }
         })
         .await
-        .ok()??;
-        self.topics
-            .lock()
-            .unwrap()
-            .insert(topic.to_owned(), (Instant::now(), exists));
-        Some(exists)
+        .ok()
+        .flatten();
+        let mut topics = self.topics.lock().unwrap();
+        let seen = topics.entry(topic.to_owned()).or_insert(TopicSeen {
+            asked: Instant::now(),
+            exists: false,
+            missing_since: None,
+            missing_answers: 0,
+        });
+        seen.asked = Instant::now();
+        match answer {
+            Some(true) => {
+                seen.exists = true;
+                seen.missing_since = None;
+                seen.missing_answers = 0;
+            }
+            Some(false) => {
+                seen.exists = false;
+                seen.missing_since.get_or_insert_with(Instant::now);
+                seen.missing_answers += 1;
+            }
+            None => {
+                seen.exists = false;
+                seen.missing_since = None;
+                seen.missing_answers = 0;
+            }
+        }
+        seen.verdict()
     }
 
     /// Rejects records Kafka would refuse for themselves, before anything of the batch is
@@ -337,6 +386,8 @@ impl KafkaSink {
 
 /// How long a topic's existence, read from metadata, is trusted.
 const TOPIC_TTL: Duration = Duration::from_secs(5);
+/// A topic is missing only when answers this far apart both said so.
+const MISSING_CONFIRMED_AFTER: Duration = Duration::from_secs(2);
 
 /// The error of a row whose topic the brokers do not know.
 fn missing_topic(topic: &str) -> SinkError {

@@ -59,6 +59,14 @@
 //!   back by PostgreSQL when its connection drops (or at `idle_in_transaction_session_timeout`).
 //! - *A hot key.* See above: blocked keys are left out of later windows.
 //! - *Id order is not commit order.* See below: the one case no relay can order.
+//! - *A held row released between two windows of one claim.* Windows leave out the keys
+//!   of held rows (dead, or waiting for their next attempt). If an operator's `requeue`
+//!   commits between a claim's first and a later window, the later window no longer sees
+//!   the released row as held and may take a later row of its key as the head while the
+//!   released row is pending (known gap: the window would need a per-key probe of all
+//!   pending rows, which no index serves today; it needs a requeue committing in the
+//!   milliseconds between two windows of a claim that scans more than one window). Time
+//!   alone cannot cause it: `now()` is fixed for the whole claim transaction.
 //!
 //! # What the invariant cannot cover
 //!

@@ -7,9 +7,9 @@
 //! and live are built afterwards with `CREATE INDEX CONCURRENTLY`, outside any transaction
 //! and without a statement deadline, so the application keeps inserting while they build;
 //! an index left invalid by an interrupted build is dropped and built again. A
-//! session-level advisory lock, taken by polling so no transaction waits while holding a
-//! snapshot (that would stall a concurrent index build), serializes concurrent `migrate`
-//! runs (several sidecars starting at once). Nothing here drops or rewrites user data.
+//! transaction-level advisory lock serializes the transactional part of concurrent
+//! `migrate` runs (several sidecars starting at once); the index builds need none (see
+//! [`build_concurrently`]). Nothing here drops or rewrites user data.
 
 use std::time::Duration;
 
@@ -59,8 +59,8 @@ const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_notify ON {{t
 
 /// Serializes concurrent `migrate` runs. A constant, so it needs no hash function.
 const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
-/// How often a `migrate` waiting for another one tries the lock again.
-const LOCK_POLL: Duration = Duration::from_millis(200);
+/// How often a `migrate` waiting for another one's index build looks again.
+const BUILD_POLL: Duration = Duration::from_millis(500);
 
 /// What `migrate` did to one table.
 #[derive(Debug, Default)]
@@ -74,50 +74,6 @@ pub struct MigrateReport {
 /// which case it removes one left from earlier. Every statement but the concurrent index
 /// builds runs within `deadline`.
 pub async fn migrate_table(
-    client: &mut Client,
-    table: &TableConfig,
-    notify: bool,
-    deadline: Duration,
-) -> Result<MigrateReport, SourceError> {
-    let bounded = |what| within(deadline, what);
-    let mut waiting = false;
-    while !bounded(try_lock(client)).await? {
-        if !waiting {
-            tracing::info!(table = %table.name, "Waiting for another `migrate` to finish");
-            waiting = true;
-        }
-        tokio::time::sleep(LOCK_POLL).await;
-    }
-    let result = migrate_locked(client, table, notify, deadline).await;
-    if result.is_ok() {
-        within(deadline, async {
-            Ok(client
-                .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATE_LOCK])
-                .await?)
-        })
-        .await?;
-    }
-    result
-}
-
-/// `fut` within `deadline`, or a timeout error.
-async fn within<T>(
-    deadline: Duration,
-    fut: impl std::future::Future<Output = Result<T, SourceError>>,
-) -> Result<T, SourceError> {
-    tokio::time::timeout(deadline, fut)
-        .await
-        .map_err(|_| SourceError::Timeout(deadline))?
-}
-
-async fn try_lock(client: &Client) -> Result<bool, SourceError> {
-    let row = client
-        .query_one("SELECT pg_try_advisory_lock($1)", &[&MIGRATE_LOCK])
-        .await?;
-    Ok(row.get(0))
-}
-
-async fn migrate_locked(
     client: &mut Client,
     table: &TableConfig,
     notify: bool,
@@ -137,9 +93,52 @@ async fn migrate_locked(
     Ok(report)
 }
 
-/// Builds `index` unless it exists and is valid; an invalid one (a build interrupted
-/// earlier) is dropped first. Returns whether it built. The build itself has no deadline:
-/// on a large table it takes as long as it takes, without blocking writes.
+/// `fut` within `deadline`, or a timeout error.
+async fn within<T>(
+    deadline: Duration,
+    fut: impl std::future::Future<Output = Result<T, SourceError>>,
+) -> Result<T, SourceError> {
+    tokio::time::timeout(deadline, fut)
+        .await
+        .map_err(|_| SourceError::Timeout(deadline))?
+}
+
+/// The state of an index: absent, valid, invalid, or being built by another session.
+#[derive(Debug, PartialEq, Eq)]
+enum IndexState {
+    Absent,
+    Valid,
+    Invalid,
+    Building,
+}
+
+async fn index_state(client: &Client, qualified: &str) -> Result<IndexState, SourceError> {
+    let row = client
+        .query_one(
+            "SELECT (SELECT i.indisvalid FROM pg_catalog.pg_index i \
+                     WHERE i.indexrelid = to_regclass($1::text)), \
+                    EXISTS (SELECT 1 FROM pg_catalog.pg_stat_progress_create_index p \
+                            WHERE p.index_relid = to_regclass($1::text))",
+            &[&qualified],
+        )
+        .await?;
+    Ok(
+        match (row.get::<_, Option<bool>>(0), row.get::<_, bool>(1)) {
+            (_, true) => IndexState::Building,
+            (None, false) => IndexState::Absent,
+            (Some(true), false) => IndexState::Valid,
+            (Some(false), false) => IndexState::Invalid,
+        },
+    )
+}
+
+/// Builds `index` unless it exists and is valid; returns whether it built. An invalid
+/// one (a build interrupted earlier) is dropped first; one another `migrate` is building
+/// right now is waited for, not dropped. No advisory lock: it would not survive PgBouncer
+/// in transaction mode, and `IF NOT EXISTS` plus the state check make two concurrent runs
+/// safe. The build has neither a statement nor a lock deadline: CONCURRENTLY waits for
+/// every older transaction, and on a large table it takes as long as it takes, without
+/// blocking writes.
 async fn build_concurrently(
     client: &Client,
     table: &TableConfig,
@@ -148,30 +147,41 @@ async fn build_concurrently(
 ) -> Result<bool, SourceError> {
     let name = render(index.name, table);
     let qualified = format!("{}.{}", table.name.schema.quoted(), name);
-    let valid: Option<bool> = within(deadline, async {
-        Ok(client
-            .query_opt(
-                "SELECT i.indisvalid FROM pg_catalog.pg_index i \
-                 WHERE i.indexrelid = to_regclass($1::text)",
-                &[&qualified],
-            )
-            .await?
-            .map(|r| r.get(0)))
-    })
-    .await?;
-    match valid {
-        Some(true) => return Ok(false),
-        Some(false) => {
-            tracing::warn!(index = %qualified, "Dropping an index left invalid by an interrupted build");
-            client
-                .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"))
+    let mut waiting = false;
+    loop {
+        match within(deadline, index_state(client, &qualified)).await? {
+            IndexState::Valid => return Ok(false),
+            IndexState::Building => {
+                if !std::mem::replace(&mut waiting, true) {
+                    tracing::info!(index = %qualified, "Another session is building this index; waiting");
+                }
+                tokio::time::sleep(BUILD_POLL).await;
+            }
+            IndexState::Invalid => {
+                tracing::warn!(index = %qualified, "Dropping an index left invalid by an interrupted build");
+                without_deadlines(
+                    client,
+                    &format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
+                    deadline,
+                )
                 .await?;
+            }
+            IndexState::Absent => break,
         }
-        None => {}
     }
     tracing::info!(index = %qualified, "Building index concurrently (writes continue meanwhile)");
-    // One statement per call: a multi-statement string is an implicit transaction block,
-    // where CONCURRENTLY is refused.
+    without_deadlines(client, &render(index.sql, table), deadline).await?;
+    Ok(true)
+}
+
+/// Runs one statement with `statement_timeout` and `lock_timeout` lifted, and restores
+/// them whatever happens. One statement per call: a multi-statement string is an
+/// implicit transaction block, where CONCURRENTLY is refused.
+async fn without_deadlines(
+    client: &Client,
+    sql: &str,
+    deadline: Duration,
+) -> Result<(), SourceError> {
     let set = |sql: &'static str| {
         within(
             deadline,
@@ -179,10 +189,11 @@ async fn build_concurrently(
         )
     };
     set("SET statement_timeout = 0").await?;
-    let built = client.batch_execute(&render(index.sql, table)).await;
+    set("SET lock_timeout = 0").await?;
+    let result = client.batch_execute(sql).await;
+    set("RESET lock_timeout").await?;
     set("RESET statement_timeout").await?;
-    built?;
-    Ok(true)
+    Ok(result?)
 }
 
 /// Every pending migration's transactional part, and the trigger, in one transaction.
@@ -200,6 +211,8 @@ async fn migrate_in_transaction(
             .quoted()
     );
     let tx = client.transaction().await?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATE_LOCK])
+        .await?;
     let exists: bool = tx
         .query_one(
             "SELECT to_regclass($1::text) IS NOT NULL",
