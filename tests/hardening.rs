@@ -443,3 +443,72 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     let out = env.relay(&["drain", "--timeout", "30s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
+    let pg = testkit::Postgres::start().unwrap();
+    let (nats, relay_url) =
+        testkit::NatsServer::start_with_denied_publish(&["events.secret.>"]).unwrap();
+    let env = Env::on(pg, nats, "retry_backoff = \"10ms\"\nmax_attempts = 3").await;
+    env.set_timeouts("2s", "10s");
+    let client = env.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES
+               ('events.secret.x', 'k', '1'),
+               ('events.a', 'k', '2'),
+               ('events.a', 'other', '3')",
+        )
+        .await
+        .unwrap();
+    let out = env
+        .command(&["drain", "--timeout", "60s"])
+        .env("OUTBOX_RELAY__SINK__NATS__URL", &relay_url)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(!text(&out).contains("relay:relay"), "password shown");
+    let left: Vec<(i64, i32, bool, Option<String>)> = client
+        .query(
+            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect();
+    assert_eq!(left.len(), 2, "{left:?}");
+    assert_eq!((left[0].0, left[0].1, left[0].2), (1, 3, true), "{left:?}");
+    assert!(
+        left[0]
+            .3
+            .as_deref()
+            .unwrap()
+            .contains("denies this user permission to publish to \"events.secret.x\""),
+        "{left:?}"
+    );
+    assert_eq!(left[1], (2, 0, false, None), "its key waits behind it");
+    assert_eq!(
+        analyse(&env.stored().await).counts.len(),
+        1,
+        "the other key flowed"
+    );
+
+    // Authorization refused at connect is fatal at once, not retried until the timeout.
+    let wrong = relay_url.replace("relay:relay@", "relay:wrong-password@");
+    let started = Instant::now();
+    let out = env
+        .command(&["drain", "--timeout", "60s"])
+        .env("OUTBOX_RELAY__SINK__NATS__URL", &wrong)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(
+        text(&out).contains("the server refused these credentials"),
+        "{}",
+        text(&out)
+    );
+    assert!(!text(&out).contains("wrong-password"), "{}", text(&out));
+}

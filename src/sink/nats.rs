@@ -61,6 +61,17 @@ impl NatsSink {
     pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
         let (addrs, mut secrets) = parse_servers(config)?;
         let mut options = async_nats::ConnectOptions::new();
+        // async-nats ignores credentials in a server URL: pass them on ourselves.
+        // `nats://user:password@host` is a user, `nats://TOKEN@host` a token.
+        if let Some(addr) = addrs.iter().find(|a| a.has_user_pass()) {
+            match (addr.username(), addr.password()) {
+                (Some(user), Some(password)) => {
+                    options = options.user_and_password(user.to_owned(), password.to_owned());
+                }
+                (Some(token), None) => options = options.token(token.to_owned()),
+                _ => {}
+            }
+        }
         match &config.auth {
             NatsAuth::None => {}
             NatsAuth::CredentialsFile(path) => {

@@ -407,6 +407,10 @@ pub struct NatsServer {
     /// With [`NatsServer::start_secure`]: the CA that signed the server's certificate and
     /// the one user's nkey seed, for this harness's own clients.
     secure: Option<(PathBuf, String)>,
+    /// With [`NatsServer::start_with_denied_publish`]: the harness's own user and password.
+    admin: Option<(String, String)>,
+    /// A config file to start with.
+    config: Option<PathBuf>,
 }
 
 impl NatsServer {
@@ -416,9 +420,39 @@ impl NatsServer {
             port: free_port(),
             child: None,
             secure: None,
+            admin: None,
+            config: None,
         };
         server.spawn()?;
         Ok(server)
+    }
+
+    /// A server with two password users: `admin` (everything; this harness's clients) and
+    /// `relay`, which may publish anywhere but to `denied` subjects. Returns the server and
+    /// a URL that connects as `relay`.
+    pub fn start_with_denied_publish(denied: &[&str]) -> Result<(NatsServer, String)> {
+        let dir = scratch_dir("nats")?;
+        let deny: Vec<String> = denied.iter().map(|s| format!("\"{s}\"")).collect();
+        let config = dir.join("server.conf");
+        std::fs::write(
+            &config,
+            format!(
+                "authorization {{\n  users = [\n    {{ user: admin, password: admin }}\n    \
+                 {{ user: relay, password: relay, permissions: {{ publish: {{ deny: [{}] }} }} }}\n  ]\n}}\n",
+                deny.join(", ")
+            ),
+        )?;
+        let mut server = NatsServer {
+            dir,
+            port: free_port(),
+            child: None,
+            secure: None,
+            admin: Some(("admin".to_owned(), "admin".to_owned())),
+            config: Some(config),
+        };
+        server.spawn()?;
+        let url = format!("nats://relay:relay@127.0.0.1:{}", server.port);
+        Ok((server, url))
     }
 
     /// A server that requires TLS (`ca`'s server certificate, IP 127.0.0.1) and admits one
@@ -437,11 +471,14 @@ impl NatsServer {
                 user.public_key()
             ),
         )?;
+        let config = dir.join("server.conf");
         let mut server = NatsServer {
             dir,
             port: free_port(),
             child: None,
             secure: Some((ca.ca_cert(), seed.clone())),
+            admin: None,
+            config: Some(config),
         };
         server.spawn()?;
         Ok((server, seed))
@@ -455,6 +492,9 @@ impl NatsServer {
                 .add_root_certificates(ca.clone())
                 .require_tls(true)
                 .nkey(seed.clone());
+        }
+        if let Some((user, password)) = &self.admin {
+            options = options.user_and_password(user.clone(), password.clone());
         }
         Ok(options.connect(self.url()).await?)
     }
@@ -473,8 +513,8 @@ impl NatsServer {
             "-sd",
         ])
         .arg(self.dir.join("js"));
-        if self.secure.is_some() {
-            cmd.arg("-c").arg(self.dir.join("server.conf"));
+        if let Some(config) = &self.config {
+            cmd.arg("-c").arg(config);
         }
         cmd.stdout(log_file.try_clone()?).stderr(log_file);
         die_with_parent(&mut cmd);
