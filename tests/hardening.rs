@@ -512,3 +512,25 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
     );
     assert!(!text(&out).contains("wrong-password"), "{}", text(&out));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
+    let env = Env::new("").await;
+    let config = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace("topic = \"{topic}\"", "topic = \"events.{aggregate_type}\"");
+    std::fs::write(&env.config, config).unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let all = text(&out);
+    assert!(
+        all.contains("column aggregate_type (used in the topic template) is missing, and only the application can add it"),
+        "{all}"
+    );
+    assert!(
+        !all.contains(
+            "aggregate_type (used in the topic template) is missing: run `outbox-relay migrate`"
+        ),
+        "{all}"
+    );
+}
