@@ -24,10 +24,5 @@ ALTER TABLE {{table}}
     ADD COLUMN IF NOT EXISTS {{last_error}}   text,
     ADD COLUMN IF NOT EXISTS {{dead_at}}      timestamptz;
 
--- Pending rows in order: the claim window and `ordering = "none"` claims.
-CREATE INDEX IF NOT EXISTS {{pending_index}}
-    ON {{table}} ({{order}}) WHERE {{published_at}} IS NULL AND {{dead_at}} IS NULL;
-
--- Dead rows by key: lets the claim hold back the later rows of a dead row's key.
-CREATE INDEX IF NOT EXISTS {{dead_index}}
-    ON {{table}} ({{key}}, {{order}}) WHERE {{dead_at}} IS NOT NULL AND {{published_at}} IS NULL;
+-- The claim's indexes are built CONCURRENTLY after this transaction (an existing table may
+-- be large and live): 0001_pending_index.concurrent.sql, 0001_dead_index.concurrent.sql.

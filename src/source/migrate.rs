@@ -23,10 +23,18 @@ pub struct Migration {
     pub version: i32,
     pub name: &'static str,
     sql: &'static str,
-    /// One `CREATE INDEX CONCURRENTLY IF NOT EXISTS` run after the transaction, on every
-    /// `migrate` (a no-op once the index is there and valid).
-    concurrent_index: Option<ConcurrentIndex>,
+    /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` statements run after the transaction, on
+    /// every `migrate` (each a no-op once its index is there and valid).
+    concurrent_indexes: &'static [ConcurrentIndex],
 }
+
+/// Rows are claimed, marked and deleted by their order value: it must be unique. Built
+/// only when no valid unique index covers the order column already (the default table's
+/// primary key does).
+const UNIQUE_ORDER_INDEX: ConcurrentIndex = ConcurrentIndex {
+    name: "{{order_index}}",
+    sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {{order_index}} ON {{table}} ({{order}})",
+};
 
 /// An index built without blocking writes.
 struct ConcurrentIndex {
@@ -41,16 +49,25 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 1,
         name: "create_outbox",
         sql: include_str!("../../migrations/0001_create_outbox.sql"),
-        concurrent_index: None,
+        concurrent_indexes: &[
+            ConcurrentIndex {
+                name: "{{pending_index}}",
+                sql: include_str!("../../migrations/0001_pending_index.concurrent.sql"),
+            },
+            ConcurrentIndex {
+                name: "{{dead_index}}",
+                sql: include_str!("../../migrations/0001_dead_index.concurrent.sql"),
+            },
+        ],
     },
     Migration {
         version: 2,
         name: "next_attempt_at",
         sql: include_str!("../../migrations/0002_next_attempt_at.sql"),
-        concurrent_index: Some(ConcurrentIndex {
+        concurrent_indexes: &[ConcurrentIndex {
             name: "{{held_index}}",
             sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
-        }),
+        }],
     },
 ];
 
@@ -80,14 +97,35 @@ pub async fn migrate_table(
     deadline: Duration,
 ) -> Result<MigrateReport, SourceError> {
     let mut report = within(deadline, migrate_in_transaction(client, table, notify)).await?;
-    for m in MIGRATIONS {
-        if let Some(index) = &m.concurrent_index {
-            if build_concurrently(client, table, index, deadline).await? {
-                report.applied.push(format!(
-                    "index {} (built concurrently)",
-                    render(index.name, table)
-                ));
-            }
+    if !within(deadline, schema::order_is_unique(client, table)).await? {
+        build_concurrently(client, table, &UNIQUE_ORDER_INDEX, deadline)
+            .await
+            .map_err(|e| match e {
+                SourceError::Db(db)
+                    if db.code() == Some(&tokio_postgres::error::SqlState::UNIQUE_VIOLATION) =>
+                {
+                    SourceError::Schema(format!(
+                        "table {}: column {} orders and identifies the rows, so its values must \
+                         be unique, and some repeat: {} (fix the duplicates, or map another \
+                         column with [tables.columns] order; the invalid index is dropped and \
+                         built again by the next migrate)",
+                        table.name,
+                        table.columns.order,
+                        crate::source::describe(&db)
+                    ))
+                }
+                other => other,
+            })?;
+        report
+            .applied
+            .push(format!("unique index on {}", table.columns.order));
+    }
+    for index in MIGRATIONS.iter().flat_map(|m| m.concurrent_indexes) {
+        if build_concurrently(client, table, index, deadline).await? {
+            report.applied.push(format!(
+                "index {} (built concurrently)",
+                render(index.name, table)
+            ));
         }
     }
     Ok(report)
@@ -261,17 +299,6 @@ async fn migrate_in_transaction(
         .await?;
         report.applied.push(format!("{:04}_{}", m.version, m.name));
     }
-    if !schema::order_is_unique(&tx, table).await? {
-        // Rows are claimed, marked and deleted by their order value: it must be unique.
-        tx.batch_execute(&render(
-            "CREATE UNIQUE INDEX {{order_index}} ON {{table}} ({{order}})",
-            table,
-        ))
-        .await?;
-        report
-            .applied
-            .push(format!("unique index on {}", table.columns.order));
-    }
     let trigger_sql = if notify { NOTIFY_SQL } else { DROP_NOTIFY_SQL };
     tx.batch_execute(&render(trigger_sql, table)).await?;
     tx.commit().await?;
@@ -321,14 +348,14 @@ mod tests {
         };
         for sql in MIGRATIONS
             .iter()
-            .flat_map(|m| [Some(m.sql), m.concurrent_index.as_ref().map(|i| i.sql)])
-            .flatten()
+            .flat_map(|m| std::iter::once(m.sql).chain(m.concurrent_indexes.iter().map(|i| i.sql)))
+            .chain([UNIQUE_ORDER_INDEX.sql])
             .chain([NOTIFY_SQL, DROP_NOTIFY_SQL])
         {
             let out = render(sql, &table);
             assert!(!out.contains("{{"), "{out}");
         }
-        let out = render(MIGRATIONS[0].sql, &table);
+        let out = render(MIGRATIONS[0].concurrent_indexes[0].sql, &table);
         assert!(out.contains("\"app\".\"Out\"\"box\""), "{out}");
         assert!(out.contains("\"Out\"\"box_pending_idx\""), "{out}");
     }

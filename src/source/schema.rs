@@ -26,12 +26,12 @@ pub struct TableShape {
     pub created_at: Option<Ident>,
 }
 
-/// Whether a unique index (not partial, not on an expression) covers exactly `$2`.
+/// Whether a valid unique index (not partial, not on an expression) covers exactly `$2`.
 const UNIQUE_SQL: &str = "\
 SELECT EXISTS (
     SELECT 1 FROM pg_catalog.pg_index i
     JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
-    WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indnkeyatts = 1
+    WHERE i.indrelid = to_regclass($1::text) AND i.indisunique AND i.indisvalid AND i.indnkeyatts = 1
       AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = $2::text)";
 
 /// Whether `column` of `table` has unique values by an index.
