@@ -1,6 +1,6 @@
 //! The operator's commands: `status` (backlog, oldest pending age, failing, waiting, held
-//! back and dead rows per table) and `requeue` (clear `dead_at`, `attempts` and
-//! `next_attempt_at` so dead rows are tried again; `--waiting`: waiting rows are due now).
+//! back and dead rows per table) and `requeue` (clear `dead_at` and `attempts` and make
+//! dead rows due now, so they are tried again; `--waiting`: waiting rows are due now).
 //!
 //! Both read the tables the way the relay does (mapped columns included) and hold no lock
 //! longer than one statement. `requeue` then sends the NOTIFY that wakes idle relays.
@@ -185,9 +185,10 @@ pub struct RequeueReport {
     pub not_dead: Vec<i64>,
 }
 
-/// Clears `dead_at`, `attempts` and `next_attempt_at` of the chosen dead rows of `table`
-/// (or of the only configured table), or makes its waiting rows due now, in one
-/// transaction, and wakes idle relays.
+/// Clears `dead_at` and `attempts` of the chosen dead rows of `table` (or of the only
+/// configured table) and makes them due now, or makes its waiting rows due now, in one
+/// transaction, and wakes idle relays. "Due now" is `next_attempt_at` = the time of the
+/// requeue, not NULL: see `sql::TableSql::window` for why.
 pub async fn requeue(
     config: &Config,
     table: Option<&str>,

@@ -534,3 +534,51 @@ async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
         "{all}"
     );
 }
+
+/// The claim's later windows: a row released by `requeue` between two windows of one
+/// claim still holds back its key there, so its key's next row is never taken as a head
+/// before it (the first window of the next claim takes the released row itself).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
+    use outbox_relay::source::sql::FIRST_WINDOW;
+    let env = Env::new("").await;
+    let client = env.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, next_attempt_at) VALUES
+               ('events.a', 'k', '1', now() - interval '1 second'),
+               ('events.a', 'k', '2', NULL),
+               ('events.a', 'other', '3', NULL),
+               ('events.a', 'w', '4', now() + interval '1 hour'),
+               ('events.a', 'w', '5', NULL)",
+        )
+        .await
+        .unwrap();
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let source = outbox_relay::source::Source::new(
+        &config.postgres,
+        outbox_relay::relay::session_limits(&config),
+    )
+    .unwrap();
+    let tables = outbox_relay::relay::try_prepare_tables(&source, &config)
+        .await
+        .unwrap();
+    let window = |after: i64| {
+        let sql = tables[0].sql.window.clone();
+        let client = &client;
+        async move {
+            client
+                .query(&sql, &[&after, &100i64, &Vec::<String>::new()])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, i64>(0))
+                .collect::<Vec<i64>>()
+        }
+    };
+    // First window: the released row 1 is due and is its key's head, row 2 follows it;
+    // the waiting row 4 and row 5 behind it are left out.
+    assert_eq!(window(FIRST_WINDOW).await, [1, 2, 3]);
+    // A later window of the same claim: row 2 must not pass for the head of `k`.
+    assert_eq!(window(0).await, [1, 3]);
+}

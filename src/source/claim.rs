@@ -61,11 +61,11 @@
 //! - *Id order is not commit order.* See below: the one case no relay can order.
 //! - *A held row released between two windows of one claim.* Windows leave out the keys
 //!   of held rows (dead, or waiting for their next attempt). If an operator's `requeue`
-//!   commits between a claim's first and a later window, the later window no longer sees
-//!   the released row as held and may take a later row of its key as the head while the
-//!   released row is pending (known gap: the window would need a per-key probe of all
-//!   pending rows, which no index serves today; it needs a requeue committing in the
-//!   milliseconds between two windows of a claim that scans more than one window). Time
+//!   commits between a claim's first and a later window, the later window must not take
+//!   a later row of the released key as its head. `requeue` keeps `next_attempt_at` set
+//!   (to the time of the requeue), and windows after the first treat any pending row
+//!   with `next_attempt_at` set as holding back its key (`sql::TableSql::window`); the
+//!   released row is due, and the next claim's first window takes it as the head. Time
 //!   alone cannot cause it: `now()` is fixed for the whole claim transaction.
 //!
 //! # What the invariant cannot cover
@@ -179,7 +179,7 @@ async fn claim_by_key(
     let window_size = (limit * WINDOW_FACTOR) as i64;
     let mut plan = KeyPlan::new(limit);
     let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
-    let mut after = i64::MIN;
+    let mut after = super::sql::FIRST_WINDOW;
     let mut rounds = 0;
     for _ in 0..MAX_WINDOWS {
         let blocked = plan.blocked_keys();
@@ -193,7 +193,7 @@ async fn claim_by_key(
             })
             .collect();
         let mut cursor = 0;
-        if after == i64::MIN {
+        if after == super::sql::FIRST_WINDOW {
             let offset = (lane % WINDOW_FACTOR) * limit;
             if window.len() >= offset + limit {
                 plan.leave_to_lower_lanes(&window[..offset]);

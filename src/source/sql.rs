@@ -6,6 +6,9 @@ use crate::config::{Ordering, TableConfig};
 
 use super::schema::{PayloadType, TableShape};
 
+/// The `after` value of a claim's first window: below every order value.
+pub const FIRST_WINDOW: i64 = i64::MIN;
+
 /// Statements for one outbox table.
 #[derive(Debug, Clone)]
 pub struct TableSql {
@@ -117,9 +120,20 @@ impl TableSql {
         // test in front).
         let held =
             format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
+        // In a claim's later windows (`$1` past the first), a row with a failure history
+        // (`next_attempt_at` set: waiting, or released by `requeue`, which sets it to the
+        // time of the requeue) holds back its key too. A key left out of the first window
+        // because its head was held must not reappear in a later one with a later row as
+        // its "head" when a requeue committed between the two windows; the head itself is
+        // due and is taken by the next claim's first window. Every arm implies the held
+        // index's predicate, so the probes stay on that small index.
+        let held_in_window = format!(
+            "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now() \
+             OR ($1 > '{FIRST_WINDOW}'::bigint AND d.{next} IS NOT NULL))"
+        );
         let not_held_back = format!(
-            "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
-             OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
+            "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held_in_window}) \
+             OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held_in_window} \
              AND d.{id} < o.{id}))"
         );
         // Work left for `drain`: rows held back by a *waiting* row become publishable when
@@ -199,13 +213,15 @@ impl TableSql {
                  AND o.{published_at} IS NULL AND o.{dead_at} IS NULL) \
                  FROM {t} d WHERE {held} ORDER BY d.{id} LIMIT $1"
             ),
+            // Released rows keep `next_attempt_at` (due now), and with it their place in the
+            // held index until published: see `held_in_window`.
             requeue_ids: format!(
-                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = NULL \
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
                  WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
                  AND {published_at} IS NULL RETURNING {id}::bigint"
             ),
             requeue_waiting: format!(
-                "UPDATE {t} SET {next} = NULL WHERE {waiting} RETURNING {id}::bigint"
+                "UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"
             ),
             backlog: format!(
                 "SELECT count(*)::bigint, COALESCE(({}), 0)::float8 FROM {t} WHERE {pending}",
@@ -219,7 +235,7 @@ impl TableSql {
                 }
             ),
             requeue_all: format!(
-                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = NULL \
+                "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
                  WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
             ),
             layout,
