@@ -43,16 +43,7 @@ async fn a_subject_no_stream_captures_is_the_rows_fault_and_other_keys_flow() {
     assert_eq!(delivery.counts.len(), 10_000, "every good row arrived");
     assert!(delivery.order_violations().is_empty());
 
-    let left: Vec<(i64, i32, bool, Option<String>)> = client
-        .query(
-            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
+    let left = rows_left(&client).await;
     assert_eq!(left.len(), 3, "{left:?}");
     // The head was tried max_attempts times and dead-lettered with the reason...
     assert_eq!((left[0].0, left[0].1, left[0].2), (1, 3, true));
@@ -468,16 +459,7 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(!text(&out).contains("relay:relay"), "password shown");
-    let left: Vec<(i64, i32, bool, Option<String>)> = client
-        .query(
-            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
+    let left = rows_left(&client).await;
     assert_eq!(left.len(), 2, "{left:?}");
     assert_eq!((left[0].0, left[0].1, left[0].2), (1, 3, true), "{left:?}");
     assert!(

@@ -384,16 +384,7 @@ async fn kafka_a_topic_the_brokers_do_not_know_is_the_rows_fault_and_other_keys_
     assert!(!stderr.contains("circuit open"), "{stderr}");
     let delivery = analyse_kafka(&env.read());
     assert_eq!(delivery.counts.len(), 2_000, "every other row arrived");
-    let left: Vec<(i64, i32, bool, Option<String>)> = client
-        .query(
-            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
-        .collect();
+    let left = rows_left(&client).await;
     assert_eq!(left.len(), 2, "{left:?}");
     assert_eq!((left[0].0, left[0].1, left[0].2), (1, 3, true), "{left:?}");
     assert!(

@@ -246,6 +246,23 @@ impl Delivery {
     }
 }
 
+/// One row left in `public.outbox`: id, attempts, dead, last error.
+pub type RowLeft = (i64, i32, bool, Option<String>);
+
+/// Every row left in `public.outbox`, in id order, with its failure bookkeeping.
+pub async fn rows_left(client: &tokio_postgres::Client) -> Vec<RowLeft> {
+    client
+        .query(
+            "SELECT id, attempts, dead_at IS NOT NULL, last_error FROM public.outbox ORDER BY id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+        .collect()
+}
+
 /// All ids in the table, in order.
 pub async fn ids(client: &tokio_postgres::Client) -> Vec<i64> {
     client
