@@ -76,3 +76,32 @@ fn parse_duration_arg(text: &str) -> Result<Duration, String> {
     }
     crate::config::raw::parse_duration(text)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn drain_timeout(args: &[&str]) -> Duration {
+        match Cli::try_parse_from(args).unwrap().command {
+            Command::Drain { timeout } => timeout,
+            other => panic!("not drain: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn drain_is_bounded_by_10_minutes_unless_told_otherwise() {
+        assert_eq!(
+            drain_timeout(&["outbox-relay", "drain"]),
+            Duration::from_secs(600)
+        );
+        assert_eq!(
+            drain_timeout(&["outbox-relay", "drain", "--timeout", "90s"]),
+            Duration::from_secs(90)
+        );
+        // 0: no bound (main treats a zero timeout as none).
+        assert_eq!(
+            drain_timeout(&["outbox-relay", "drain", "--timeout", "0"]),
+            Duration::ZERO
+        );
+    }
+}
