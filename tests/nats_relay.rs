@@ -417,6 +417,19 @@ async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(count(&client, triggers).await, 1);
+
+    // A table dropped since: its ledger rows must not make migrate skip creating it again.
+    client
+        .execute("DROP TABLE public.outbox", &[])
+        .await
+        .unwrap();
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0,
+        "the table is back"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -276,6 +276,15 @@ async fn migrate_in_transaction(
     ))
     .await?;
     let table_key = name.to_string();
+    if !exists {
+        // The table was dropped since an earlier migrate: its ledger rows describe a table
+        // that is gone, and would make this run skip creating it.
+        tx.execute(
+            &format!("DELETE FROM {ledger} WHERE table_name = $1"),
+            &[&table_key],
+        )
+        .await?;
+    }
     let applied: Vec<i32> = tx
         .query(
             &format!("SELECT version FROM {ledger} WHERE table_name = $1"),
