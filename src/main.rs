@@ -55,7 +55,7 @@ async fn execute(command: Command, config: Config) -> u8 {
         Command::Check => {
             let findings = check::check(&config).await;
             for f in &findings {
-                println!("{f}");
+                say(&f.to_string());
             }
             if findings.iter().any(|f| f.level == check::Level::Fail) {
                 EXIT_FAILURE
@@ -66,7 +66,7 @@ async fn execute(command: Command, config: Config) -> u8 {
         Command::Status => match admin::status(&config).await {
             Ok(tables) => {
                 for t in &tables {
-                    println!("{t}");
+                    say(&t.to_string());
                 }
                 EXIT_OK
             }
@@ -93,7 +93,7 @@ async fn execute(command: Command, config: Config) -> u8 {
                     } else {
                         format!("requeued {} dead rows", ids.len())
                     };
-                    println!(
+                    say(&format!(
                         "{}: {done}{}",
                         report.table,
                         if ids.is_empty() {
@@ -101,14 +101,14 @@ async fn execute(command: Command, config: Config) -> u8 {
                         } else {
                             format!(" (ids {})", ids.join(", "))
                         }
-                    );
+                    ));
                     if !report.not_dead.is_empty() {
                         let ids: Vec<String> = report.not_dead.iter().map(i64::to_string).collect();
-                        eprintln!(
+                        say_err(&format!(
                             "warning: {}: not dead-lettered, left as they are: {}",
                             report.table,
                             ids.join(", ")
-                        );
+                        ));
                     }
                     EXIT_OK
                 }
@@ -167,12 +167,24 @@ async fn relay_until_stopped(
 
 /// How the process reports the error that ends it: `error: ...` on stderr, or one JSON
 /// log line with `--log-format json`, so log pipelines see it like any other event.
+/// A line on stdout; lost, not a panic, when stdout is closed (`outbox-relay status | head`).
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout(), "{line}");
+}
+
+/// A line on stderr; lost, not a panic, when stderr is closed.
+fn say_err(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
 
 fn fail(message: &str) {
     match LOG_FORMAT.get() {
         Some(LogFormat::Json) => tracing::error!(error = %message, "Exiting on an error"),
-        _ => eprintln!("error: {message}"),
+        _ => say_err(&format!("error: {message}")),
     }
 }
 
@@ -205,9 +217,9 @@ fn print_summary(config: &Config, report: &Report) {
         report.published, report.failed, report.dead
     );
     if matches!(config.sink.target, config::SinkTarget::Stdout) {
-        eprintln!("{line}");
+        say_err(&line);
     } else {
-        println!("{line}");
+        say(&line);
     }
 }
 
@@ -258,7 +270,7 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
                 } else {
                     "no NOTIFY trigger (relays will poll)"
                 };
-                println!("{}: {applied}; {trigger}", report.table);
+                say(&format!("{}: {applied}; {trigger}", report.table));
             }
             Err(e) => {
                 fail(&format!("migrating {}: {e}", table.name));

@@ -272,3 +272,23 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
         .unwrap();
     assert!(grace > 25);
 }
+
+/// A relay whose stderr was closed (its log reader went away) loses log lines, nothing
+/// else: it still relays, and still stops on SIGTERM. A failed log write used to panic the
+/// thread that logged, the signal thread included, and SIGTERM then did nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
+    let (env, addr) = env_with_http("").await;
+    let client = env.client().await;
+    let mut relay = env
+        .command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start outbox-relay run");
+    drop(relay.stderr.take()); // the reader goes away
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(30));
+    seed(&client, 50, 5, 0).await;
+    wait_for_empty_outbox(&client, "the relay to publish with its stderr closed", 30).await;
+    terminate_cleanly(&mut relay);
+}

@@ -33,10 +33,30 @@ pub fn clear() {
 pub struct Stderr;
 
 impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
-    type Writer = std::io::Stderr;
+    type Writer = LossyStderr;
 
     fn make_writer(&'a self) -> Self::Writer {
         clear();
-        std::io::stderr()
+        LossyStderr(std::io::stderr())
+    }
+}
+
+/// Stderr that drops what it cannot write. A log line that cannot be written (stderr
+/// closed: a pipe whose reader exited, a log collector that went away) is lost, and
+/// nothing else: tracing-subscriber reports a failed write with `eprintln!`, which panics
+/// when stderr is broken, and a panic in the signal thread or a worker would leave the
+/// relay deaf to SIGTERM or one worker short.
+#[derive(Debug)]
+pub struct LossyStderr(std::io::Stderr);
+
+impl Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.0.write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = self.0.flush();
+        Ok(())
     }
 }
