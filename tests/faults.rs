@@ -47,12 +47,18 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
 async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
     let mut env = Env::new("workers = 4\nbatch_size = 100").await;
     let client = env.client().await;
-    seed(&client, 30_000, 50, 0).await;
+    seed(&client, 100_000, 50, 0).await;
     let inserted = ids(&client).await;
-    drop(client);
 
     let mut relay = env.spawn_run();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The outage comes once rows flow, whatever the relay's speed (no fixed sleep).
+    wait_until(
+        "the relay to publish",
+        Duration::from_secs(30),
+        async || pending(&client).await < 100_000,
+    )
+    .await;
+    drop(client);
     env.pg.stop_immediate();
     tokio::time::sleep(Duration::from_secs(2)).await;
     env.pg.restart().unwrap();

@@ -550,7 +550,16 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
         let client = &client;
         async move {
             client
-                .query(&sql, &[&after, &100i64, &Vec::<String>::new()])
+                .query(
+                    &sql,
+                    &[
+                        &after,
+                        &100i64,
+                        &Vec::<String>::new(),
+                        &i64::MIN,
+                        &Vec::<i64>::new(),
+                    ],
+                )
                 .await
                 .unwrap()
                 .iter()

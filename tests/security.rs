@@ -9,7 +9,7 @@ use testkit::{NatsServer, Postgres, TestCa};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn least_privilege_role_relays_but_cannot_truncate_insert_or_alter() {
-    let env = Env::new("").await;
+    let env = Env::new("retry_backoff = \"10ms\"").await;
     let owner = env.client().await;
     seed(&owner, 500, 10, 0).await;
     let out = env.relay(&["check"]);

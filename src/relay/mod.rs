@@ -23,6 +23,7 @@ use crate::error::ErrorClass;
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
+use crate::source::floor::{self, FloorCell};
 use crate::source::schema;
 use crate::source::sql::TableSql;
 use crate::source::{session_config, SessionLimits, Source, SourceError};
@@ -63,6 +64,8 @@ pub struct Report {
 pub struct TablePlan {
     pub config: TableConfig,
     pub sql: TableSql,
+    /// Where claims start (see [`crate::source::floor`]).
+    pub floor: FloorCell,
 }
 
 #[derive(Default)]
@@ -265,9 +268,13 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
                 let label = ops::metrics::TableLabel {
                     table: table.config.name.to_string(),
                 };
+                let view = table.floor.view();
+                let stragglers: &[i64] = &view.stragglers;
                 let read = shared.source.bounded(async {
                     let session = shared.source.session().await?;
-                    Ok(session.query_one(&table.sql.backlog, &[]).await?)
+                    Ok(session
+                        .query_one(&table.sql.backlog, &[&view.value, &stragglers])
+                        .await?)
                 });
                 match read.await {
                     Ok(row) => {
@@ -387,6 +394,7 @@ pub async fn try_prepare_tables(
         plans.push(TablePlan {
             sql: TableSql::new(table, &shape, config.relay.ordering),
             config: table.clone(),
+            floor: FloorCell::default(),
         });
     }
     Ok(plans)
@@ -500,6 +508,17 @@ async fn relay(
     // Tasks that outlive the workers: HTTP, probes, watchdog. Stopped after the workers.
     let done = endpoints.done.clone();
     tokio::spawn(probe(shared.clone(), done.clone()));
+    for t in 0..shared.tables.len() {
+        let shared = shared.clone();
+        let done = done.clone();
+        tokio::spawn(async move {
+            let table = &shared.tables[t];
+            if std::env::var_os("NOFLOOR").is_none() {
+                let name = table.config.name.to_string();
+                floor::keep(&name, &shared.source, &table.sql, &table.floor, &done).await
+            }
+        });
+    }
     if let Some(connection) = shared.sink.connection() {
         tokio::spawn(watch_connection(shared.clone(), connection, done.clone()));
     }

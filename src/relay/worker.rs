@@ -193,6 +193,7 @@ impl Worker {
                 shared.relay.ordering,
                 shared.relay.batch_size,
                 self.id,
+                &table.floor.view(),
             )
             .await?;
             Ok::<_, SourceError>((tx, rows))
@@ -285,6 +286,7 @@ impl Worker {
             }
             let mut dead = Vec::new();
             if !bad_ids.is_empty() {
+                table.floor.note_retrying();
                 let max = shared.relay.max_attempts as i32;
                 for r in tx
                     .query(

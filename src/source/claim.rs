@@ -84,6 +84,7 @@ use std::collections::{HashMap, HashSet};
 
 use tokio_postgres::Row;
 
+use super::floor::FloorView;
 use super::sql::{RowLayout, TableSql};
 use super::{SourceError, Tx};
 use crate::config::Ordering;
@@ -143,22 +144,37 @@ const MAX_ROUNDS: usize = 8;
 ///
 /// `lane` (the worker's number) spreads concurrent key-ordered claims over a deep backlog:
 /// see [`claim_by_key`].
+///
+/// Claims read from `floor` on, and below it only what [`super::floor`] says may be there.
 pub async fn claim_batch(
     tx: &Tx<'_>,
     sql: &TableSql,
     ordering: Ordering,
     limit: usize,
     lane: usize,
+    floor: &FloorView,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
     match ordering {
         Ordering::None => {
-            let rows = tx.query(&sql.claim_unordered, &[&(limit as i64)]).await?;
+            let mut rows = Vec::new();
+            if floor.retrying && floor.value > i64::MIN {
+                rows = tx
+                    .query(&sql.claim_unordered_low, &[&(limit as i64), &floor.value])
+                    .await?;
+            }
+            if rows.len() < limit {
+                let more = (limit - rows.len()) as i64;
+                rows.extend(
+                    tx.query(&sql.claim_unordered, &[&more, &floor.value])
+                        .await?,
+                );
+            }
             Ok(rows
                 .iter()
                 .map(|r| ClaimedRow::from_row(r, &sql.layout))
                 .collect())
         }
-        Ordering::Key => claim_by_key(tx, sql, limit, lane).await,
+        Ordering::Key => claim_by_key(tx, sql, limit, lane, floor).await,
     }
 }
 
@@ -175,7 +191,9 @@ async fn claim_by_key(
     sql: &TableSql,
     limit: usize,
     lane: usize,
+    floor: &FloorView,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
+    let stragglers: &[i64] = &floor.stragglers;
     let window_size = (limit * WINDOW_FACTOR) as i64;
     let mut plan = KeyPlan::new(limit);
     let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
@@ -184,7 +202,10 @@ async fn claim_by_key(
     for _ in 0..MAX_WINDOWS {
         let blocked = plan.blocked_keys();
         let window: Vec<Candidate> = tx
-            .query(&sql.window, &[&after, &window_size, &blocked])
+            .query(
+                &sql.window,
+                &[&after, &window_size, &blocked, &floor.value, &stragglers],
+            )
             .await?
             .iter()
             .map(|r| Candidate {

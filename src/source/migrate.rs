@@ -69,6 +69,15 @@ pub const MIGRATIONS: &[Migration] = &[
             sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
         }],
     },
+    Migration {
+        version: 3,
+        name: "retry_index",
+        sql: include_str!("../../migrations/0003_retry_index.sql"),
+        concurrent_indexes: &[ConcurrentIndex {
+            name: "{{retry_index}}",
+            sql: include_str!("../../migrations/0003_retry_index.concurrent.sql"),
+        }],
+    },
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
@@ -314,24 +323,36 @@ async fn migrate_in_transaction(
     Ok(report)
 }
 
+/// The quoted name `migrate` gives the table's index with `suffix` (`pending_idx`, ...).
+pub fn index_name(table: &TableConfig, suffix: &str) -> String {
+    let mut base = format!("{}_{suffix}", table.name.table.as_str());
+    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
+    while base.len() > 63 {
+        base.remove(0);
+    }
+    Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
+        .expect("a quoted identifier of at most 63 bytes is valid")
+        .quoted()
+}
+
+/// The indexes every claim relies on, by suffix: without one of them a claim scans the
+/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
+pub const CLAIM_INDEXES: &[(&str, &str)] = &[
+    ("pending_idx", "pending rows in order (migration 0001)"),
+    ("held_idx", "rows that hold back their key (migration 0002)"),
+    ("retry_idx", "rows with a failure history (migration 0003)"),
+];
+
 /// Fills the `{{placeholders}}` of a migration with quoted identifiers.
 fn render(sql: &str, table: &TableConfig) -> String {
-    let index = |suffix: &str| {
-        let mut base = format!("{}_{suffix}", table.name.table.as_str());
-        // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
-        while base.len() > 63 {
-            base.remove(0);
-        }
-        Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
-            .expect("a quoted identifier of at most 63 bytes is valid")
-            .quoted()
-    };
+    let index = |suffix: &str| index_name(table, suffix);
     let c = &table.columns;
     sql.replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
         .replace("{{pending_index}}", &index("pending_idx"))
         .replace("{{dead_index}}", &index("dead_idx"))
         .replace("{{held_index}}", &index("held_idx"))
+        .replace("{{retry_index}}", &index("retry_idx"))
         .replace("{{order_index}}", &index("order_key"))
         .replace("{{order}}", &c.order.quoted())
         .replace("{{key}}", &c.key.quoted())

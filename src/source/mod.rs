@@ -6,6 +6,7 @@
 //! outlive its deadline on the server, whatever happens to the client.
 
 pub mod claim;
+pub mod floor;
 pub mod listen;
 pub mod migrate;
 pub mod schema;

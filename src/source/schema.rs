@@ -63,6 +63,10 @@ const PRIVILEGES_SQL: &str = "\
 SELECT has_table_privilege(to_regclass($1::text), 'SELECT'),
        has_table_privilege(to_regclass($1::text), 'DELETE')";
 
+/// Whether the index `$1` exists (NULL when it does not) and is valid.
+const INDEX_VALID_SQL: &str =
+    "SELECT (SELECT i.indisvalid FROM pg_catalog.pg_index i WHERE i.indexrelid = to_regclass($1::text))";
+
 const COLUMN_PRIVILEGE_SQL: &str =
     "SELECT has_column_privilege(to_regclass($1::text), $2::text, 'UPDATE')";
 
@@ -215,6 +219,27 @@ pub async fn inspect(
             table.name.quoted(),
             c.order.quoted()
         ));
+    }
+
+    for (suffix, what) in super::migrate::CLAIM_INDEXES {
+        let index = format!(
+            "{}.{}",
+            table.name.schema.quoted(),
+            super::migrate::index_name(table, suffix)
+        );
+        let valid: Option<bool> = client.query_one(INDEX_VALID_SQL, &[&index]).await?.get(0);
+        if valid != Some(true) {
+            problems.push(format!(
+                "table {}: index {index} ({what}) is {}: run `outbox-relay migrate`, which \
+                 builds it without blocking writes (claims would scan the table without it)",
+                table.name,
+                if valid.is_none() {
+                    "missing"
+                } else {
+                    "invalid (an interrupted build)"
+                }
+            ));
+        }
     }
 
     // Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants

@@ -147,6 +147,12 @@ impl Bench {
     async fn seed(&self, poison: i64) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client.batch_execute("TRUNCATE public.outbox").await?;
+        self.insert(poison).await
+    }
+
+    /// Adds the benchmark's rows (and `poison` rows first) to what the table holds.
+    async fn insert(&self, poison: i64) -> Result<()> {
+        let client = self.pg.connect("app").await?;
         client
             .execute(
                 "INSERT INTO public.outbox (topic, key, payload) \
@@ -288,6 +294,53 @@ impl Bench {
         if sink == "nats" {
             self.reset_nats().await?;
         }
+        let mut row = self.timed_drain(sink, ordering).await?;
+        if poison > 0 {
+            let client = self.pg.connect("app").await?;
+            let counts = client
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE dead_at IS NOT NULL), count(*) FROM public.outbox",
+                    &[],
+                )
+                .await?;
+            let (dead, left): (i64, i64) = (counts.get(0), counts.get(1));
+            if dead != 1 || left != poison {
+                bail!("poisoned drain left {left} rows ({dead} dead); expected {poison} (1 dead)");
+            }
+            row.name = format!(
+                "C'. drain to {sink}, ordering = \"{ordering}\", {poison} rows no stream captures at the head"
+            );
+        }
+        Ok(row)
+    }
+
+    /// E: C (NATS, key order) while another session holds a REPEATABLE READ snapshot, so
+    /// VACUUM can remove nothing: a first drain, then a second one behind the first's
+    /// deleted rows.
+    async fn held_snapshot(&self) -> Result<(Row, Row)> {
+        self.seed(0).await?;
+        self.reset_nats().await?;
+        let holder = self.pg.connect("app").await?;
+        holder
+            .batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_catalog.pg_class",
+            )
+            .await?;
+        let mut first = self.timed_drain("nats", "key").await?;
+        first.name = "E1. C (nats, key) with one REPEATABLE READ snapshot held".to_owned();
+        self.insert(0).await?;
+        let mut second = self.timed_drain("nats", "key").await?;
+        second.name = format!(
+            "E2. E1 again, behind its {} deleted rows VACUUM cannot remove",
+            self.a.rows
+        );
+        holder.batch_execute("ROLLBACK").await?;
+        Ok((first, second))
+    }
+
+    /// `outbox-relay drain` as a process, timed from its start to its exit (start-up and
+    /// connecting included), on what the table holds now.
+    async fn timed_drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
         std::fs::write(&path, self.config_text(sink, ordering))?;
         let started = Instant::now();
@@ -308,27 +361,8 @@ impl Bench {
             + usage.ru_utime.tv_usec as f64 / 1e6
             + usage.ru_stime.tv_sec as f64
             + usage.ru_stime.tv_usec as f64 / 1e6;
-        if poison > 0 {
-            let client = self.pg.connect("app").await?;
-            let row = client
-                .query_one(
-                    "SELECT count(*) FILTER (WHERE dead_at IS NOT NULL), count(*) FROM public.outbox",
-                    &[],
-                )
-                .await?;
-            let (dead, left): (i64, i64) = (row.get(0), row.get(1));
-            if dead != 1 || left != poison {
-                bail!("poisoned drain left {left} rows ({dead} dead); expected {poison} (1 dead)");
-            }
-        }
         Ok(Row {
-            name: if poison > 0 {
-                format!(
-                    "C'. drain to {sink}, ordering = \"{ordering}\", {poison} rows no stream captures at the head"
-                )
-            } else {
-                format!("C. drain to {sink}, ordering = \"{ordering}\"")
-            },
+            name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
             rows: self.a.rows,
             secs,
             broker: sink,
@@ -465,6 +499,9 @@ async fn main() -> Result<()> {
     step(bench.drain("nats", "key").await)?;
     step(bench.drain_with("nats", "key", 3).await)?;
     step(bench.drain("nats", "none").await)?;
+    let (held_first, held_second) = bench.held_snapshot().await?;
+    step(Ok(held_first))?;
+    step(Ok(held_second))?;
     if bench.kafka.is_some() {
         step(bench.drain("kafka", "key").await)?;
         step(bench.drain("kafka", "none").await)?;
@@ -528,6 +565,18 @@ async fn main() -> Result<()> {
             "\nC' good rows behind 3 rows no stream captures: {poisoned:.0} rows/s, {:.2} of the \
              same drain without them ({clean:.0} rows/s)",
             poisoned / clean
+        );
+    }
+    if let (Some(clean), Some(first), Some(second)) = (
+        rate_of("C. drain to nats, ordering = \"key\""),
+        rate_of("E1."),
+        rate_of("E2."),
+    ) {
+        println!(
+            "\nE held snapshot: first drain {first:.0} rows/s = {:.2} of C without it; second \
+             drain {second:.0} rows/s = {:.2} of the first",
+            first / clean,
+            second / first
         );
     }
     if let Some(steady) = steady {
