@@ -105,6 +105,8 @@ pub struct RelayConfig {
     /// `min(retry_backoff_max, retry_backoff * 2^(attempts-1))` (full jitter).
     pub retry_backoff: Duration,
     pub retry_backoff_max: Duration,
+    /// Payload bytes one claim takes at most; a single larger row is claimed alone.
+    pub max_batch_bytes: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -534,6 +536,16 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             ),
         ));
     }
+    if relay.max_batch_bytes.0 < 1024 {
+        return Err(err(
+            "relay.max_batch_bytes",
+            format!(
+                "is {} bytes; it must be at least 1KiB (a row larger than the budget is \
+                 still claimed alone, so a small budget only makes batches of one row)",
+                relay.max_batch_bytes.0
+            ),
+        ));
+    }
     if relay.poll_interval.0 < Duration::from_millis(1) {
         return Err(err("relay.poll_interval", "must be at least 1ms".into()));
     }
@@ -677,6 +689,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             max_attempts: relay.max_attempts,
             retry_backoff,
             retry_backoff_max,
+            max_batch_bytes: relay.max_batch_bytes.0,
         },
         sink,
         tables,

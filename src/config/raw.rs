@@ -80,6 +80,10 @@ pub struct RawRelay {
     /// The longest wait between two attempts of one row. Default `5m`.
     #[serde(default = "defaults::retry_backoff_max")]
     pub retry_backoff_max: DurationValue,
+    /// Payload bytes claimed per transaction at most (a larger row goes alone).
+    /// Default `8MiB`.
+    #[serde(default = "defaults::max_batch_bytes")]
+    pub max_batch_bytes: SizeValue,
 }
 
 impl Default for RawRelay {
@@ -93,6 +97,7 @@ impl Default for RawRelay {
             max_attempts: defaults::max_attempts(),
             retry_backoff: defaults::retry_backoff(),
             retry_backoff_max: defaults::retry_backoff_max(),
+            max_batch_bytes: defaults::max_batch_bytes(),
         }
     }
 }
@@ -382,11 +387,65 @@ impl<'de> Deserialize<'de> for DurationValue {
 }
 
 /// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"` (a whole number and a unit).
+/// A size in bytes, written `"8MiB"`, `"512KiB"`, `"1GB"` or a bare number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizeValue(pub u64);
+
+impl<'de> Deserialize<'de> for SizeValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl Visitor<'_> for Text {
+            type Value = SizeValue;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a size such as \"8MiB\", \"512KiB\" or a number of bytes")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<SizeValue, E> {
+                parse_size(v).map(SizeValue).map_err(E::custom)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<SizeValue, E> {
+                Ok(SizeValue(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<SizeValue, E> {
+                u64::try_from(v)
+                    .map(SizeValue)
+                    .map_err(|_| E::custom(format!("{v} is negative: a size is at least 0 bytes")))
+            }
+        }
+        d.deserialize_any(Text)
+    }
+}
+
+/// Parses `"8MiB"`, `"512KiB"`, `"1GB"`, `"4096"` (bytes): binary units KiB/MiB/GiB,
+/// decimal kB/KB/MB/GB, B for bytes.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let bad = || {
+        format!(
+            "invalid size {text:?}: write a whole number followed by B, KiB, MiB or GiB (or \
+             kB, MB, GB), e.g. \"8MiB\""
+        )
+    };
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: u64 = number.parse().map_err(|_| bad())?;
+    let factor: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(factor).ok_or_else(bad)
+}
+
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || {
         format!(
-            "invalid duration {text:?}: write a whole number followed by ms, s, m or h, \
-             e.g. \"250ms\", \"25s\", \"5m\""
+            "invalid duration {text:?}: write a whole number followed by ms, s, m, h or d, \
+             e.g. \"250ms\", \"25s\", \"5m\", \"7d\""
         )
     };
     let text_trimmed = text.trim();
@@ -400,6 +459,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "s" => 1_000,
         "m" => 60_000,
         "h" => 3_600_000,
+        "d" => 86_400_000,
         _ => return Err(bad()),
     };
     n.checked_mul(millis_per_unit)
@@ -438,6 +498,9 @@ mod defaults {
     }
     pub fn retry_backoff_max() -> DurationValue {
         DurationValue(Duration::from_secs(300))
+    }
+    pub fn max_batch_bytes() -> super::SizeValue {
+        super::SizeValue(8 << 20)
     }
     pub fn max_attempts() -> u32 {
         10

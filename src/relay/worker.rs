@@ -191,7 +191,10 @@ impl Worker {
                 &tx,
                 &table.sql,
                 shared.relay.ordering,
-                shared.relay.batch_size,
+                crate::source::claim::Budget {
+                    rows: shared.relay.batch_size,
+                    bytes: shared.relay.max_batch_bytes,
+                },
                 self.id,
                 &table.floor.view(),
             )

@@ -150,32 +150,57 @@ pub async fn claim_batch(
     tx: &Tx<'_>,
     sql: &TableSql,
     ordering: Ordering,
-    limit: usize,
+    budget: Budget,
     lane: usize,
     floor: &FloorView,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
     match ordering {
-        Ordering::None => {
-            let mut rows = Vec::new();
-            if floor.retrying && floor.value > i64::MIN {
-                rows = tx
-                    .query(&sql.claim_unordered_low, &[&(limit as i64), &floor.value])
-                    .await?;
-            }
-            if rows.len() < limit {
-                let more = (limit - rows.len()) as i64;
-                rows.extend(
-                    tx.query(&sql.claim_unordered, &[&more, &floor.value])
-                        .await?,
-                );
-            }
-            Ok(rows
-                .iter()
-                .map(|r| ClaimedRow::from_row(r, &sql.layout))
-                .collect())
-        }
-        Ordering::Key => claim_by_key(tx, sql, limit, lane, floor).await,
+        Ordering::None => claim_unordered(tx, sql, budget, floor).await,
+        Ordering::Key => claim_by_key(tx, sql, budget, lane, floor).await,
     }
+}
+
+/// How much one claim takes at most: rows, and payload bytes (one larger row goes alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub rows: usize,
+    pub bytes: u64,
+}
+
+/// `ordering = "none"`: rows with a failure history below the floor first (when the
+/// floor's keeper saw any), then from the floor on, within the budget.
+async fn claim_unordered(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    budget: Budget,
+    floor: &FloorView,
+) -> Result<Vec<ClaimedRow>, SourceError> {
+    let max_bytes = budget.bytes.min(i64::MAX as u64) as i64;
+    let mut rows: Vec<ClaimedRow> = Vec::new();
+    let mut bytes: i64 = 0;
+    let low = floor.retrying && floor.value > i64::MIN;
+    for statement in [&sql.claim_unordered_low, &sql.claim_unordered] {
+        if std::ptr::eq(statement, &sql.claim_unordered_low) && !low {
+            continue;
+        }
+        let room = budget.rows.saturating_sub(rows.len());
+        if room == 0 || (!rows.is_empty() && bytes >= max_bytes) {
+            break;
+        }
+        let alone = rows.is_empty();
+        for r in tx
+            .query(
+                statement,
+                &[&(room as i64), &floor.value, &(max_bytes - bytes), &alone],
+            )
+            .await?
+        {
+            let row = ClaimedRow::from_row(&r, &sql.layout);
+            bytes += row.payload.len() as i64;
+            rows.push(row);
+        }
+    }
+    Ok(rows)
 }
 
 /// Lanes: every worker reads the same first window, so without lanes they would all plan
@@ -189,13 +214,14 @@ pub async fn claim_batch(
 async fn claim_by_key(
     tx: &Tx<'_>,
     sql: &TableSql,
-    limit: usize,
+    budget: Budget,
     lane: usize,
     floor: &FloorView,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
+    let limit = budget.rows;
     let stragglers: &[i64] = &floor.stragglers;
     let window_size = (limit * WINDOW_FACTOR) as i64;
-    let mut plan = KeyPlan::new(limit);
+    let mut plan = KeyPlan::new(budget);
     let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
     let mut after = super::sql::FIRST_WINDOW;
     let mut rounds = 0;
@@ -211,6 +237,7 @@ async fn claim_by_key(
             .map(|r| Candidate {
                 id: r.get(0),
                 key: r.get(1),
+                size: r.get::<_, i64>(2).max(0) as u64,
             })
             .collect();
         let mut cursor = 0;
@@ -264,6 +291,8 @@ async fn claim_by_key(
 pub struct Candidate {
     pub id: i64,
     pub key: Option<String>,
+    /// Payload bytes.
+    pub size: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +310,13 @@ enum KeyState {
 pub struct KeyPlan {
     capacity: usize,
     reserved: usize,
+    /// Payload bytes the batch may take, and those reserved so far.
+    byte_budget: u64,
+    bytes: u64,
+    /// The next row did not fit the byte budget: planning stops until rows are released.
+    full: bool,
+    /// Sizes of the rows reserved.
+    sizes: HashMap<i64, u64>,
     keys: HashMap<String, KeyState>,
     /// Rows after the head, per key, in id order.
     tails: HashMap<String, Vec<i64>>,
@@ -291,10 +327,14 @@ pub struct KeyPlan {
 }
 
 impl KeyPlan {
-    pub fn new(capacity: usize) -> KeyPlan {
+    pub fn new(budget: Budget) -> KeyPlan {
         KeyPlan {
-            capacity,
+            capacity: budget.rows,
             reserved: 0,
+            byte_budget: budget.bytes,
+            bytes: 0,
+            full: false,
+            sizes: HashMap::new(),
             keys: HashMap::new(),
             tails: HashMap::new(),
             unkeyed: Vec::new(),
@@ -303,7 +343,26 @@ impl KeyPlan {
     }
 
     pub fn has_room(&self) -> bool {
-        self.reserved < self.capacity
+        self.reserved < self.capacity && !self.full
+    }
+
+    /// Reserves `row`'s bytes, unless they do not fit beside rows already reserved (the
+    /// first row fits whatever its size).
+    fn take_bytes(&mut self, row: &Candidate) -> bool {
+        if self.reserved > 0 && self.bytes.saturating_add(row.size) > self.byte_budget {
+            self.full = true;
+            return false;
+        }
+        self.bytes += row.size;
+        self.sizes.insert(row.id, row.size);
+        true
+    }
+
+    /// Gives back the reservation of row `id`.
+    fn release(&mut self, id: i64) {
+        self.reserved -= 1;
+        self.bytes -= self.sizes.remove(&id).unwrap_or(0);
+        self.full = false;
     }
 
     /// Walks `window` from `cursor`, reserving rows until the batch is full, and returns
@@ -313,6 +372,14 @@ impl KeyPlan {
         let mut heads = Vec::new();
         while self.has_room() && *cursor < window.len() {
             let row = &window[*cursor];
+            let blocked = matches!(
+                row.key.as_ref().and_then(|k| self.keys.get(k)),
+                Some(KeyState::Blocked)
+            );
+            // A row that does not fit stays at the cursor for a later round.
+            if !blocked && !self.take_bytes(row) {
+                break;
+            }
             *cursor += 1;
             match &row.key {
                 None => {
@@ -348,11 +415,12 @@ impl KeyPlan {
     /// Records which of the round's heads this transaction locked; keys whose head it did
     /// not get are blocked and their reserved rows released.
     pub fn settle_round(&mut self, locked: &HashSet<i64>) {
+        let mut released = Vec::new();
         for id in std::mem::take(&mut self.unkeyed_planned) {
             if locked.contains(&id) {
                 self.unkeyed.push(id);
             } else {
-                self.reserved -= 1;
+                released.push(id);
             }
         }
         for (key, state) in self.keys.iter_mut() {
@@ -361,10 +429,13 @@ impl KeyPlan {
                     *state = KeyState::Owned { head };
                 } else {
                     *state = KeyState::Blocked;
-                    let released = self.tails.remove(key).map_or(0, |t| t.len());
-                    self.reserved -= 1 + released;
+                    released.push(head);
+                    released.extend(self.tails.remove(key).unwrap_or_default());
                 }
             }
+        }
+        for id in released {
+            self.release(id);
         }
     }
 
@@ -412,8 +483,17 @@ mod tests {
             .map(|(id, key)| Candidate {
                 id: *id,
                 key: key.map(str::to_owned),
+                size: 100,
             })
             .collect()
+    }
+
+    /// A budget of `n` rows and bytes enough for all of them.
+    fn budget(n: usize) -> Budget {
+        Budget {
+            rows: n,
+            bytes: u64::MAX,
+        }
     }
 
     fn all(ids: &[i64]) -> HashSet<i64> {
@@ -429,7 +509,7 @@ mod tests {
             (4, None),
             (5, Some("a")),
         ]);
-        let mut plan = KeyPlan::new(10);
+        let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&w, &mut cursor), vec![1, 2, 4]);
         plan.settle_round(&all(&[1, 2, 4]));
@@ -445,7 +525,7 @@ mod tests {
             (3, Some("a")),
             (4, Some("b")),
         ]);
-        let mut plan = KeyPlan::new(10);
+        let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         plan.plan_round(&w, &mut cursor);
         plan.settle_round(&all(&[2])); // someone else holds row 1, head of "a"
@@ -461,7 +541,7 @@ mod tests {
             (3, Some("b")),
             (4, Some("c")),
         ]);
-        let mut plan = KeyPlan::new(2);
+        let mut plan = KeyPlan::new(budget(2));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&w, &mut cursor), vec![1]);
         plan.settle_round(&HashSet::new()); // "a" is owned elsewhere
@@ -479,7 +559,7 @@ mod tests {
             (3, Some("a")),
             (4, Some("a")),
         ]);
-        let mut plan = KeyPlan::new(10);
+        let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         plan.plan_round(&w, &mut cursor);
         plan.settle_round(&all(&[1]));
@@ -489,7 +569,7 @@ mod tests {
 
     #[test]
     fn keys_seen_in_an_earlier_window_stay_blocked_in_later_ones() {
-        let mut plan = KeyPlan::new(10);
+        let mut plan = KeyPlan::new(budget(10));
         let first = window(&[(1, Some("a"))]);
         let mut cursor = 0;
         plan.plan_round(&first, &mut cursor);
@@ -509,7 +589,7 @@ mod tests {
             (5, None),
             (6, Some("b")),
         ]);
-        let mut plan = KeyPlan::new(10);
+        let mut plan = KeyPlan::new(budget(10));
         plan.leave_to_lower_lanes(&w[..2]);
         let mut cursor = 2;
         // Row 3 is not a head ("a" starts at 1) and row 6 is not either: only "c" and the
@@ -537,11 +617,53 @@ mod tests {
             })
             .collect();
         let w = window(&rows);
-        let mut plan = KeyPlan::new(17);
+        let mut plan = KeyPlan::new(budget(17));
         let mut cursor = 0;
         let heads = plan.plan_round(&w, &mut cursor);
         plan.settle_round(&heads.iter().copied().collect());
         let tails: HashSet<i64> = plan.tails().into_iter().collect();
         assert_eq!(plan.finish(&tails).len(), 17);
+    }
+
+    #[test]
+    fn the_byte_budget_ends_the_batch_and_a_larger_row_goes_alone() {
+        let w = window(&[(1, Some("a")), (2, Some("b")), (3, Some("c"))]); // 100 bytes each
+        let mut plan = KeyPlan::new(Budget {
+            rows: 10,
+            bytes: 250,
+        });
+        let mut cursor = 0;
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![1, 2]);
+        assert!(!plan.has_room(), "row 3 would pass 250 bytes");
+
+        let mut plan = KeyPlan::new(Budget {
+            rows: 10,
+            bytes: 50,
+        });
+        let mut cursor = 0;
+        assert_eq!(
+            plan.plan_round(&w, &mut cursor),
+            vec![1],
+            "alone, though larger"
+        );
+    }
+
+    #[test]
+    fn bytes_of_a_key_held_elsewhere_go_back_to_the_budget() {
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("a")),
+            (3, Some("b")),
+            (4, Some("c")),
+        ]);
+        let mut plan = KeyPlan::new(Budget {
+            rows: 10,
+            bytes: 250,
+        });
+        let mut cursor = 0;
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![1]);
+        plan.settle_round(&HashSet::new()); // "a" is held elsewhere: its 200 bytes return
+        assert!(plan.has_room());
+        assert_eq!(plan.plan_round(&w, &mut cursor), vec![3, 4]);
     }
 }

@@ -76,8 +76,10 @@ use std::time::{Duration, Instant};
 use super::sql::TableSql;
 use super::{Source, SourceError};
 
-/// How often the keeper looks at the table.
-pub const TICK: Duration = Duration::from_millis(100);
+/// How often the keeper looks at the table. The floor trails the newest pending row by
+/// about a batch's duration plus a tick or two; with a snapshot held, every claim walks the
+/// entries of the rows published in that time.
+pub const TICK: Duration = Duration::from_millis(25);
 /// Stragglers listed at most; beyond them the floor stays below.
 pub const STRAGGLER_CAP: usize = 1000;
 /// Fresh rows one look reads at most.
@@ -363,13 +365,20 @@ async fn tick(source: &Source, sql: &TableSql, floor: &mut Floor) -> Result<(), 
         let row = session
             .query_one(&sql.advance, &[&floor.value(), &(WALK as i64), &stragglers])
             .await?;
-        let ids: Vec<i64> = row.get(3);
-        let held: Vec<bool> = row.get(4);
+        let candidate: Option<i64> = row.get(3);
+        let held: Vec<i64> = row.get(4);
+        // Rows beyond a cut-short list of held rows were not seen: no candidate then.
+        let candidate = candidate.filter(|_| held.len() < WALK);
+        let walk = held
+            .into_iter()
+            .map(|id| (id, true))
+            .chain(candidate.map(|id| (id, false)))
+            .collect();
         floor.observe(Observation {
             xmin: row.get(0),
             xmax: row.get(1),
             retrying: row.get(2),
-            walk: ids.into_iter().zip(held).collect(),
+            walk,
             kept: row.get(5),
         });
         if let Some((lo, hi)) = floor.sweep_due(Instant::now()) {

@@ -13,21 +13,25 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 #[derive(Debug, Clone)]
 pub struct TableSql {
     /// `ordering = "none"`: lock the oldest pending rows that are due from the floor `$2`
-    /// on, skipping locked ones. `$1` = limit. Returns rows as [`RowLayout`] describes.
+    /// on, skipping locked ones, at most `$1`, and return those whose payloads add up to
+    /// at most `$3` bytes (the first one whatever its size when `$4`). Returns rows as
+    /// [`RowLayout`] describes.
     pub claim_unordered: String,
     /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
-    /// (the retry index), at most `$1`.
+    /// (the retry index).
     pub claim_unordered_low: String,
-    /// `ordering = "key"`: order values and keys of pending, due rows after `$1`, at most
+    /// `ordering = "key"`: order values, keys and payload sizes of pending, due rows after
+    /// `$1`, at most
     /// `$2`, without locking, leaving out rows of the keys `$3` (held by other claimers)
     /// and rows held back by an earlier held row of their key (dead, or waiting for its
     /// next attempt). Rows are read from the floor `$4` on, and below it only the
     /// stragglers `$5` and rows with a failure history (see [`super::floor`]).
     pub window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
-    /// row has a failure history, the order values of pending rows without one from the
-    /// floor `$1` on, at most `$2`, with whether each is held back by an earlier held row
-    /// of its key, and which of the stragglers `$3` are still pending without one.
+    /// row has a failure history, the first pending row without one from the floor `$1`
+    /// on that no earlier held row of its key holds back (the candidate), the rows without
+    /// one before it (all held back) at most `$2`, and which of the stragglers `$3` are
+    /// still pending without one.
     pub advance: String,
     /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
     /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back.
@@ -73,6 +77,20 @@ pub struct TableSql {
     pub layout: RowLayout,
 }
 
+/// A locking claim of the rows `filter` selects, in order, that returns only the prefix
+/// within the byte budget. Sizes are read under the lock, payloads only for the rows
+/// returned; rows locked beyond the budget stay pending and are let go at commit.
+fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> String {
+    format!(
+        "WITH locked AS MATERIALIZED (SELECT {id} AS id, {size} AS size FROM {t} \
+         WHERE {filter} ORDER BY {id} LIMIT $1 FOR UPDATE SKIP LOCKED), \
+         picked AS (SELECT id FROM (SELECT id, sum(size) OVER (ORDER BY id) AS running, \
+         row_number() OVER (ORDER BY id) AS n FROM locked) s \
+         WHERE running <= $3::int8 OR (n = 1 AND $4::bool)) \
+         SELECT {columns} FROM {t} WHERE {id} IN (SELECT id FROM picked) ORDER BY {id}"
+    )
+}
+
 /// The columns a claim returns: order value, key, payload bytes, headers JSON, attempts,
 /// then the message id when it is not the order column, the topic template's columns and the
 /// header columns, all as text.
@@ -100,6 +118,23 @@ impl TableSql {
             PayloadType::Bytea => c.payload.quoted(),
             PayloadType::Text => format!("convert_to({}::text, 'UTF8')", c.payload.quoted()),
         };
+        // A row's payload bytes, read before the payload itself: for bytea and text the
+        // stored length (no detoasting); jsonb is rendered as text to be measured.
+        let size_of = |prefix: &str| match shape.payload {
+            PayloadType::Bytea => {
+                format!(
+                    "COALESCE(octet_length({prefix}{}), 0)::int8",
+                    c.payload.quoted()
+                )
+            }
+            PayloadType::Text => {
+                format!(
+                    "COALESCE(octet_length({prefix}{}::text), 0)::int8",
+                    c.payload.quoted()
+                )
+            }
+        };
+        let size = size_of("");
         let headers = match &shape.headers {
             Some(h) => format!("{}::text", h.quoted()),
             None => "NULL::text".to_owned(),
@@ -187,13 +222,19 @@ impl TableSql {
             Ordering::None => "0::bigint".to_owned(),
         };
         TableSql {
-            claim_unordered: format!(
-                "SELECT {columns} FROM {t} WHERE {pending} AND {due} AND {id} >= $2 \
-                 ORDER BY {id} LIMIT $1 FOR UPDATE SKIP LOCKED"
+            claim_unordered: budgeted(
+                &format!("{pending} AND {due} AND {id} >= $2"),
+                &columns,
+                &t,
+                &id,
+                &size,
             ),
-            claim_unordered_low: format!(
-                "SELECT {columns} FROM {t} WHERE {pending} AND {next} IS NOT NULL \
-                 AND {next} <= now() AND {id} < $2 ORDER BY {id} LIMIT $1 FOR UPDATE SKIP LOCKED"
+            claim_unordered_low: budgeted(
+                &format!("{pending} AND {next} IS NOT NULL AND {next} <= now() AND {id} < $2"),
+                &columns,
+                &t,
+                &id,
+                &size,
             ),
             // One statement, so one snapshot: a window read in two statements could see a
             // row's key released in one and not the other, and take a later row for its head.
@@ -201,21 +242,30 @@ impl TableSql {
             // Merge Append, the same scans ran 3-4x slower in the relay (measured, 300,000
             // rows, key order).
             window: format!(
-                "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key \
+                "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+                 {osize} AS size \
                  FROM {t} o WHERE o.{id} < $4 AND (o.{id} = ANY($5::bigint[]) OR o.{next} IS NOT NULL) \
                  AND {window_filter}), \
-                 main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key \
+                 main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+                 {osize} AS size \
                  FROM {t} o WHERE o.{id} >= $4 AND {window_filter} ORDER BY o.{id} LIMIT $2) \
-                 SELECT id, key FROM low UNION ALL SELECT id, key FROM main ORDER BY id LIMIT $2"
+                 SELECT id, key, size FROM low UNION ALL SELECT id, key, size FROM main \
+                 ORDER BY id LIMIT $2",
+                osize = size_of("o.")
             ),
+            // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
+            // The candidate is the first fresh row not held back; the rows before it are
+            // all held back (read only up to it, at most `$2`).
             advance: format!(
-                "WITH walk AS MATERIALIZED (SELECT o.{id}::bigint AS id, {held_back_row} AS held \
-                 FROM {t} o WHERE {fresh} AND o.{id} >= $1 ORDER BY o.{id} LIMIT $2) \
+                "WITH c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
+                 WHERE {fresh} AND o.{id} >= $1 AND NOT {held_back_row} ORDER BY o.{id} LIMIT 1) \
                  SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
                  pg_snapshot_xmax(pg_current_snapshot())::text::int8, \
                  EXISTS (SELECT 1 FROM {t} WHERE {retrying}), \
-                 ARRAY(SELECT id FROM walk ORDER BY id), \
-                 ARRAY(SELECT held FROM walk ORDER BY id), \
+                 (SELECT id FROM c), \
+                 ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE {fresh} AND o.{id} >= $1 \
+                 AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
+                 ORDER BY o.{id} LIMIT $2), \
                  ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE o.{id} = ANY($3::bigint[]) \
                  AND {fresh})"
             ),

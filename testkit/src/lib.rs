@@ -593,6 +593,20 @@ impl NatsServer {
     }
 
     /// Every message stored in `stream`, in stream order, read by an ordered consumer.
+    /// How many messages and bytes `stream` holds.
+    pub async fn stream_state(&self, stream: &str) -> Result<(u64, u64)> {
+        let js = async_nats::jetstream::new(self.client().await?);
+        let mut s = js
+            .get_stream(stream)
+            .await
+            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+        let info = s
+            .info()
+            .await
+            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
+        Ok((info.state.messages, info.state.bytes))
+    }
+
     pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
         use futures_util::StreamExt;
         let client = self.client().await?;
@@ -855,4 +869,22 @@ impl Drop for KafkaBroker {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Waits for the child `pid` to exit; returns its exit code (-1 when a signal ended it)
+/// and its resource usage (peak RSS in `ru_maxrss`, KiB).
+pub fn wait_with_usage(pid: i32) -> std::io::Result<(i32, libc::rusage)> {
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; wait4 fills it for our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    Ok((code, usage))
 }

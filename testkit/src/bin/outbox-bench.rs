@@ -352,7 +352,7 @@ impl Bench {
             .stdout(std::process::Stdio::null())
             .spawn()
             .context("start outbox-relay")?;
-        let (status, usage) = wait_with_usage(child.id() as i32)?;
+        let (status, usage) = testkit::wait_with_usage(child.id() as i32)?;
         let secs = started.elapsed().as_secs_f64();
         if status != 0 {
             bail!("drain ({sink}, {ordering}) exited with {status}");
@@ -412,23 +412,6 @@ impl MachineCpu {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
         cores * now.busy.saturating_sub(self.busy) as f64 / total as f64
     }
-}
-
-/// Waits for child `pid` and returns its exit status and resource usage.
-fn wait_with_usage(pid: i32) -> Result<(i32, libc::rusage)> {
-    let mut status = 0;
-    // SAFETY: rusage is plain old data; wait4 fills it for our own child.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
-    if r < 0 {
-        bail!("wait4: {}", std::io::Error::last_os_error());
-    }
-    let code = if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status)
-    } else {
-        -1
-    };
-    Ok((code, usage))
 }
 
 #[tokio::main]
