@@ -30,10 +30,10 @@
 //!
 //! # Raising the floor: a fence
 //!
-//! Every [`TICK`] the keeper looks at the table in one snapshot: the fresh pending rows from
-//! the floor on (each marked held back or not), which stragglers are still fresh and
-//! pending, and the snapshot's `xmin` and `xmax`. The first row not held back is a
-//! *candidate* `c` for the floor. A row below `c` that this snapshot could not see belongs to
+//! Every [`TICK`] the keeper looks at the table in one snapshot: the first fresh pending row
+//! from the floor on that is not held back (a *candidate* `c` for the floor), the fresh
+//! rows before it (all held back), which stragglers are still fresh and pending, and the
+//! snapshot's `xmin` and `xmax`. A row below `c` that this snapshot could not see belongs to
 //! a transaction still running, which may commit later: the floor must not pass it yet. So
 //! the candidate is adopted only at a later look whose `xmin` is at least the candidate's
 //! `xmax`, when every transaction that was running then has ended. That look walks the
