@@ -32,3 +32,7 @@ GRANT SELECT, DELETE ON public.outbox TO outbox_relay;
 -- Row locks (FOR UPDATE) need UPDATE on at least one column, which this gives.
 GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
     ON public.outbox TO outbox_relay;
+-- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
+-- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
+-- role that keeps VACUUM from cleaning the table (read-only statistics, no data).
+-- GRANT pg_monitor TO outbox_relay;

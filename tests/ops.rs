@@ -292,3 +292,48 @@ async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
     wait_for_empty_outbox(&client, "the relay to publish with its stderr closed", 30).await;
     terminate_cleanly(&mut relay);
 }
+
+/// The outbox table's dead tuples and the age of the oldest snapshot that holds back
+/// VACUUM are gauges. A report's snapshot, opened by another role, is seen once the relay's
+/// role has pg_monitor (migrations/outbox_relay_role.sql says so).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
+    let (env, addr) = env_with_http("").await;
+    let owner = env.client().await;
+    owner
+        .batch_execute("GRANT pg_monitor TO outbox_relay")
+        .await
+        .unwrap();
+    seed(&owner, 200, 5, 0).await;
+    let report = env.client().await;
+    report
+        .batch_execute(
+            "SET application_name = 'nightly-report';
+             BEGIN ISOLATION LEVEL REPEATABLE READ;
+             SELECT count(*) FROM public.outbox",
+        )
+        .await
+        .unwrap();
+    let mut relay = env.spawn_run();
+    wait_for_empty_outbox(&owner, "the rows to be published", 30).await;
+    let gauges = async || {
+        let Ok((200, body)) = http_get(&addr, "/metrics") else {
+            return false;
+        };
+        let age = sample(&body, "outbox_relay_oldest_snapshot_age_seconds ").unwrap_or(0.0);
+        let dead = sample(
+            &body,
+            r#"outbox_relay_table_dead_tuples{table="public.outbox"}"#,
+        )
+        .unwrap_or(0.0);
+        age >= 2.0 && dead >= 200.0
+    };
+    wait_until(
+        "the snapshot age and dead tuples gauges",
+        Duration::from_secs(30),
+        gauges,
+    )
+    .await;
+    report.batch_execute("ROLLBACK").await.unwrap();
+    terminate_cleanly(&mut relay);
+}

@@ -54,6 +54,11 @@ pub struct Metrics {
     pub backlog: Family<TableLabel, Gauge>,
     /// Age of the oldest pending row (refreshed on an interval; 0 when none).
     pub oldest_age_seconds: Family<TableLabel, Gauge<f64, AtomicU64>>,
+    /// Dead tuples in the outbox table (`pg_stat_user_tables`, refreshed on an interval).
+    pub dead_tuples: Family<TableLabel, Gauge>,
+    /// How long the oldest transaction whose snapshot holds back VACUUM has been open, in
+    /// this database (refreshed on an interval; sessions this role may see).
+    pub oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
     /// Rows claimed and not yet committed.
     pub in_flight: Gauge,
     /// 1 while the circuit breaker is open (the broker looks down).
@@ -83,6 +88,8 @@ impl Default for Metrics {
             batch_seconds: Family::new_with_constructor(latency_histogram),
             backlog: Family::default(),
             oldest_age_seconds: Family::default(),
+            dead_tuples: Family::default(),
+            oldest_snapshot_age_seconds: Gauge::default(),
             in_flight: Gauge::default(),
             circuit_open: Family::default(),
             circuit_opened: Family::default(),
@@ -124,6 +131,17 @@ impl Default for Metrics {
             "oldest_pending_age_seconds",
             "Age of the oldest pending row, refreshed on an interval (0 when none)",
             metrics.oldest_age_seconds.clone(),
+        );
+        registry.register(
+            "table_dead_tuples",
+            "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval",
+            metrics.dead_tuples.clone(),
+        );
+        registry.register(
+            "oldest_snapshot_age_seconds",
+            "How long the oldest open snapshot that holds back VACUUM has been open, in this \
+             database (sessions this role may see: grant pg_monitor to see all)",
+            metrics.oldest_snapshot_age_seconds.clone(),
         );
         registry.register(
             "rows_in_flight",

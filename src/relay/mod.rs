@@ -26,6 +26,7 @@ use crate::sink::{Sink, SinkError};
 use crate::source::floor::{self, FloorCell};
 use crate::source::schema;
 use crate::source::sql::TableSql;
+use crate::source::vacuum;
 use crate::source::{session_config, SessionLimits, Source, SourceError};
 
 use crate::retry::Backoff;
@@ -239,6 +240,7 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
     let sink_label = ops::metrics::SinkLabel { sink: sink.clone() };
     let mut opened_seen = 0;
     let mut gauges_due = Instant::now();
+    let mut watch = vacuum::Watch::default();
     loop {
         let limit = Duration::from_secs(2);
         let postgres = shared.source.ping(limit).await.is_ok();
@@ -288,6 +290,30 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
                 }
             }
             shared.published_at_backlog_read.store(published, Relaxed);
+            let read = shared.source.bounded(async {
+                let session = shared.source.session().await?;
+                let mut dead = Vec::new();
+                for table in &shared.tables {
+                    let quoted = table.config.name.quoted();
+                    dead.push(vacuum::dead_tuples(&**session, &quoted).await?);
+                }
+                Ok((dead, vacuum::horizon(&**session).await?))
+            });
+            match read.await {
+                Ok((dead, horizon)) => {
+                    for (table, n) in shared.tables.iter().zip(dead) {
+                        let label = ops::metrics::TableLabel {
+                            table: table.config.name.to_string(),
+                        };
+                        ops.metrics.dead_tuples.get_or_create(&label).set(n);
+                    }
+                    ops.metrics
+                        .oldest_snapshot_age_seconds
+                        .set(horizon.oldest.as_ref().map_or(0.0, |h| h.age_secs));
+                    watch.observe(&horizon, Instant::now());
+                }
+                Err(e) => tracing::debug!(error = %e, "Could not read the vacuum horizon"),
+            }
         }
         tokio::select! {
             _ = done.cancelled() => return,

@@ -12,6 +12,7 @@ pub mod migrate;
 pub mod schema;
 pub mod sql;
 pub mod tls;
+pub mod vacuum;
 
 use std::time::Duration;
 
