@@ -179,10 +179,11 @@ async fn claim_unordered(
     let mut rows: Vec<ClaimedRow> = Vec::new();
     let mut bytes: i64 = 0;
     let low = floor.retrying && floor.value > i64::MIN;
-    for statement in [&sql.claim_unordered_low, &sql.claim_unordered] {
-        if std::ptr::eq(statement, &sql.claim_unordered_low) && !low {
-            continue;
-        }
+    let statements = low
+        .then_some(&sql.claim_unordered_low)
+        .into_iter()
+        .chain([&sql.claim_unordered]);
+    for statement in statements {
         let room = budget.rows.saturating_sub(rows.len());
         if room == 0 || (!rows.is_empty() && bytes >= max_bytes) {
             break;

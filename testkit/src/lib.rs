@@ -611,16 +611,11 @@ impl NatsServer {
         use futures_util::StreamExt;
         let client = self.client().await?;
         let js = async_nats::jetstream::new(client);
-        let mut s = js
+        let (total, _) = self.stream_state(stream).await?;
+        let s = js
             .get_stream(stream)
             .await
             .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-        let total = s
-            .info()
-            .await
-            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?
-            .state
-            .messages;
         let mut out = Vec::with_capacity(total as usize);
         if total == 0 {
             return Ok(out);
