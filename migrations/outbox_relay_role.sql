@@ -25,7 +25,8 @@ END
 $$;
 
 GRANT USAGE ON SCHEMA public TO outbox_relay;
--- Read the rows to publish; DELETE is only needed with on_publish = "delete".
+-- Read the rows to publish; DELETE is needed with on_publish = "delete", and in mark mode
+-- only with relay.retention (it deletes old published rows): revoke it otherwise.
 GRANT SELECT, DELETE ON public.outbox TO outbox_relay;
 -- The bookkeeping columns: published_at (on_publish = "mark"), attempts, last_error,
 -- dead_at and next_attempt_at (failures, the retry schedule, dead-lettering, `requeue`).

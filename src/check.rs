@@ -122,7 +122,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
     let mut subjects = Vec::new();
     for table in &config.tables {
         let subject = format!("table {}", table.name);
-        match schema::inspect(&client, table, config.relay.on_publish).await {
+        match schema::inspect(&client, table, &config.relay).await {
             Ok(Ok(_)) => {
                 out.push(Level::Ok, subject, "columns, types and privileges usable");
                 subjects.push((table.name.to_string(), table_subjects(&client, table).await));

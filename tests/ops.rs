@@ -335,5 +335,48 @@ async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
     )
     .await;
     report.batch_execute("ROLLBACK").await.unwrap();
+    let released = async || {
+        let Ok((200, body)) = http_get(&addr, "/metrics") else {
+            return false;
+        };
+        sample(&body, "outbox_relay_oldest_snapshot_age_seconds ") == Some(0.0)
+    };
+    wait_until(
+        "the gauge to see the report's snapshot gone",
+        Duration::from_secs(30),
+        released,
+    )
+    .await;
+
+    // A prepared transaction outlives its session and holds back VACUUM too: both gauges
+    // see it, the age counted from PREPARE, the xmin's age in transactions.
+    let prepared = env.client().await;
+    prepared
+        .batch_execute("BEGIN; SELECT txid_current(); PREPARE TRANSACTION 'forgotten'")
+        .await
+        .unwrap();
+    drop(prepared);
+    owner
+        .batch_execute("SELECT txid_current(); SELECT txid_current()")
+        .await
+        .unwrap();
+    let seen = async || {
+        let Ok((200, body)) = http_get(&addr, "/metrics") else {
+            return false;
+        };
+        let age = sample(&body, "outbox_relay_oldest_snapshot_age_seconds ").unwrap_or(0.0);
+        let xids = sample(&body, "outbox_relay_oldest_snapshot_xid_age ").unwrap_or(0.0);
+        age >= 2.0 && xids >= 2.0
+    };
+    wait_until(
+        "the gauges to see the prepared transaction",
+        Duration::from_secs(30),
+        seen,
+    )
+    .await;
+    owner
+        .batch_execute("ROLLBACK PREPARED 'forgotten'")
+        .await
+        .unwrap();
     terminate_cleanly(&mut relay);
 }

@@ -135,6 +135,19 @@ async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
         stdout.contains("this role lacks UPDATE on column published_at"),
         "{stdout}"
     );
+    // ... unless relay.retention deletes old published rows: then DELETE is needed again.
+    env.write_config("on_publish = \"mark\"\nretention = \"7d\"", "");
+    let out = env.relay(&["check"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        stdout.contains(
+            "this role lacks DELETE (relay.retention deletes old published rows): GRANT DELETE \
+             ON \"public\".\"outbox\" TO <relay role>"
+        ),
+        "{stdout}"
+    );
+    env.write_config("on_publish = \"mark\"", "");
 
     owner
         .batch_execute("REVOKE USAGE ON SCHEMA public FROM outbox_relay, PUBLIC")

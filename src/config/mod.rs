@@ -107,6 +107,9 @@ pub struct RelayConfig {
     pub retry_backoff_max: Duration,
     /// Payload bytes one claim takes at most; a single larger row is claimed alone.
     pub max_batch_bytes: u64,
+    /// Mark mode: published rows whose `published_at` is older than this are deleted
+    /// (see [`crate::source::retention`]); `None` keeps them.
+    pub retention: Option<Duration>,
 }
 
 #[derive(Debug, Clone)]
@@ -546,6 +549,18 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             ),
         ));
     }
+    let retention = match relay.retention {
+        None => None,
+        Some(_) if relay.on_publish == OnPublish::Delete => {
+            return Err(err(
+                "relay.retention",
+                "applies to on_publish = \"mark\" only (in delete mode no published row is \
+                 kept): remove it, or set relay.on_publish = \"mark\""
+                    .into(),
+            ))
+        }
+        Some(value) => Some(positive("relay.retention", value)?),
+    };
     if relay.poll_interval.0 < Duration::from_millis(1) {
         return Err(err("relay.poll_interval", "must be at least 1ms".into()));
     }
@@ -690,6 +705,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             retry_backoff,
             retry_backoff_max,
             max_batch_bytes: relay.max_batch_bytes.0,
+            retention,
         },
         sink,
         tables,

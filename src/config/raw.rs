@@ -84,6 +84,9 @@ pub struct RawRelay {
     /// Default `8MiB`.
     #[serde(default = "defaults::max_batch_bytes")]
     pub max_batch_bytes: SizeValue,
+    /// Mark mode: published rows older than this are deleted. Default: kept forever.
+    #[serde(default)]
+    pub retention: Option<DurationValue>,
 }
 
 impl Default for RawRelay {
@@ -98,6 +101,7 @@ impl Default for RawRelay {
             retry_backoff: defaults::retry_backoff(),
             retry_backoff_max: defaults::retry_backoff_max(),
             max_batch_bytes: defaults::max_batch_bytes(),
+            retention: None,
         }
     }
 }

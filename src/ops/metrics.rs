@@ -46,6 +46,8 @@ pub struct Metrics {
     pub failed: Family<TableSink, Counter>,
     /// Rows dead-lettered.
     pub dead: Family<TableSink, Counter>,
+    /// Published rows deleted by `relay.retention` (mark mode).
+    pub retention_deleted: Family<TableLabel, Counter>,
     /// From the first send of a batch to its last acknowledgement.
     pub publish_seconds: Seconds,
     /// From claim to commit.
@@ -59,6 +61,9 @@ pub struct Metrics {
     /// How long the oldest transaction whose snapshot holds back VACUUM has been open, in
     /// this database (refreshed on an interval; sessions this role may see).
     pub oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
+    /// Transactions between the oldest xmin that holds back VACUUM (sessions, prepared
+    /// transactions, replication slots) and now.
+    pub oldest_snapshot_xid_age: Gauge,
     /// Rows claimed and not yet committed.
     pub in_flight: Gauge,
     /// 1 while the circuit breaker is open (the broker looks down).
@@ -84,12 +89,14 @@ impl Default for Metrics {
             published: Family::default(),
             failed: Family::default(),
             dead: Family::default(),
+            retention_deleted: Family::default(),
             publish_seconds: Family::new_with_constructor(latency_histogram),
             batch_seconds: Family::new_with_constructor(latency_histogram),
             backlog: Family::default(),
             oldest_age_seconds: Family::default(),
             dead_tuples: Family::default(),
             oldest_snapshot_age_seconds: Gauge::default(),
+            oldest_snapshot_xid_age: Gauge::default(),
             in_flight: Gauge::default(),
             circuit_open: Family::default(),
             circuit_opened: Family::default(),
@@ -111,6 +118,11 @@ impl Default for Metrics {
             "rows_dead_lettered",
             "Rows dead-lettered after max_attempts",
             metrics.dead.clone(),
+        );
+        registry.register(
+            "rows_deleted_by_retention",
+            "Published rows deleted because relay.retention passed (mark mode)",
+            metrics.retention_deleted.clone(),
         );
         registry.register(
             "publish_duration_seconds",
@@ -140,8 +152,15 @@ impl Default for Metrics {
         registry.register(
             "oldest_snapshot_age_seconds",
             "How long the oldest open snapshot that holds back VACUUM has been open, in this \
-             database (sessions this role may see: grant pg_monitor to see all)",
+             database: sessions this role may see (grant pg_monitor to see all) and prepared \
+             transactions",
             metrics.oldest_snapshot_age_seconds.clone(),
+        );
+        registry.register(
+            "oldest_snapshot_xid_age",
+            "Transactions since the oldest xmin that holds back VACUUM: sessions, prepared \
+             transactions and replication slots (a standby's hot_standby_feedback)",
+            metrics.oldest_snapshot_xid_age.clone(),
         );
         registry.register(
             "rows_in_flight",

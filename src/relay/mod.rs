@@ -24,6 +24,7 @@ use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
 use crate::source::floor::{self, FloorCell};
+use crate::source::retention;
 use crate::source::schema;
 use crate::source::sql::TableSql;
 use crate::source::vacuum;
@@ -309,7 +310,10 @@ async fn probe(shared: Arc<Shared>, done: CancellationToken) {
                     }
                     ops.metrics
                         .oldest_snapshot_age_seconds
-                        .set(horizon.oldest.as_ref().map_or(0.0, |h| h.age_secs));
+                        .set(horizon.oldest_secs());
+                    ops.metrics
+                        .oldest_snapshot_xid_age
+                        .set(horizon.oldest_xid_age());
                     watch.observe(&horizon, Instant::now());
                 }
                 Err(e) => tracing::debug!(error = %e, "Could not read the vacuum horizon"),
@@ -414,7 +418,7 @@ pub async fn try_prepare_tables(
     let mut plans = Vec::new();
     for table in &config.tables {
         let shape = source
-            .bounded(async { schema::inspect(&**session, table, config.relay.on_publish).await })
+            .bounded(async { schema::inspect(&**session, table, &config.relay).await })
             .await?
             .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
         plans.push(TablePlan {
@@ -535,15 +539,33 @@ async fn relay(
     let done = endpoints.done.clone();
     tokio::spawn(probe(shared.clone(), done.clone()));
     for t in 0..shared.tables.len() {
-        let shared = shared.clone();
-        let done = done.clone();
+        let (shared, done) = (shared.clone(), done.clone());
         tokio::spawn(async move {
             let table = &shared.tables[t];
-            if std::env::var_os("NOFLOOR").is_none() {
-                let name = table.config.name.to_string();
-                floor::keep(&name, &shared.source, &table.sql, &table.floor, &done).await
-            }
+            let name = table.config.name.to_string();
+            floor::keep(&name, &shared.source, &table.sql, &table.floor, &done).await
         });
+    }
+    if let Some(retention) = config.relay.retention {
+        for t in 0..shared.tables.len() {
+            let (shared, done) = (shared.clone(), done.clone());
+            tokio::spawn(async move {
+                let table = &shared.tables[t];
+                let name = table.config.name.to_string();
+                let counter = shared
+                    .ops
+                    .metrics
+                    .retention_deleted
+                    .get_or_create(&ops::metrics::TableLabel {
+                        table: name.clone(),
+                    })
+                    .clone();
+                let deleted = |n| {
+                    counter.inc_by(n);
+                };
+                retention::keep(&name, &shared.source, &table.sql, retention, deleted, &done).await
+            });
+        }
     }
     if let Some(connection) = shared.sink.connection() {
         tokio::spawn(watch_connection(shared.clone(), connection, done.clone()));

@@ -9,6 +9,7 @@ pub mod claim;
 pub mod floor;
 pub mod listen;
 pub mod migrate;
+pub mod retention;
 pub mod schema;
 pub mod sql;
 pub mod tls;

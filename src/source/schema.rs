@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
-use crate::config::{Ident, OnPublish, OptionalColumn, TableConfig};
+use crate::config::{Ident, OnPublish, OptionalColumn, RelayConfig, TableConfig};
 
 /// How the payload column is turned into message bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +74,9 @@ const COLUMN_PRIVILEGE_SQL: &str =
 pub async fn inspect(
     client: &impl GenericClient,
     table: &TableConfig,
-    on_publish: OnPublish,
+    relay: &RelayConfig,
 ) -> Result<Result<TableShape, Vec<String>>, SourceError> {
+    let on_publish = relay.on_publish;
     let name = table.name.quoted();
     let schema = table.name.schema.as_str();
     match client.query_opt(SCHEMA_SQL, &[&schema]).await? {
@@ -243,16 +244,20 @@ pub async fn inspect(
     }
 
     // Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants
-    // it): SELECT, DELETE in delete mode, and UPDATE of the bookkeeping columns only.
+    // it): SELECT, DELETE in delete mode or with retention, and UPDATE of the bookkeeping
+    // columns only.
     let privileges = client.query_one(PRIVILEGES_SQL, &[&name]).await?;
-    let mut needed = vec![(0, "SELECT")];
+    let mut needed = vec![(0, "SELECT", "")];
     if on_publish == OnPublish::Delete {
-        needed.push((1, "DELETE"));
+        needed.push((1, "DELETE", ""));
+    } else if relay.retention.is_some() {
+        needed.push((1, "DELETE", " (relay.retention deletes old published rows)"));
     }
-    for (i, privilege) in needed {
+    for (i, privilege, why) in needed {
         if !privileges.get::<_, bool>(i) {
             problems.push(format!(
-                "table {}: this role lacks {privilege}: GRANT {privilege} ON {} TO <relay role>",
+                "table {}: this role lacks {privilege}{why}: GRANT {privilege} ON {} TO <relay \
+                 role>",
                 table.name,
                 table.name.quoted()
             ));
@@ -280,6 +285,19 @@ pub async fn inspect(
         }
     }
 
+    // (A mapped creation-time column that is missing is reported above.)
+    if relay.retention.is_some()
+        && created_at.is_none()
+        && !matches!(c.created_at, OptionalColumn::Named(_))
+    {
+        problems.push(format!(
+            "table {}: relay.retention needs a creation-time column to tell where the old rows \
+             end, and this table has none: map tables.columns.created_at to a timestamptz \
+             column written at insert (e.g. `created_at timestamptz NOT NULL DEFAULT now()`), \
+             or remove relay.retention",
+            table.name
+        ));
+    }
     if !problems.is_empty() {
         return Ok(Err(problems));
     }

@@ -74,6 +74,14 @@ pub struct TableSql {
     /// without a creation-time column), read like a claim from the floor `$1` and below it
     /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
     pub backlog: String,
+    /// Retention (mark mode, [`super::retention`]): looks at the `$2` rows after `$1` in
+    /// order and deletes those published more than `$3` seconds ago, skipping rows locked
+    /// by others. Returns the chunk's last order value (NULL when empty), its row count,
+    /// rows deleted, whether it holds a row created within the last `$3` seconds, whether
+    /// it holds a row published within them, and how many of its rows were old enough
+    /// (those beyond the rows deleted were locked).
+    /// `None` without a creation-time column (retention needs one, checked at start-up).
+    pub retire: Option<String>,
     pub layout: RowLayout,
 }
 
@@ -351,6 +359,24 @@ impl TableSql {
                 "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
                  WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
             ),
+            retire: shape.created_at.as_ref().map(|created_at| {
+                let cutoff = "now() - $3::float8 * interval '1 second'";
+                format!(
+                    "WITH chunk AS MATERIALIZED (SELECT {id}::bigint AS id, \
+                     {published_at} < {cutoff} AS old, {created_at} >= {cutoff} AS young, \
+                     {published_at} >= {cutoff} AS ripening \
+                     FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2), \
+                     gone AS (DELETE FROM {t} WHERE {id} IN (SELECT o.{id} FROM {t} o \
+                     WHERE o.{id} = ANY(ARRAY(SELECT id FROM chunk WHERE old)) \
+                     AND o.{published_at} < {cutoff} FOR UPDATE SKIP LOCKED) RETURNING 1) \
+                     SELECT (SELECT max(id) FROM chunk), (SELECT count(*) FROM chunk), \
+                     (SELECT count(*) FROM gone), \
+                     COALESCE((SELECT bool_or(young) FROM chunk), false), \
+                     COALESCE((SELECT bool_or(ripening) FROM chunk), false), \
+                     (SELECT count(*) FROM chunk WHERE old)",
+                    created_at = created_at.quoted()
+                )
+            }),
             layout,
         }
     }

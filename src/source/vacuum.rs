@@ -1,6 +1,7 @@
 //! What keeps VACUUM from cleaning the outbox table: its dead tuples, and the oldest open
-//! snapshot in this database (a report, `pg_dump`, a forgotten `BEGIN`, a standby's
-//! `hot_standby_feedback`). Claims no longer slow down behind them (see [`super::floor`]),
+//! snapshot in this database (a report, `pg_dump`, a forgotten `BEGIN`, a forgotten
+//! prepared transaction, a standby's `hot_standby_feedback` through its replication slot).
+//! Claims no longer slow down behind them (see [`super::floor`]),
 //! but the table and its indexes grow until the snapshot goes: the operator should learn
 //! who holds it.
 //!
@@ -12,34 +13,74 @@ use tokio_postgres::GenericClient;
 
 use super::SourceError;
 
-/// The session whose snapshot is the oldest.
+/// Something whose snapshot (xmin) keeps VACUUM from removing dead rows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Holder {
-    pub pid: i32,
-    pub application: String,
-    pub user: String,
-    pub state: String,
-    /// Seconds since its transaction (or, without one, its session) began.
-    pub age_secs: f64,
+    /// `session`, `prepared transaction` or `replication slot`.
+    pub kind: String,
+    /// The session's pid, the prepared transaction's gid, the slot's name.
+    pub name: String,
+    /// What else tells it apart: application, user and state of a session, the owner
+    /// of a prepared transaction, whether a slot is active.
+    pub detail: String,
+    /// Seconds since its transaction (a session without one: since it began; a prepared
+    /// transaction: since PREPARE). `None` for a slot: PostgreSQL does not record when.
+    pub age_secs: Option<f64>,
+    /// Transactions between its xmin and now.
+    pub xid_age: i64,
+    /// A slot no standby is connected to: it holds its xmin until it is dropped.
+    pub abandoned: bool,
 }
 
-/// The oldest snapshot holder visible to this role, and whether some sessions are hidden.
-#[derive(Debug, Clone, PartialEq)]
+/// What holds back VACUUM in this database, as far as this role can see.
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Horizon {
-    pub oldest: Option<Holder>,
+    /// Every holder, the oldest xmin first.
+    pub holders: Vec<Holder>,
     /// Sessions of other roles this role may not inspect.
     pub hidden: bool,
 }
 
+impl Horizon {
+    /// The longest a holder with a known age has held its snapshot (0 when none).
+    pub fn oldest_secs(&self) -> f64 {
+        self.holders
+            .iter()
+            .filter_map(|h| h.age_secs)
+            .fold(0.0, f64::max)
+    }
+
+    /// The oldest xmin's age in transactions (0 when none).
+    pub fn oldest_xid_age(&self) -> i64 {
+        self.holders.iter().map(|h| h.xid_age).max().unwrap_or(0)
+    }
+}
+
 /// Sessions of this database (and WAL senders, whose standbys' feedback counts) with a
-/// snapshot, oldest first; the relay's own session excluded.
+/// snapshot, but the relay's own and autovacuum's (the cleaner, briefly); prepared
+/// transactions of this database; replication slots with an xmin (a standby's
+/// `hot_standby_feedback`; a logical slot's catalog_xmin holds back only the catalogs).
 const HORIZON_SQL: &str = "\
-SELECT pid, COALESCE(application_name, ''), COALESCE(usename::text, ''), COALESCE(state, ''),
-       extract(epoch FROM now() - COALESCE(xact_start, backend_start))::float8
-FROM pg_catalog.pg_stat_activity
-WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
-  AND (datname = current_database() OR datname IS NULL)
-ORDER BY age(backend_xmin) DESC LIMIT 1";
+SELECT kind, name, detail, age_secs, xid_age, abandoned FROM (
+  SELECT 'session' AS kind, pid::text AS name,
+         format('application_name=%s user=%s state=%s', COALESCE(application_name, ''),
+                COALESCE(usename::text, ''), COALESCE(state, '')) AS detail,
+         extract(epoch FROM now() - COALESCE(xact_start, backend_start))::float8 AS age_secs,
+         age(backend_xmin)::int8 AS xid_age, false AS abandoned
+  FROM pg_catalog.pg_stat_activity
+  WHERE backend_xmin IS NOT NULL AND pid <> pg_backend_pid()
+    AND backend_type IS DISTINCT FROM 'autovacuum worker'
+    AND (datname = current_database() OR datname IS NULL)
+  UNION ALL
+  SELECT 'prepared transaction', gid, format('owner=%s', owner),
+         extract(epoch FROM now() - prepared)::float8, age(transaction)::int8, false
+  FROM pg_catalog.pg_prepared_xacts WHERE database = current_database()
+  UNION ALL
+  SELECT 'replication slot', slot_name::text,
+         CASE WHEN active THEN 'active' ELSE 'inactive: no standby connected' END,
+         NULL, age(xmin)::int8, NOT active
+  FROM pg_catalog.pg_replication_slots WHERE xmin IS NOT NULL
+) h ORDER BY xid_age DESC, age_secs DESC NULLS LAST";
 
 const HIDDEN_SQL: &str = "\
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity
@@ -50,15 +91,21 @@ SELECT COALESCE((SELECT n_dead_tup FROM pg_catalog.pg_stat_user_tables
                  WHERE relid = to_regclass($1::text)), 0)::int8";
 
 pub async fn horizon(client: &impl GenericClient) -> Result<Horizon, SourceError> {
-    let oldest = client.query_opt(HORIZON_SQL, &[]).await?.map(|r| Holder {
-        pid: r.get(0),
-        application: r.get(1),
-        user: r.get(2),
-        state: r.get(3),
-        age_secs: r.get::<_, f64>(4).max(0.0),
-    });
+    let holders = client
+        .query(HORIZON_SQL, &[])
+        .await?
+        .iter()
+        .map(|r| Holder {
+            kind: r.get(0),
+            name: r.get(1),
+            detail: r.get(2),
+            age_secs: r.get::<_, Option<f64>>(3).map(|s| s.max(0.0)),
+            xid_age: r.get(4),
+            abandoned: r.get(5),
+        })
+        .collect();
     let hidden = client.query_one(HIDDEN_SQL, &[]).await?.get(0);
-    Ok(Horizon { oldest, hidden })
+    Ok(Horizon { holders, hidden })
 }
 
 /// Dead tuples of the table named `table` (quoted), 0 before its first statistics.
@@ -71,16 +118,37 @@ pub const WARN_AFTER_SECS: f64 = 300.0;
 /// The same holder is named again at most this often.
 const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Says who holds back VACUUM: a WARN naming the oldest snapshot's session once it is
-/// [`WARN_AFTER_SECS`] old (again every 5 minutes while it stays), and once that other
-/// roles' sessions are hidden from this role.
+/// Says who holds back VACUUM: a WARN naming the holder with the oldest xmin among those
+/// open for [`WARN_AFTER_SECS`] and abandoned replication slots (again every 5 minutes
+/// while it stays), and once that other roles' sessions are hidden from this role.
 #[derive(Debug, Default)]
 pub struct Watch {
-    warned: Option<(i32, std::time::Instant)>,
+    warned: Option<(String, std::time::Instant)>,
     hidden_said: bool,
 }
 
 impl Watch {
+    /// The holder to name now, if any (and remembers it was named).
+    pub fn culprit<'h>(
+        &mut self,
+        horizon: &'h Horizon,
+        now: std::time::Instant,
+    ) -> Option<&'h Holder> {
+        let h = horizon
+            .holders
+            .iter()
+            .find(|h| h.abandoned || h.age_secs.is_some_and(|s| s >= WARN_AFTER_SECS))?;
+        let id = format!("{} {}", h.kind, h.name);
+        let again = match &self.warned {
+            Some((named, at)) => *named != id || now.duration_since(*at) >= WARN_EVERY,
+            None => true,
+        };
+        again.then(|| {
+            self.warned = Some((id, now));
+            h
+        })
+    }
+
     pub fn observe(&mut self, horizon: &Horizon, now: std::time::Instant) {
         if horizon.hidden && !std::mem::replace(&mut self.hidden_said, true) {
             tracing::info!(
@@ -88,27 +156,93 @@ impl Watch {
                  gauge covers only its own: GRANT pg_monitor TO <relay role> to see them all"
             );
         }
-        let Some(h) = &horizon.oldest else { return };
-        if h.age_secs < WARN_AFTER_SECS {
-            return;
-        }
-        let again = match self.warned {
-            Some((pid, at)) => pid != h.pid || now.duration_since(at) >= WARN_EVERY,
-            None => true,
-        };
-        if again {
-            self.warned = Some((h.pid, now));
+        if let Some(h) = self.culprit(horizon, now) {
             tracing::warn!(
-                pid = h.pid,
-                application_name = %h.application,
-                user = %h.user,
-                state = %h.state,
-                open_for = ?std::time::Duration::from_secs_f64(h.age_secs),
-                "A session holds a snapshot open: VACUUM cannot remove dead rows of the outbox \
-                 table (or any other) while it stays; claims keep their speed, the table and \
-                 its indexes grow. End that transaction (pg_terminate_backend(pid) if it is \
-                 forgotten)"
+                holder = %h.kind,
+                name = %h.name,
+                detail = %h.detail,
+                open_for = ?h.age_secs.map(std::time::Duration::from_secs_f64),
+                xmin_age_transactions = h.xid_age,
+                "VACUUM cannot remove dead rows of the outbox table (or any other) while this \
+                 holds its snapshot; claims keep their speed, the table and its indexes grow. \
+                 End it: a forgotten session with pg_terminate_backend(pid), a prepared \
+                 transaction with COMMIT PREPARED or ROLLBACK PREPARED 'gid', a slot no \
+                 standby uses any more with pg_drop_replication_slot('name')"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    fn holder(kind: &str, name: &str, age_secs: Option<f64>, abandoned: bool) -> Holder {
+        Holder {
+            kind: kind.into(),
+            name: name.into(),
+            detail: String::new(),
+            age_secs,
+            xid_age: 0,
+            abandoned,
+        }
+    }
+
+    #[test]
+    fn a_young_snapshot_or_an_active_slot_is_not_named() {
+        let horizon = Horizon {
+            holders: vec![
+                holder("replication slot", "standby", None, false),
+                holder("session", "42", Some(299.0), false),
+            ],
+            hidden: false,
+        };
+        assert_eq!(Watch::default().culprit(&horizon, Instant::now()), None);
+    }
+
+    #[test]
+    fn the_oldest_named_holder_is_named_again_every_five_minutes_or_when_it_changes() {
+        let t0 = Instant::now();
+        let mut watch = Watch::default();
+        let mut horizon = Horizon {
+            holders: vec![
+                holder("replication slot", "gone", None, true),
+                holder("prepared transaction", "tx1", Some(900.0), false),
+            ],
+            hidden: false,
+        };
+        assert_eq!(watch.culprit(&horizon, t0).unwrap().name, "gone");
+        assert_eq!(watch.culprit(&horizon, t0 + Duration::from_secs(299)), None);
+        assert_eq!(
+            watch
+                .culprit(&horizon, t0 + Duration::from_secs(300))
+                .unwrap()
+                .name,
+            "gone"
+        );
+        horizon.holders.remove(0);
+        assert_eq!(
+            watch
+                .culprit(&horizon, t0 + Duration::from_secs(301))
+                .unwrap()
+                .name,
+            "tx1"
+        );
+    }
+
+    #[test]
+    fn gauges_take_the_longest_known_age_and_the_oldest_xmin() {
+        let mut slot = holder("replication slot", "s", None, false);
+        slot.xid_age = 900;
+        let mut session = holder("session", "7", Some(12.5), false);
+        session.xid_age = 10;
+        let horizon = Horizon {
+            holders: vec![slot, session],
+            hidden: false,
+        };
+        assert_eq!(horizon.oldest_secs(), 12.5);
+        assert_eq!(horizon.oldest_xid_age(), 900);
+        assert_eq!(Horizon::default().oldest_secs(), 0.0);
     }
 }

@@ -218,21 +218,23 @@ pub struct Postgres {
 impl Postgres {
     /// initdb + start. Durability is relaxed (`fsync=off`) unless `durable` is set.
     pub fn start() -> Result<Postgres> {
-        Self::start_with(false)
+        Self::start_with(false, "")
     }
 
-    pub fn start_with(durable: bool) -> Result<Postgres> {
-        Self::start_inner(durable, None)
+    /// initdb + start, durable (`fsync`, `synchronous_commit`, `full_page_writes` on, as
+    /// PostgreSQL ships) or not, with `settings` (postgresql.conf lines) added last.
+    pub fn start_with(durable: bool, settings: &str) -> Result<Postgres> {
+        Self::start_inner(durable, None, settings)
     }
 
     /// A cluster with `ssl = on`, serving `ca`'s server certificate (SAN: IP 127.0.0.1
     /// only). pg_hba: role `outbox_relay` must come over TLS with a SCRAM password (a plain
     /// connection is rejected); everyone else is trusted, with or without TLS.
     pub fn start_tls(ca: &TestCa) -> Result<Postgres> {
-        Self::start_inner(false, Some(ca))
+        Self::start_inner(false, Some(ca), "")
     }
 
-    fn start_inner(durable: bool, tls: Option<&TestCa>) -> Result<Postgres> {
+    fn start_inner(durable: bool, tls: Option<&TestCa>, settings: &str) -> Result<Postgres> {
         let dir = scratch_dir("pg")?;
         let identity = pg_identity()?;
         if let Some((uid, gid)) = identity {
@@ -270,7 +272,8 @@ impl Postgres {
             identity,
         };
         let mut conf = String::from(
-            "listen_addresses = '127.0.0.1'\nmax_connections = 200\nshared_buffers = 128MB\n",
+            "listen_addresses = '127.0.0.1'\nmax_connections = 200\nshared_buffers = 128MB\n\
+             max_prepared_transactions = 10\n",
         );
         if !durable {
             conf.push_str("fsync = off\nsynchronous_commit = off\nfull_page_writes = off\n");
@@ -297,6 +300,7 @@ impl Postgres {
                  host all all 127.0.0.1/32 trust\n",
             )?;
         }
+        conf.push_str(settings);
         std::fs::write(data.join("postgresql.auto.conf"), conf)?;
         pg.spawn()?;
         Ok(pg)

@@ -21,8 +21,25 @@
 //!   and 20k rows/s, and a consumer subscribed to the subjects: commit-to-consumer latency
 //!   p50/p99/max per rate; then the time from SIGTERM to exit of the idle relay.
 //!
+//! - F. The table's size: the NATS key-ordered drain of 200,000 rows, then of
+//!   `--big-rows` (5,000,000), each on a freshly filled table: the big drain's rate as a
+//!   ratio to the small one's (goal: >= 0.9).
+//! - G. A held snapshot in steady state: `outbox-relay run` (default settings), a writer at
+//!   2,000 rows/s; commit-to-consumer latency for 60 s, then per minute for `--held-secs`
+//!   (600) while another session holds a REPEATABLE READ snapshot, with the table's dead
+//!   tuples; each minute's p99 as a ratio to the p99 before (goal: <= 2).
+//! - H. Mark mode with `relay.retention = --retention-secs` (60 s): the same writer for five
+//!   retentions; the table's rows and size once per retention (bounded: about the writer
+//!   rate times the retention), and the latency meanwhile.
+//!
+//! PostgreSQL is durable (`fsync`, `synchronous_commit`, `full_page_writes` on, as
+//! shipped) unless `--fast`; shared_buffers and checkpoints are sized for the data set
+//! ([`PG_SETTINGS`]), and the settings used are printed with the results.
+//!
 //! Usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES]
 //!        [--workers N] [--batch N] [--no-kafka] [--steady-secs N (10; 0 skips D)]
+//!        [--big-rows N (5000000; 0 skips F)] [--held-secs N (600; 0 skips G)]
+//!        [--retention-secs N (60; 0 skips H)] [--fast]
 
 use std::process::Command;
 use std::sync::Arc;
@@ -38,6 +55,17 @@ use testkit::{KafkaBroker, NatsServer, Postgres};
 
 const TOPICS: usize = 8;
 
+/// PostgreSQL settings for the benchmark, beyond the test harness's: memory for the data
+/// set (5M rows of 256 bytes are about 2 GB with their indexes) and checkpoints spaced so
+/// that a drain is not measured across a forced one every few seconds.
+const PG_SETTINGS: &str = "shared_buffers = 2GB\nmax_wal_size = 16GB\n\
+                           checkpoint_timeout = 15min\n";
+
+/// The rows F compares the big drain with.
+const SMALL_ROWS: i64 = 200_000;
+/// The writer's rate in G and H.
+const STEADY_RATE: u32 = 2_000;
+
 struct Args {
     relay: String,
     rows: i64,
@@ -48,10 +76,18 @@ struct Args {
     kafka: bool,
     /// Seconds per writer rate in D; 0 skips D.
     steady_secs: u64,
+    /// Rows of F's big drain; 0 skips F.
+    big_rows: i64,
+    /// Seconds G holds the snapshot; 0 skips G.
+    held_secs: u64,
+    /// H's retention in seconds; 0 skips H.
+    retention_secs: u64,
+    /// PostgreSQL with fsync off.
+    fast: bool,
 }
 
 fn args() -> Result<Args> {
-    let usage = "usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES] [--workers N] [--batch N] [--no-kafka] [--steady-secs N]";
+    let usage = "usage: outbox-bench PATH-TO-outbox-relay [--rows N] [--keys N] [--payload BYTES] [--workers N] [--batch N] [--no-kafka] [--steady-secs N] [--big-rows N] [--held-secs N] [--retention-secs N] [--fast]";
     let mut it = std::env::args().skip(1);
     let mut a = Args {
         relay: it.next().context(usage)?,
@@ -62,6 +98,10 @@ fn args() -> Result<Args> {
         batch: 500,
         kafka: true,
         steady_secs: 10,
+        big_rows: 5_000_000,
+        held_secs: 600,
+        retention_secs: 60,
+        fast: false,
     };
     while let Some(arg) = it.next() {
         let mut value = || -> Result<String> { it.next().context(usage) };
@@ -73,6 +113,10 @@ fn args() -> Result<Args> {
             "--batch" => a.batch = value()?.parse()?,
             "--no-kafka" => a.kafka = false,
             "--steady-secs" => a.steady_secs = value()?.parse()?,
+            "--big-rows" => a.big_rows = value()?.parse()?,
+            "--held-secs" => a.held_secs = value()?.parse()?,
+            "--retention-secs" => a.retention_secs = value()?.parse()?,
+            "--fast" => a.fast = true,
             other => bail!("unknown argument {other:?}; {usage}"),
         }
     }
@@ -145,13 +189,21 @@ impl Bench {
     /// Fills the table; `poison` rows of key `poison` to a subject no stream captures
     /// come first, at the head of every claim window.
     async fn seed(&self, poison: i64) -> Result<()> {
+        self.seed_rows(poison, self.a.rows).await
+    }
+
+    async fn seed_rows(&self, poison: i64, rows: i64) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client.batch_execute("TRUNCATE public.outbox").await?;
-        self.insert(poison).await
+        self.insert_rows(poison, rows).await
     }
 
     /// Adds the benchmark's rows (and `poison` rows first) to what the table holds.
     async fn insert(&self, poison: i64) -> Result<()> {
+        self.insert_rows(poison, self.a.rows).await
+    }
+
+    async fn insert_rows(&self, poison: i64, rows: i64) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client
             .execute(
@@ -167,7 +219,7 @@ impl Bench {
                         convert_to(rpad(n::text, $3::int, 'x'), 'UTF8')
                  FROM generate_series(1, $1::bigint) n ORDER BY n",
                 &[
-                    &self.a.rows,
+                    &rows,
                     &self.a.keys,
                     &(self.a.payload as i32),
                     &(TOPICS as i64),
@@ -338,9 +390,33 @@ impl Bench {
         Ok((first, second))
     }
 
+    /// F: the same drain on a table of 200,000 rows and of `--big-rows`.
+    async fn table_size(&self) -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for n in [SMALL_ROWS, self.a.big_rows] {
+            eprintln!("    F. filling the table with {n} rows");
+            self.seed_rows(0, n).await?;
+            self.reset_nats().await?;
+            let mut row = self.timed_drain_of("nats", "key", n).await?;
+            row.name = format!("F. C (nats, key) on a table of {n} rows");
+            rows.push(row);
+        }
+        Ok(rows)
+    }
+
     /// `outbox-relay drain` as a process, timed from its start to its exit (start-up and
     /// connecting included), on what the table holds now.
     async fn timed_drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
+        self.timed_drain_of(sink, ordering, self.a.rows).await
+    }
+
+    /// [`Bench::timed_drain`] of a table that holds `rows` rows.
+    async fn timed_drain_of(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        rows: i64,
+    ) -> Result<Row> {
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
         std::fs::write(&path, self.config_text(sink, ordering))?;
         let started = Instant::now();
@@ -363,12 +439,12 @@ impl Bench {
             + usage.ru_stime.tv_usec as f64 / 1e6;
         Ok(Row {
             name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
-            rows: self.a.rows,
+            rows,
             secs,
             broker: sink,
             ordering,
             rss_mb: Some(usage.ru_maxrss as f64 / 1024.0),
-            cpu_per_100k: Some(cpu / (self.a.rows as f64 / 100_000.0)),
+            cpu_per_100k: Some(cpu / (rows as f64 / 100_000.0)),
             cores_busy: machine.busy_since(),
         })
     }
@@ -421,7 +497,7 @@ async fn main() -> Result<()> {
         "==> Starting throwaway PostgreSQL, nats-server{} on free 127.0.0.1 ports",
         if a.kafka { " and tansu" } else { "" }
     );
-    let pg = Postgres::start()?;
+    let pg = Postgres::start_with(!a.fast, PG_SETTINGS)?;
     let db_url = pg.create_database("app").await?;
     let nats = NatsServer::start()?;
     let kafka = if a.kafka {
@@ -489,10 +565,42 @@ async fn main() -> Result<()> {
         step(bench.drain("kafka", "key").await)?;
         step(bench.drain("kafka", "none").await)?;
     }
+    if bench.a.big_rows > 0 {
+        for row in bench.table_size().await? {
+            step(Ok(row))?;
+        }
+    }
     let steady = if bench.a.steady_secs > 0 {
         Some(bench.steady_state().await?)
     } else {
         None
+    };
+    let held = if bench.a.held_secs > 0 {
+        Some(bench.held_steady().await?)
+    } else {
+        None
+    };
+    let retention = if bench.a.retention_secs > 0 {
+        Some(bench.retention().await?)
+    } else {
+        None
+    };
+    let settings = {
+        let client = bench.pg.connect("app").await?;
+        let mut shown = Vec::new();
+        for name in [
+            "server_version",
+            "fsync",
+            "synchronous_commit",
+            "full_page_writes",
+            "shared_buffers",
+            "max_wal_size",
+            "checkpoint_timeout",
+        ] {
+            let value: String = client.query_one(&format!("SHOW {name}"), &[]).await?.get(0);
+            shown.push(format!("{name}={value}"));
+        }
+        shown.join(", ")
     };
     let _ = std::fs::remove_dir_all(&bench.dir);
 
@@ -516,6 +624,7 @@ async fn main() -> Result<()> {
         bench.a.batch,
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
+    println!("PostgreSQL: {settings}\n");
     println!(
         "| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows | machine cores busy |"
     );
@@ -562,6 +671,21 @@ async fn main() -> Result<()> {
             second / first
         );
     }
+    if let (Some(small), Some(big)) = (
+        rows.iter()
+            .find(|r| r.name.starts_with("F.") && r.rows == SMALL_ROWS),
+        rows.iter()
+            .find(|r| r.name.starts_with("F.") && r.rows != SMALL_ROWS),
+    ) {
+        println!(
+            "\nF table size: {} rows drained at {:.0} rows/s = {:.2} of {} rows ({:.0} rows/s)",
+            big.rows,
+            big.rate(),
+            big.rate() / small.rate(),
+            small.rows,
+            small.rate()
+        );
+    }
     if let Some(steady) = steady {
         println!(
             "\nD. steady state, `outbox-relay run` with default relay settings, NATS, \
@@ -573,7 +697,7 @@ async fn main() -> Result<()> {
         for l in &steady.rates {
             println!(
                 "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms |",
-                l.rate, l.rows, l.delivered, l.p50_ms, l.p99_ms, l.max_ms
+                l.label, l.rows, l.delivered, l.p50_ms, l.p99_ms, l.max_ms
             );
         }
         println!(
@@ -581,11 +705,70 @@ async fn main() -> Result<()> {
             steady.exit_code, steady.exit_ms
         );
     }
+    if let Some(windows) = held {
+        println!(
+            "\nG. held snapshot in steady state: `outbox-relay run`, default settings, NATS, \
+             writer at {STEADY_RATE} rows/s; commit-to-consumer latency per minute\n"
+        );
+        println!(
+            "| minute | rows | delivered | dead tuples after | p50 | p99 | p99 / before | max |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+        let before = windows[0].0.p99_ms;
+        for (l, dead) in &windows {
+            println!(
+                "| {} | {} | {} | {} | {:.1} ms | {:.1} ms | {:.2} | {:.1} ms |",
+                l.label,
+                l.rows,
+                l.delivered,
+                dead,
+                l.p50_ms,
+                l.p99_ms,
+                l.p99_ms / before,
+                l.max_ms
+            );
+        }
+        let worst = windows[1..]
+            .iter()
+            .map(|(l, _)| l.p99_ms)
+            .fold(0.0, f64::max);
+        println!(
+            "\nG worst held minute: p99 {worst:.1} ms = {:.2} of the p99 before ({before:.1} ms)",
+            worst / before
+        );
+    }
+    if let Some(samples) = retention {
+        let r = bench.a.retention_secs;
+        println!(
+            "\nH. mark mode, relay.retention = \"{r}s\": writer at {STEADY_RATE} rows/s; the \
+             table after each {r} s\n"
+        );
+        println!(
+            "| after | rows written | rows in the table | table + indexes | p50 | p99 | max |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|");
+        let mut written = 0;
+        for (l, rows, mb) in &samples {
+            written += l.rows;
+            println!(
+                "| {} | {written} | {rows} | {mb:.1} MB | {:.1} ms | {:.1} ms | {:.1} ms |",
+                l.label, l.p50_ms, l.p99_ms, l.max_ms
+            );
+        }
+        println!(
+            "\nH table after {} s: {} rows ({:.1} MB); the writer's rate x the retention is {} rows",
+            5 * r,
+            samples.last().map_or(0, |s| s.1),
+            samples.last().map_or(0.0, |s| s.2),
+            u64::from(STEADY_RATE) * r
+        );
+    }
     Ok(())
 }
 
 struct Latency {
-    rate: u32,
+    /// What was measured: a writer rate, a minute of a run.
+    label: String,
     rows: usize,
     delivered: usize,
     p50_ms: f64,
@@ -607,23 +790,83 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// Ids the consumer received, with when.
+type Received = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<i64, Instant>>>;
+
+/// `outbox-relay run` with a consumer timing each message, for D, G and H.
+struct Running {
+    client: tokio_postgres::Client,
+    received: Received,
+    consumer: tokio::task::JoinHandle<()>,
+    relay: std::process::Child,
+}
+
+/// Rows committed by the writer: id and commit time.
+type Committed = Vec<(i64, Instant)>;
+
+impl Running {
+    /// Latency of the rows `committed`, once they arrived (or 10 s passed).
+    async fn latency(&self, label: String, committed: &[(i64, Instant)]) -> Latency {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            let all_arrived = {
+                let got = self.received.lock().unwrap();
+                committed.iter().all(|(id, _)| got.contains_key(id))
+            };
+            if all_arrived {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let got = self.received.lock().unwrap();
+        let mut latencies: Vec<f64> = committed
+            .iter()
+            .filter_map(|(id, at)| {
+                got.get(id)
+                    .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+            })
+            .collect();
+        latencies.sort_by(|a, b| a.total_cmp(b));
+        Latency {
+            label,
+            rows: committed.len(),
+            delivered: latencies.len(),
+            p50_ms: percentile(&latencies, 0.50),
+            p99_ms: percentile(&latencies, 0.99),
+            max_ms: latencies.last().copied().unwrap_or(f64::NAN),
+        }
+    }
+
+    /// SIGTERM, and the time to exit.
+    fn stop(mut self) -> Result<(i32, f64)> {
+        let sent = Instant::now();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.relay.id() as i32, libc::SIGTERM) };
+        let status = self.relay.wait()?;
+        self.consumer.abort();
+        Ok((
+            status.code().unwrap_or(-1),
+            sent.elapsed().as_secs_f64() * 1000.0,
+        ))
+    }
+}
+
 impl Bench {
-    /// D: an open-loop writer, the relay running, a consumer timing each message.
-    async fn steady_state(&self) -> Result<Steady> {
+    /// An empty table and stream, `outbox-relay run` with the default relay settings plus
+    /// `relay` (lines of `[relay]`), the NOTIFY trigger the default migrate installs, and
+    /// a consumer subscribed to the subjects.
+    async fn start_running(&self, name: &str, relay: &str) -> Result<Running> {
         use futures_util::StreamExt;
-        use std::collections::HashMap;
-        use std::sync::Mutex;
 
         let client = self.pg.connect("app").await?;
         client.batch_execute("TRUNCATE public.outbox").await?;
         self.reset_nats().await?;
-        // Default relay settings, and the NOTIFY trigger the default migrate installs.
-        let path = self.dir.join("steady.toml");
+        let path = self.dir.join(format!("{name}.toml"));
         std::fs::write(
             &path,
             format!(
-                "[postgres]\nurl = \"{}\"\n[sink]\nkind = \"nats\"\n[sink.nats]\nurl = \"{}\"\n\
-                 [[tables]]\nname = \"public.outbox\"\n",
+                "[postgres]\nurl = \"{}\"\n[relay]\n{relay}\n[sink]\nkind = \"nats\"\n\
+                 [sink.nats]\nurl = \"{}\"\n[[tables]]\nname = \"public.outbox\"\n",
                 self.db_url,
                 self.nats.url()
             ),
@@ -635,8 +878,7 @@ impl Bench {
         if !out.status.success() {
             bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
         }
-
-        let received: Arc<Mutex<HashMap<i64, Instant>>> = Arc::default();
+        let received: Received = Arc::default();
         let nc = async_nats::connect(self.nats.url()).await?;
         let mut sub = nc.subscribe("bench.>").await?;
         let sink = received.clone();
@@ -653,82 +895,133 @@ impl Bench {
                 }
             }
         });
-
-        let mut relay = Command::new(&self.a.relay)
+        let relay = Command::new(&self.a.relay)
             .args(["run", "--config"])
             .arg(&path)
             .env("RUST_LOG", "warn")
             .spawn()?;
         tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok(Running {
+            client,
+            received,
+            consumer,
+            relay,
+        })
+    }
 
+    /// An open-loop writer: a transaction every 10 ms at its scheduled time, however late
+    /// the last, `rate` rows/s for `secs`.
+    async fn write(
+        &self,
+        client: &tokio_postgres::Client,
+        rate: u32,
+        secs: u64,
+    ) -> Result<Committed> {
         let payload = "x".repeat(self.a.payload as usize);
+        let per_tick = (rate / 100).max(1) as i64;
+        let mut committed = Vec::new();
+        let start = Instant::now();
+        for tick in 0..secs * 100 {
+            let due = start + Duration::from_millis(tick * 10);
+            tokio::time::sleep_until(due.into()).await;
+            let ids: Vec<i64> = client
+                .query(
+                    "INSERT INTO public.outbox (topic, key, payload)
+                     SELECT 'bench.' || (n % 8), 'k' || (n % $3::bigint), convert_to($2, 'UTF8')
+                     FROM generate_series(1, $1::bigint) n RETURNING id",
+                    &[&per_tick, &payload, &self.a.keys],
+                )
+                .await?
+                .iter()
+                .map(|r| r.get(0))
+                .collect();
+            let at = Instant::now(); // autocommit: the INSERT has committed
+            committed.extend(ids.into_iter().map(|id| (id, at)));
+        }
+        Ok(committed)
+    }
+
+    /// D: the writer at rising rates.
+    async fn steady_state(&self) -> Result<Steady> {
+        let run = self.start_running("steady", "").await?;
         let mut rates = Vec::new();
         for rate in [1_000u32, 2_000, 5_000, 20_000] {
             eprintln!("    D. writer at {rate} rows/s for {}s", self.a.steady_secs);
-            let per_tick = (rate / 100).max(1) as i64; // a transaction every 10 ms
-            let ticks = self.a.steady_secs * 100;
-            let mut committed: HashMap<i64, Instant> = HashMap::new();
-            let start = Instant::now();
-            for tick in 0..ticks {
-                // Open loop: each transaction at its scheduled time, however late the last.
-                let due = start + Duration::from_millis(tick * 10);
-                tokio::time::sleep_until(due.into()).await;
-                let ids: Vec<i64> = client
-                    .query(
-                        "INSERT INTO public.outbox (topic, key, payload)
-                         SELECT 'bench.' || (n % 8), 'k' || (n % $3::bigint), convert_to($2, 'UTF8')
-                         FROM generate_series(1, $1::bigint) n RETURNING id",
-                        &[&per_tick, &payload, &self.a.keys],
-                    )
-                    .await?
-                    .iter()
-                    .map(|r| r.get(0))
-                    .collect();
-                let at = Instant::now(); // autocommit: the INSERT has committed
-                committed.extend(ids.into_iter().map(|id| (id, at)));
-            }
-            // Let the tail arrive.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline {
-                let all_arrived = {
-                    let got = received.lock().unwrap();
-                    committed.keys().all(|id| got.contains_key(id))
-                };
-                if all_arrived {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            let got = received.lock().unwrap();
-            let mut latencies: Vec<f64> = committed
-                .iter()
-                .filter_map(|(id, at)| {
-                    got.get(id)
-                        .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
-                })
-                .collect();
-            latencies.sort_by(|a, b| a.total_cmp(b));
-            rates.push(Latency {
-                rate,
-                rows: committed.len(),
-                delivered: latencies.len(),
-                p50_ms: percentile(&latencies, 0.50),
-                p99_ms: percentile(&latencies, 0.99),
-                max_ms: latencies.last().copied().unwrap_or(f64::NAN),
-            });
+            let committed = self.write(&run.client, rate, self.a.steady_secs).await?;
+            rates.push(run.latency(rate.to_string(), &committed).await);
         }
         // The relay is idle now: how fast does it leave on SIGTERM?
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let sent = Instant::now();
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
-        let status = relay.wait()?;
-        let exit_ms = sent.elapsed().as_secs_f64() * 1000.0;
-        consumer.abort();
+        let (exit_code, exit_ms) = run.stop()?;
         Ok(Steady {
             rates,
-            exit_code: status.code().unwrap_or(-1),
+            exit_code,
             exit_ms,
         })
+    }
+
+    /// The table's dead tuples (statistics, as autovacuum sees them), live rows and size.
+    async fn table_state(client: &tokio_postgres::Client) -> Result<(i64, i64, f64)> {
+        let row = client
+            .query_one(
+                "SELECT COALESCE((SELECT n_dead_tup FROM pg_stat_user_tables \
+                 WHERE relid = 'public.outbox'::regclass), 0), \
+                 (SELECT count(*) FROM public.outbox), \
+                 pg_total_relation_size('public.outbox')::float8 / 1048576",
+                &[],
+            )
+            .await?;
+        Ok((row.get(0), row.get(1), row.get(2)))
+    }
+
+    /// G: the writer at [`STEADY_RATE`] for a minute, then for `--held-secs` while another
+    /// session holds a REPEATABLE READ snapshot; latency per minute and the dead tuples.
+    async fn held_steady(&self) -> Result<Vec<(Latency, i64)>> {
+        let run = self.start_running("held", "").await?;
+        let mut windows = Vec::new();
+        eprintln!("    G. writer at {STEADY_RATE} rows/s: 60 s before the snapshot");
+        let committed = self.write(&run.client, STEADY_RATE, 60).await?;
+        let before = run.latency("before".to_owned(), &committed).await;
+        windows.push((before, Self::table_state(&run.client).await?.0));
+        let holder = self.pg.connect("app").await?;
+        holder
+            .batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_catalog.pg_class",
+            )
+            .await?;
+        let minutes = self.a.held_secs.div_ceil(60);
+        for minute in 1..=minutes {
+            eprintln!("    G. snapshot held: minute {minute} of {minutes}");
+            let committed = self.write(&run.client, STEADY_RATE, 60).await?;
+            let latency = run
+                .latency(format!("held, minute {minute}"), &committed)
+                .await;
+            windows.push((latency, Self::table_state(&run.client).await?.0));
+        }
+        holder.batch_execute("ROLLBACK").await?;
+        run.stop()?;
+        Ok(windows)
+    }
+
+    /// H: mark mode with retention; the writer for five retentions, the table sampled once
+    /// per retention.
+    async fn retention(&self) -> Result<Vec<(Latency, i64, f64)>> {
+        let r = self.a.retention_secs;
+        let run = self
+            .start_running(
+                "retention",
+                &format!("on_publish = \"mark\"\nretention = \"{r}s\""),
+            )
+            .await?;
+        let mut samples = Vec::new();
+        for i in 1..=5 {
+            eprintln!("    H. mark mode, retention {r}s: {} s of 5 x {r} s", i * r);
+            let committed = self.write(&run.client, STEADY_RATE, r).await?;
+            let latency = run.latency(format!("{} s", i * r), &committed).await;
+            let (_, rows, mb) = Self::table_state(&run.client).await?;
+            samples.push((latency, rows, mb));
+        }
+        run.stop()?;
+        Ok(samples)
     }
 }
