@@ -211,6 +211,7 @@ impl Worker {
             shared.source.bounded(tx.rollback()).await?;
             return Ok(Batch::Empty);
         }
+        table.floor.note_claimed(rows.iter().map(|r| r.id).max());
         let started = Instant::now();
         let span = tracing::Span::current();
         span.record("rows", rows.len());

@@ -31,7 +31,9 @@
 //! # Raising the floor: a fence
 //!
 //! Every [`TICK`] the keeper looks at the table in one snapshot: the first fresh pending row
-//! from the floor on that is not held back (a *candidate* `c` for the floor), the fresh
+//! from the floor on that is not held back (a *candidate* `c` for the floor; when there is
+//! none, one past the highest id this process had claimed before the look began: that row
+//! was committed before the look too, which is all the argument below needs), the fresh
 //! rows before it (all held back), which stragglers are still fresh and pending, and the
 //! snapshot's `xmin` and `xmax`. A row below `c` that this snapshot could not see belongs to
 //! a transaction still running, which may commit later: the floor must not pass it yet. So
@@ -70,6 +72,7 @@
 //! second on a table VACUUM keeps clean; with a snapshot held, as long as 20 times the
 //! walk through the dead entries below the floor takes.
 
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -116,22 +119,50 @@ impl Default for FloorView {
     }
 }
 
-/// The floor of one table, shared by the keeper (who moves it) and the claims (who read it).
-#[derive(Debug, Default)]
-pub struct FloorCell(Mutex<FloorView>);
+/// The floor of one table, shared by the keeper (who moves it) and the claims (who read it
+/// and say how far they got).
+#[derive(Debug)]
+pub struct FloorCell {
+    view: Mutex<FloorView>,
+    /// The highest id a claim of this process has locked (`i64::MIN`: none yet).
+    claimed: AtomicI64,
+}
+
+impl Default for FloorCell {
+    fn default() -> Self {
+        FloorCell {
+            view: Mutex::default(),
+            claimed: AtomicI64::new(i64::MIN),
+        }
+    }
+}
 
 impl FloorCell {
     pub fn view(&self) -> FloorView {
-        self.0.lock().unwrap().clone()
+        self.view.lock().unwrap().clone()
+    }
+
+    /// A claim locked rows up to `max`: committed rows, so every id drawn before it is
+    /// committed, or belongs to a transaction running now (see *Raising the floor*).
+    pub fn note_claimed(&self, max: Option<i64>) {
+        if let Some(max) = max {
+            self.claimed.fetch_max(max, AtomicOrdering::Relaxed);
+        }
+    }
+
+    /// One past the highest id claimed so far, if any.
+    fn claimed_past(&self) -> Option<i64> {
+        let claimed = self.claimed.load(AtomicOrdering::Relaxed);
+        (claimed > i64::MIN).then(|| claimed.saturating_add(1))
     }
 
     /// A worker recorded a failure: rows with a failure history exist now.
     pub fn note_retrying(&self) {
-        self.0.lock().unwrap().retrying = true;
+        self.view.lock().unwrap().retrying = true;
     }
 
     fn publish(&self, floor: &Floor) {
-        let mut view = self.0.lock().unwrap();
+        let mut view = self.view.lock().unwrap();
         view.value = floor.value;
         view.stragglers = Arc::from(floor.stragglers.as_slice());
         view.retrying = floor.retrying;
@@ -149,16 +180,21 @@ pub struct Observation {
     pub walk: Vec<(i64, bool)>,
     /// The stragglers still fresh and pending.
     pub kept: Vec<i64>,
+    /// One past the highest id this process had claimed before the look began.
+    pub claimed_past: Option<i64>,
 }
 
 impl Observation {
     /// The first row not held back; if every row read was held back and the read was cut
-    /// short, the last one read (nothing beyond it was seen).
+    /// short, the last one read (nothing beyond it was seen); if no fresh row is left
+    /// unheld, one past the highest id claimed before the look. The relay keeps up in
+    /// steady state, so looks mostly find no fresh row: without this last case the floor
+    /// would stay where it was, and claims would walk every row published since.
     fn candidate(&self) -> Option<i64> {
         match self.walk.iter().find(|(_, held)| !held) {
             Some((id, _)) => Some(*id),
             None if self.walk.len() >= WALK => self.walk.last().map(|(id, _)| *id),
-            None => None,
+            None => self.claimed_past,
         }
     }
 }
@@ -334,7 +370,12 @@ pub async fn keep(
             _ = done.cancelled() => return,
             _ = tokio::time::sleep(TICK) => {}
         }
-        match source.bounded(tick(source, sql, &mut floor)).await {
+        // Read before the look begins: every id claimed by then is committed.
+        let claimed_past = cell.claimed_past();
+        match source
+            .bounded(tick(source, sql, &mut floor, claimed_past))
+            .await
+        {
             Ok(()) => {
                 cell.publish(&floor);
                 failing = false;
@@ -358,7 +399,12 @@ pub async fn keep(
     }
 }
 
-async fn tick(source: &Source, sql: &TableSql, floor: &mut Floor) -> Result<(), SourceError> {
+async fn tick(
+    source: &Source,
+    sql: &TableSql,
+    floor: &mut Floor,
+    claimed_past: Option<i64>,
+) -> Result<(), SourceError> {
     let session = source.session().await?;
     let result = async {
         let stragglers = floor.stragglers().to_vec();
@@ -380,6 +426,7 @@ async fn tick(source: &Source, sql: &TableSql, floor: &mut Floor) -> Result<(), 
             retrying: row.get(2),
             walk,
             kept: row.get(5),
+            claimed_past,
         });
         if let Some((lo, hi)) = floor.sweep_due(Instant::now()) {
             let started = Instant::now();
@@ -410,7 +457,41 @@ mod tests {
             retrying: false,
             walk: walk.to_vec(),
             kept: kept.to_vec(),
+            claimed_past: None,
         }
+    }
+
+    #[test]
+    fn with_no_fresh_row_left_the_floor_rises_past_what_was_claimed() {
+        let mut floor = Floor::new(Instant::now());
+        // The relay keeps up: the looks find no fresh row, only what it claimed tells.
+        let idle = |xmin, xmax, claimed_past| Observation {
+            claimed_past,
+            ..look(xmin, xmax, &[], &[])
+        };
+        floor.observe(idle(100, 110, None));
+        floor.observe(idle(110, 120, None));
+        assert_eq!(floor.value(), i64::MIN, "nothing claimed, nothing known");
+        floor.observe(idle(120, 130, Some(501)));
+        floor.observe(idle(130, 140, Some(801)));
+        assert_eq!(floor.value(), 501);
+        // A row committed late below 801 is seen by the fence's look: the floor stops at it.
+        floor.observe(look(140, 150, &[(700, false)], &[]));
+        assert_eq!(floor.value(), 700);
+        floor.observe(idle(150, 160, Some(1001)));
+        // Held rows before what was claimed are listed as stragglers.
+        floor.observe(Observation {
+            claimed_past: Some(1201),
+            ..look(160, 170, &[(900, true)], &[])
+        });
+        assert_eq!(floor.value(), 1001);
+        assert_eq!(floor.stragglers(), [900]);
+        floor.observe(Observation {
+            claimed_past: Some(1301),
+            ..look(170, 180, &[], &[900])
+        });
+        assert_eq!(floor.value(), 1201);
+        assert_eq!(floor.stragglers(), [900]);
     }
 
     #[test]
