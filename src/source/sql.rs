@@ -211,6 +211,13 @@ impl TableSql {
         let retrying = format!("{pending} AND {next} IS NOT NULL");
         let fresh =
             format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{next} IS NULL");
+        // Bounds on the order column are written `(SELECT $n)`: an index condition all the
+        // same, but a value the planner does not see. Seen, a bound in the first bucket of
+        // the column's histogram (`i64::MIN` for a claim's first window; the floor, right
+        // after ANALYZE) made every custom plan ask the index for the column's actual
+        // minimum, walking the entries of every row published since the last VACUUM: a
+        // drain of 3,000,000 rows slowed from 88,000 to 60,000 rows/s as it went (perf:
+        // get_actual_variable_range under the planner), one of 200,000 rows did not.
         // Below the floor: the stragglers, by primary key (skipped outright, a one-time
         // filter, when there are none), and rows with a failure history, from the retry
         // index. The order column is hidden from the retry part's bounds (`+ 0`) so that no
@@ -244,7 +251,7 @@ impl TableSql {
         };
         TableSql {
             claim_unordered: budgeted(
-                &format!("{pending} AND {due} AND {id} >= $2"),
+                &format!("{pending} AND {due} AND {id} >= (SELECT $2::bigint)"),
                 &columns,
                 &t,
                 &id,
@@ -264,12 +271,13 @@ impl TableSql {
             // rows, key order).
             window: format!(
                 "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-                 {osize} AS size FROM {t} o WHERE {stragglers} AND o.{id} > $1 AND {window_filter} \
+                 {osize} AS size FROM {t} o WHERE {stragglers} AND (o.{id} + 0) > $1 AND {window_filter} \
                  UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize} FROM {t} o \
                  WHERE {retrying} AND (o.{id} + 0) > $1 AND {window_filter}), \
                  main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
                  {osize} AS size \
-                 FROM {t} o WHERE o.{id} >= $4 AND o.{id} > $1 AND {window_filter} \
+                 FROM {t} o WHERE o.{id} >= (SELECT $4::bigint) AND o.{id} > (SELECT $1::bigint) \
+                 AND {window_filter} \
                  ORDER BY o.{id} LIMIT $2) \
                  SELECT id, key, size FROM low UNION ALL SELECT id, key, size FROM main \
                  ORDER BY id LIMIT $2",
@@ -282,12 +290,13 @@ impl TableSql {
             // all held back (read only up to it, at most `$2`).
             advance: format!(
                 "WITH c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
-                 WHERE {fresh} AND o.{id} >= $1 AND NOT {held_back_row} ORDER BY o.{id} LIMIT 1) \
+                 WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND NOT {held_back_row} \
+                 ORDER BY o.{id} LIMIT 1) \
                  SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
                  pg_snapshot_xmax(pg_current_snapshot())::text::int8, \
                  EXISTS (SELECT 1 FROM {t} WHERE {retrying}), \
                  (SELECT id FROM c), \
-                 ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE {fresh} AND o.{id} >= $1 \
+                 ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
                  AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
                  ORDER BY o.{id} LIMIT $2), \
                  ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE o.{id} = ANY($3::bigint[]) \
@@ -295,7 +304,8 @@ impl TableSql {
             ),
             sweep: format!(
                 "SELECT o.{id}::bigint, {held_back_row} FROM {t} o WHERE {fresh} \
-                 AND o.{id} >= $1 AND o.{id} < $2 AND o.{id} <> ALL($3::bigint[]) \
+                 AND o.{id} >= (SELECT $1::bigint) AND o.{id} < (SELECT $2::bigint) \
+                 AND o.{id} <> ALL($3::bigint[]) \
                  ORDER BY o.{id} LIMIT $4"
             ),
             lock_rows: format!(
@@ -358,14 +368,15 @@ impl TableSql {
                 "UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"
             ),
             backlog: format!(
-                "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= $1) \
+                "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
                  + (SELECT count(*) FROM {t} WHERE {pending} AND {low_stragglers}) \
                  + (SELECT count(*) FROM {t} WHERE {pending} AND {low_retrying}), \
                  COALESCE(({}), 0)::float8",
                 match &shape.created_at {
                     Some(c) => format!(
                         "SELECT extract(epoch FROM now() - LEAST(\
-                         (SELECT {c} FROM {t} WHERE {pending} AND {id} >= $1 ORDER BY {id} LIMIT 1), \
+                         (SELECT {c} FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint) \
+                         ORDER BY {id} LIMIT 1), \
                          (SELECT min({c}) FROM {t} WHERE {pending} AND {low_stragglers}), \
                          (SELECT min({c}) FROM {t} WHERE {pending} AND {low_retrying})))",
                         c = c.quoted()
@@ -383,7 +394,7 @@ impl TableSql {
                     "WITH chunk AS MATERIALIZED (SELECT {id}::bigint AS id, \
                      {published_at} < {cutoff} AS old, {created_at} >= {cutoff} AS young, \
                      {published_at} >= {cutoff} AS ripening \
-                     FROM {t} WHERE {id} > $1 ORDER BY {id} LIMIT $2), \
+                     FROM {t} WHERE {id} > (SELECT $1::bigint) ORDER BY {id} LIMIT $2), \
                      gone AS (DELETE FROM {t} WHERE {id} IN (SELECT o.{id} FROM {t} o \
                      WHERE o.{id} = ANY(ARRAY(SELECT id FROM chunk WHERE old)) \
                      AND o.{published_at} < {cutoff} FOR UPDATE SKIP LOCKED) RETURNING 1) \

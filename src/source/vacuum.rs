@@ -161,7 +161,9 @@ impl Watch {
                 holder = %h.kind,
                 name = %h.name,
                 detail = %h.detail,
-                open_for = ?h.age_secs.map(std::time::Duration::from_secs_f64),
+                open_for = %h
+                    .age_secs
+                    .map_or("unknown (a slot records no time)".to_owned(), |s| format!("{s:.0}s")),
                 xmin_age_transactions = h.xid_age,
                 "VACUUM cannot remove dead rows of the outbox table (or any other) while this \
                  holds its snapshot; claims keep their speed, the table and its indexes grow. \
