@@ -34,14 +34,6 @@ fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
 }
 
 /// The value of the first sample line starting with `prefix`.
-fn sample(metrics: &str, prefix: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
     let (env, addr) =
@@ -335,12 +327,7 @@ async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
     )
     .await;
     report.batch_execute("ROLLBACK").await.unwrap();
-    let released = async || {
-        let Ok((200, body)) = http_get(&addr, "/metrics") else {
-            return false;
-        };
-        sample(&body, "outbox_relay_oldest_snapshot_age_seconds ") == Some(0.0)
-    };
+    let released = async || scrape(&addr, "outbox_relay_oldest_snapshot_age_seconds ") == Some(0.0);
     wait_until(
         "the gauge to see the report's snapshot gone",
         Duration::from_secs(30),
@@ -361,11 +348,8 @@ async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
         .await
         .unwrap();
     let seen = async || {
-        let Ok((200, body)) = http_get(&addr, "/metrics") else {
-            return false;
-        };
-        let age = sample(&body, "outbox_relay_oldest_snapshot_age_seconds ").unwrap_or(0.0);
-        let xids = sample(&body, "outbox_relay_oldest_snapshot_xid_age ").unwrap_or(0.0);
+        let age = scrape(&addr, "outbox_relay_oldest_snapshot_age_seconds ").unwrap_or(0.0);
+        let xids = scrape(&addr, "outbox_relay_oldest_snapshot_xid_age ").unwrap_or(0.0);
         age >= 2.0 && xids >= 2.0
     };
     wait_until(

@@ -390,7 +390,6 @@ impl<'de> Deserialize<'de> for DurationValue {
     }
 }
 
-/// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"` (a whole number and a unit).
 /// A size in bytes, written `"8MiB"`, `"512KiB"`, `"1GB"` or a bare number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SizeValue(pub u64);
@@ -445,6 +444,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     n.checked_mul(factor).ok_or_else(bad)
 }
 
+/// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"`, `"7d"` (a whole number and a unit).
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let bad = || {
         format!(

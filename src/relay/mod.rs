@@ -538,34 +538,33 @@ async fn relay(
     // Tasks that outlive the workers: HTTP, probes, watchdog. Stopped after the workers.
     let done = endpoints.done.clone();
     tokio::spawn(probe(shared.clone(), done.clone()));
+    // Per table: the claim floor's keeper and, in mark mode with a retention, retention.
     for t in 0..shared.tables.len() {
         let (shared, done) = (shared.clone(), done.clone());
+        let retention = config.relay.retention;
         tokio::spawn(async move {
             let table = &shared.tables[t];
             let name = table.config.name.to_string();
-            floor::keep(&name, &shared.source, &table.sql, &table.floor, &done).await
+            let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, &done);
+            let Some(retention) = retention else {
+                return keeper.await;
+            };
+            let label = ops::metrics::TableLabel {
+                table: name.clone(),
+            };
+            let counter = shared
+                .ops
+                .metrics
+                .retention_deleted
+                .get_or_create(&label)
+                .clone();
+            let deleted = |n| {
+                counter.inc_by(n);
+            };
+            let retire =
+                retention::keep(&name, &shared.source, &table.sql, retention, deleted, &done);
+            tokio::join!(keeper, retire);
         });
-    }
-    if let Some(retention) = config.relay.retention {
-        for t in 0..shared.tables.len() {
-            let (shared, done) = (shared.clone(), done.clone());
-            tokio::spawn(async move {
-                let table = &shared.tables[t];
-                let name = table.config.name.to_string();
-                let counter = shared
-                    .ops
-                    .metrics
-                    .retention_deleted
-                    .get_or_create(&ops::metrics::TableLabel {
-                        table: name.clone(),
-                    })
-                    .clone();
-                let deleted = |n| {
-                    counter.inc_by(n);
-                };
-                retention::keep(&name, &shared.source, &table.sql, retention, deleted, &done).await
-            });
-        }
     }
     if let Some(connection) = shared.sink.connection() {
         tokio::spawn(watch_connection(shared.clone(), connection, done.clone()));

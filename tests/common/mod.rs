@@ -429,6 +429,24 @@ pub fn audit(inserted: &[i64], stored: &[StoredMessage]) -> Audit {
     }
 }
 
+/// The value of the first sample in Prometheus text `metrics` whose line starts with
+/// `prefix` (a metric name with its labels, or with a trailing space).
+pub fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// [`sample`] of a fresh `GET /metrics` from `addr`; `None` unless it answered 200.
+pub fn scrape(addr: &str, prefix: &str) -> Option<f64> {
+    match http_get(addr, "/metrics") {
+        Ok((200, body)) => sample(&body, prefix),
+        _ => None,
+    }
+}
+
 /// A plain HTTP/1.0 GET: (status code, body). Blocking, 5 s timeouts.
 pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
     use std::io::{Read, Write};
