@@ -9,7 +9,8 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::config::{Config, TableName};
-use crate::relay::{session_limits, try_prepare_tables, TablePlan};
+use crate::source::table::{self, TablePlan};
+use crate::source::SessionLimits;
 use crate::source::{Source, SourceError};
 
 /// Held rows (dead or waiting) listed per table by `status`.
@@ -116,8 +117,8 @@ pub enum AdminError {
 }
 
 async fn connect(config: &Config) -> Result<(Source, Vec<TablePlan>), AdminError> {
-    let source = Source::new(&config.postgres, session_limits(config))?;
-    let tables = try_prepare_tables(&source, config).await?;
+    let source = Source::new(&config.postgres, SessionLimits::one_shot(&config.postgres))?;
+    let tables = table::prepare(&source, config).await?;
     Ok((source, tables))
 }
 

@@ -86,11 +86,7 @@ pub async fn check(config: &Config) -> Vec<Finding> {
 /// per table.
 async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTreeSet<String>)> {
     let target = format!("postgres {}", config.postgres.redacted());
-    let limits = SessionLimits {
-        statement_timeout: config.postgres.statement_timeout,
-        lock_timeout: Duration::from_secs(5),
-        idle_in_transaction_timeout: Duration::from_secs(60),
-    };
+    let limits = SessionLimits::one_shot(&config.postgres);
     let pg = session_config(&config.postgres, limits);
     let connected = tokio::time::timeout(
         crate::source::connect_timeout(&config.postgres),

@@ -224,11 +224,7 @@ fn print_summary(config: &Config, report: &Report) {
 }
 
 async fn run_migrate(config: &Config, notify: bool) -> u8 {
-    let limits = SessionLimits {
-        statement_timeout: config.postgres.statement_timeout,
-        lock_timeout: config.postgres.statement_timeout,
-        idle_in_transaction_timeout: std::time::Duration::from_secs(60),
-    };
+    let limits = SessionLimits::migrate(&config.postgres);
     let pg = session_config(&config.postgres, limits);
     // The whole connect, TLS and start-up included: a server that accepts TCP and never
     // answers must not hang a deploy job.

@@ -539,10 +539,10 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
     let config = outbox_relay::config::load(&env.config).unwrap();
     let source = outbox_relay::source::Source::new(
         &config.postgres,
-        outbox_relay::relay::session_limits(&config),
+        outbox_relay::source::SessionLimits::relay(&config.postgres, config.sink.publish_timeout),
     )
     .unwrap();
-    let tables = outbox_relay::relay::try_prepare_tables(&source, &config)
+    let tables = outbox_relay::source::table::prepare(&source, &config)
         .await
         .unwrap();
     let window = |after: i64| {

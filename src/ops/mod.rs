@@ -10,6 +10,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod probe;
 pub mod progress;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -143,6 +144,9 @@ impl Health {
 pub struct Ops {
     pub metrics: Metrics,
     pub health: Health,
+    /// Rows published (run total) when the backlog gauges were last read: drain's progress
+    /// line takes off what was published since.
+    pub published_at_backlog_read: AtomicU64,
 }
 
 impl Ops {
@@ -150,6 +154,7 @@ impl Ops {
         Arc::new(Ops {
             metrics: Metrics::default(),
             health: Health::new(poll_interval),
+            published_at_backlog_read: AtomicU64::new(0),
         })
     }
 

@@ -3,7 +3,51 @@
 //! (the next refresh draws it again below the log line).
 
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::metrics::TableLabel;
+use super::Ops;
+
+/// Draws `drain`'s line once a second until `stop` or `done`: rows published, the rate over
+/// the last second and the backlog left over `tables` (as of the last gauge refresh, less
+/// what was published since).
+pub async fn show(
+    ops: &Ops,
+    tables: &[String],
+    published: &AtomicU64,
+    stop: &CancellationToken,
+    done: &CancellationToken,
+) {
+    let started = Instant::now();
+    let mut last = (Instant::now(), 0u64);
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => break,
+            _ = stop.cancelled() => break,
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        let published = published.load(Relaxed);
+        let rate = (published - last.1) as f64 / last.0.elapsed().as_secs_f64();
+        last = (Instant::now(), published);
+        let backlog: i64 = tables
+            .iter()
+            .map(|t| {
+                let label = TableLabel { table: t.clone() };
+                ops.metrics.backlog.get_or_create(&label).get()
+            })
+            .sum();
+        let since = published.saturating_sub(ops.published_at_backlog_read.load(Relaxed));
+        let backlog = (backlog - since as i64).max(0);
+        draw(&format!(
+            "draining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    clear();
+}
 
 /// Whether a progress line is on the terminal now.
 static SHOWN: AtomicBool = AtomicBool::new(false);

@@ -26,7 +26,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
-use crate::ops::Health;
+use crate::ops::{Health, Ops};
 use crate::retry::Backoff;
 use crate::sink::Sink;
 
@@ -183,6 +183,31 @@ impl Breaker {
                     tracing::debug!(after = ?pause, "Broker answers: circuit half-open, trying a batch");
                 }
                 Err(e) => tracing::debug!(error = %e.message, "Broker still unreachable"),
+            }
+        }
+    }
+}
+
+impl Breaker {
+    /// Follows the broker connection (clients that report it: NATS) until `done`: the
+    /// moment it is lost, readiness says so and the circuit opens, so no worker claims rows
+    /// it cannot publish.
+    pub async fn follow_connection(
+        &self,
+        ops: &Ops,
+        mut connection: watch::Receiver<bool>,
+        done: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                r = connection.wait_for(|up| !*up) => if r.is_err() { return },
+            }
+            ops.broker_reachable(false);
+            self.trip("connection to the broker lost");
+            tokio::select! {
+                _ = done.cancelled() => return,
+                r = connection.wait_for(|up| *up) => if r.is_err() { return },
             }
         }
     }

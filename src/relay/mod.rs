@@ -5,32 +5,33 @@
 //! way, stopping means: stop claiming, let in-flight batches commit, flush the sink. If
 //! the deadline (`abort`) comes first, in-flight batches roll back and the report says so.
 
+mod batch;
 pub mod breaker;
+mod drain;
 mod message;
 pub mod order;
+mod start;
+mod state;
 mod worker;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, RelayConfig, TableConfig};
-use crate::error::ErrorClass;
+use crate::config::{Config, RelayConfig};
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
-use crate::source::floor::{self, FloorCell};
-use crate::source::retention;
-use crate::source::schema;
-use crate::source::sql::TableSql;
-use crate::source::vacuum;
+use crate::source::table::TablePlan;
+use crate::source::{floor, retention};
 use crate::source::{session_config, SessionLimits, Source, SourceError};
 
-use crate::retry::Backoff;
+use start::Endpoints;
+pub use start::{connect_sink, prepare_tables};
+use state::RunState;
 
 /// A failure that ends the run (exit code 1).
 #[derive(Debug, thiserror::Error)]
@@ -62,277 +63,29 @@ pub struct Report {
     pub waiting: Option<(i64, String)>,
 }
 
-/// An outbox table, ready to relay.
-pub struct TablePlan {
-    pub config: TableConfig,
-    pub sql: TableSql,
-    /// Where claims start (see [`crate::source::floor`]).
-    pub floor: FloorCell,
-}
-
-#[derive(Default)]
-struct Stats {
-    published: AtomicU64,
-    failed: AtomicU64,
-    dead: AtomicU64,
-}
-
-/// State shared by the workers.
+/// What the workers share: the dependencies, the run's settings and its state.
 struct Shared {
     source: Source,
     sink: Sink,
     tables: Vec<TablePlan>,
     relay: RelayConfig,
     publish_timeout: Duration,
+    /// Drain mode: stop once nothing publishable is left.
+    drain: bool,
     shutdown: Shutdown,
     /// Woken by NOTIFY.
     wake: Arc<Notify>,
-    /// Workers inside a batch (claim to commit).
-    active: AtomicUsize,
-    /// Drain mode: stop once nothing publishable is left.
-    drain: bool,
-    drained: AtomicBool,
-    aborted: AtomicBool,
-    fatal: Mutex<Option<String>>,
-    stats: Stats,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
-    /// Rows published when the backlog gauges were last read (drain's progress line
-    /// subtracts what was published since).
-    published_at_backlog_read: AtomicU64,
+    state: RunState,
 }
 
 impl Shared {
     /// Records a fatal error and stops the relay.
     fn fail(&self, message: String) {
         tracing::error!(error = %message, "Stopping: this needs an operator");
-        self.fatal.lock().unwrap().get_or_insert(message);
+        self.state.record_fatal(message);
         self.shutdown.request_stop();
-    }
-
-    /// True when no worker is inside a batch and no table has a row a relay could publish.
-    async fn nothing_publishable(&self) -> bool {
-        if self.active.load(Relaxed) > 0 {
-            return false;
-        }
-        let check = async {
-            let session = self.source.bounded(self.source.session()).await?;
-            let result = self
-                .source
-                .bounded(async {
-                    for table in &self.tables {
-                        let row = session
-                            .query_one(&table.sql.publishable_exists, &[])
-                            .await?;
-                        if row.get::<_, bool>(0) {
-                            return Ok(false);
-                        }
-                    }
-                    Ok(self.active.load(Relaxed) == 0)
-                })
-                .await;
-            Source::release(session, result.as_ref().err());
-            result
-        };
-        match check.await {
-            Ok(done) => done,
-            Err(e) => {
-                tracing::warn!(error = %e, "Could not check for remaining rows");
-                false
-            }
-        }
-    }
-}
-
-impl Shared {
-    /// Rows waiting for their next attempt, over every table, and the earliest due time;
-    /// `None` when there are none or the database does not answer.
-    async fn waiting(&self) -> Option<(i64, String)> {
-        let read = self.source.bounded(async {
-            let session = self.source.session().await?;
-            let mut total = 0;
-            let mut next: Option<(f64, String)> = None;
-            for table in &self.tables {
-                let row = session.query_one(&table.sql.waiting, &[]).await?;
-                total += row.get::<_, i64>(0);
-                if let (Some(text), Some(secs)) = (
-                    row.get::<_, Option<String>>(1),
-                    row.get::<_, Option<f64>>(2),
-                ) {
-                    if next.as_ref().is_none_or(|(s, _)| secs < *s) {
-                        next = Some((secs, text));
-                    }
-                }
-            }
-            Ok::<_, SourceError>((total, next))
-        });
-        match read.await {
-            Ok((n, Some((_, next)))) if n > 0 => Some((n, next)),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::debug!(error = %e, "Could not count rows waiting for a retry");
-                None
-            }
-        }
-    }
-}
-
-/// Follows the broker connection: the moment the client reports it lost, readiness says
-/// so and the breaker opens, so no worker claims rows it cannot publish.
-async fn watch_connection(
-    shared: Arc<Shared>,
-    mut connection: tokio::sync::watch::Receiver<bool>,
-    done: CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            _ = done.cancelled() => return,
-            r = connection.wait_for(|up| !*up) => if r.is_err() { return },
-        }
-        shared.ops.broker_reachable(false);
-        shared.breaker.trip("connection to the broker lost");
-        tokio::select! {
-            _ = done.cancelled() => return,
-            r = connection.wait_for(|up| *up) => if r.is_err() { return },
-        }
-    }
-}
-
-/// `drain` on a terminal: one live line on stderr with rows published, the rate over the
-/// last second and the backlog left (as of the last gauge refresh).
-async fn progress(shared: Arc<Shared>, done: CancellationToken) {
-    let started = Instant::now();
-    let mut last = (Instant::now(), 0u64);
-    loop {
-        tokio::select! {
-            _ = done.cancelled() => break,
-            _ = shared.shutdown.stop_token().cancelled() => break,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-        }
-        let published = shared.stats.published.load(Relaxed);
-        let rate = (published - last.1) as f64 / last.0.elapsed().as_secs_f64();
-        last = (Instant::now(), published);
-        let backlog: i64 = shared
-            .tables
-            .iter()
-            .map(|t| {
-                let label = ops::metrics::TableLabel {
-                    table: t.config.name.to_string(),
-                };
-                shared.ops.metrics.backlog.get_or_create(&label).get()
-            })
-            .sum();
-        // The gauge is a few seconds old: take off what was published since.
-        let since = published.saturating_sub(shared.published_at_backlog_read.load(Relaxed));
-        let backlog = (backlog - since as i64).max(0);
-        ops::progress::draw(&format!(
-            "draining: {published} rows published in {:.0}s, {rate:.0} rows/s, backlog {backlog}",
-            started.elapsed().as_secs_f64()
-        ));
-    }
-    ops::progress::clear();
-}
-
-/// Every [`ops::PROBE_INTERVAL`]: is PostgreSQL reachable, is the broker; the circuit
-/// gauges; and every [`ops::GAUGE_INTERVAL`] the backlog gauges, from the pending index.
-async fn probe(shared: Arc<Shared>, done: CancellationToken) {
-    let ops = &shared.ops;
-    let sink = shared.sink.name().to_owned();
-    let sink_label = ops::metrics::SinkLabel { sink: sink.clone() };
-    let mut opened_seen = 0;
-    let mut gauges_due = Instant::now();
-    let mut watch = vacuum::Watch::default();
-    loop {
-        let limit = Duration::from_secs(2);
-        let postgres = shared.source.ping(limit).await.is_ok();
-        let broker = shared.breaker.state() != breaker::BreakerState::Open
-            && matches!(
-                tokio::time::timeout(limit, shared.sink.healthcheck()).await,
-                Ok(Ok(()))
-            );
-        ops.postgres_reachable(postgres);
-        ops.broker_reachable(broker);
-        let open = shared.breaker.state() == breaker::BreakerState::Open;
-        ops.metrics
-            .circuit_open
-            .get_or_create(&sink_label)
-            .set(i64::from(open));
-        let opened = shared.breaker.times_opened();
-        ops.metrics
-            .circuit_opened
-            .get_or_create(&sink_label)
-            .inc_by(opened - opened_seen);
-        opened_seen = opened;
-
-        if postgres && Instant::now() >= gauges_due {
-            gauges_due = Instant::now() + ops::GAUGE_INTERVAL;
-            let published = shared.stats.published.load(Relaxed);
-            for table in &shared.tables {
-                let label = ops::metrics::TableLabel {
-                    table: table.config.name.to_string(),
-                };
-                let view = table.floor.view();
-                let stragglers: &[i64] = &view.stragglers;
-                let read = shared.source.bounded(async {
-                    let session = shared.source.session().await?;
-                    Ok(session
-                        .query_one(&table.sql.backlog, &[&view.value, &stragglers])
-                        .await?)
-                });
-                match read.await {
-                    Ok(row) => {
-                        ops.metrics.backlog.get_or_create(&label).set(row.get(0));
-                        ops.metrics
-                            .oldest_age_seconds
-                            .get_or_create(&label)
-                            .set(row.get::<_, f64>(1).max(0.0));
-                    }
-                    Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
-                }
-            }
-            shared.published_at_backlog_read.store(published, Relaxed);
-            let read = shared.source.bounded(async {
-                let session = shared.source.session().await?;
-                let mut dead = Vec::new();
-                for table in &shared.tables {
-                    let quoted = table.config.name.quoted();
-                    dead.push(vacuum::dead_tuples(&**session, &quoted).await?);
-                }
-                Ok((dead, vacuum::horizon(&**session).await?))
-            });
-            match read.await {
-                Ok((dead, horizon)) => {
-                    for (table, n) in shared.tables.iter().zip(dead) {
-                        let label = ops::metrics::TableLabel {
-                            table: table.config.name.to_string(),
-                        };
-                        ops.metrics.dead_tuples.get_or_create(&label).set(n);
-                    }
-                    ops.metrics
-                        .oldest_snapshot_age_seconds
-                        .set(horizon.oldest_secs());
-                    ops.metrics
-                        .oldest_snapshot_xid_age
-                        .set(horizon.oldest_xid_age());
-                    watch.observe(&horizon, Instant::now());
-                }
-                Err(e) => tracing::debug!(error = %e, "Could not read the vacuum horizon"),
-            }
-        }
-        tokio::select! {
-            _ = done.cancelled() => return,
-            _ = tokio::time::sleep(ops::PROBE_INTERVAL) => {}
-        }
-    }
-}
-
-/// How long the relay keeps a transaction open at most besides publishing: claim,
-/// mark and commit each take one statement deadline at most.
-pub fn session_limits(config: &Config) -> SessionLimits {
-    SessionLimits {
-        statement_timeout: config.postgres.statement_timeout,
-        lock_timeout: Duration::from_secs(5).min(config.postgres.statement_timeout),
-        idle_in_transaction_timeout: config.sink.publish_timeout + Duration::from_secs(10),
     }
 }
 
@@ -341,138 +94,6 @@ pub fn session_limits(config: &Config) -> SessionLimits {
 pub enum Mode {
     Run,
     Drain,
-}
-
-/// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait (during
-/// an attempt too: `drain --timeout` bounds start-up); failures `class` calls transient are
-/// retried with backoff (a database or broker still starting). `reached` hears whether
-/// each attempt got an answer.
-async fn retry_transient<T, E, F, Fut>(
-    what: &str,
-    shutdown: &Shutdown,
-    class: fn(&E) -> ErrorClass,
-    reached: impl Fn(bool),
-    mut attempt: F,
-) -> Result<T, RelayError>
-where
-    E: Into<RelayError> + std::fmt::Display,
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, E>>,
-{
-    let stop = shutdown.stop_token();
-    let unreachable = |last_error: String| RelayError::Unreachable {
-        what: what.to_owned(),
-        last_error,
-    };
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
-    let mut last_error = "stopped before the first attempt ended".to_owned();
-    loop {
-        let result = tokio::select! {
-            biased;
-            _ = stop.cancelled() => return Err(unreachable(last_error)),
-            r = attempt() => r,
-        };
-        match result {
-            Ok(value) => {
-                reached(true);
-                return Ok(value);
-            }
-            Err(e) if class(&e) == ErrorClass::Transient => {
-                reached(false);
-                let pause = backoff.next_pause();
-                tracing::warn!(error = %e, retry_in = ?pause, "{what} not reachable yet");
-                last_error = e.to_string();
-                tokio::select! {
-                    _ = stop.cancelled() => return Err(unreachable(last_error)),
-                    _ = tokio::time::sleep(pause) => {}
-                }
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// Checks every table and returns its statements, waiting out transient failures.
-pub async fn prepare_tables(
-    source: &Source,
-    config: &Config,
-    shutdown: &Shutdown,
-    ops: &Ops,
-) -> Result<Vec<TablePlan>, RelayError> {
-    retry_transient(
-        "PostgreSQL",
-        shutdown,
-        SourceError::class,
-        |up| ops.postgres_reachable(up),
-        || try_prepare_tables(source, config),
-    )
-    .await
-}
-
-/// Checks every table once and returns its statements; no retries.
-pub async fn try_prepare_tables(
-    source: &Source,
-    config: &Config,
-) -> Result<Vec<TablePlan>, SourceError> {
-    let session = source.bounded(source.session()).await?;
-    let mut plans = Vec::new();
-    for table in &config.tables {
-        let shape = source
-            .bounded(async { schema::inspect(&**session, table, &config.relay).await })
-            .await?
-            .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
-        plans.push(TablePlan {
-            sql: TableSql::new(table, &shape, config.relay.ordering),
-            config: table.clone(),
-            floor: FloorCell::default(),
-        });
-    }
-    Ok(plans)
-}
-
-/// Connects the configured sink, waiting out transient failures.
-pub async fn connect_sink(
-    config: &Config,
-    shutdown: &Shutdown,
-    ops: &Ops,
-) -> Result<Sink, RelayError> {
-    retry_transient(
-        "Broker",
-        shutdown,
-        |e: &SinkError| e.class,
-        |up| ops.broker_reachable(up),
-        || Sink::connect(&config.sink),
-    )
-    .await
-}
-
-/// The HTTP endpoints, served from the moment the configuration is valid (before any
-/// dependency is reachable, so a start-up probe sees a 503 with the reason, not a closed
-/// port) until the relay returns.
-struct Endpoints {
-    ops: Arc<Ops>,
-    /// Stops the HTTP server and the other operations tasks when dropped.
-    _done: tokio_util::sync::DropGuard,
-    done: CancellationToken,
-}
-
-impl Endpoints {
-    async fn start(config: &Config) -> Result<Endpoints, RelayError> {
-        let ops = Ops::new(config.relay.poll_interval);
-        let done = CancellationToken::new();
-        if let Some(http) = &config.http {
-            let listener = ops::http::bind(http.listen)
-                .await
-                .map_err(RelayError::Fatal)?;
-            tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
-            tokio::spawn(ops::http::serve(listener, ops.clone(), done.clone()));
-        }
-        Ok(Endpoints {
-            ops,
-            _done: done.clone().drop_guard(),
-            done,
-        })
-    }
 }
 
 /// Runs the relay with the sink the configuration names.
@@ -503,28 +124,22 @@ async fn relay(
     endpoints: Endpoints,
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
-    let limits = session_limits(config);
+    let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
     let source = Source::new(&config.postgres, limits)?;
     let tables = prepare_tables(&source, config, &shutdown, &endpoints.ops).await?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
-
     let shared = Arc::new(Shared {
         source,
         sink,
         tables,
         relay: config.relay.clone(),
         publish_timeout: config.sink.publish_timeout,
+        drain: mode == Mode::Drain,
         shutdown: shutdown.clone(),
         wake: Arc::new(Notify::new()),
-        active: AtomicUsize::new(0),
-        drain: mode == Mode::Drain,
-        drained: AtomicBool::new(false),
-        aborted: AtomicBool::new(false),
-        fatal: Mutex::new(None),
-        stats: Stats::default(),
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
-        published_at_backlog_read: AtomicU64::new(0),
+        state: RunState::default(),
     });
     tracing::info!(
         tables = shared.tables.len(),
@@ -534,55 +149,7 @@ async fn relay(
         ?mode,
         "Relaying"
     );
-
-    // Tasks that outlive the workers: HTTP, probes, watchdog. Stopped after the workers.
-    let done = endpoints.done.clone();
-    tokio::spawn(probe(shared.clone(), done.clone()));
-    // Per table: the claim floor's keeper and, in mark mode with a retention, retention.
-    for t in 0..shared.tables.len() {
-        let (shared, done) = (shared.clone(), done.clone());
-        let retention = config.relay.retention;
-        tokio::spawn(async move {
-            let table = &shared.tables[t];
-            let name = table.config.name.to_string();
-            let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, &done);
-            let Some(retention) = retention else {
-                return keeper.await;
-            };
-            let label = ops::metrics::TableLabel {
-                table: name.clone(),
-            };
-            let counter = shared
-                .ops
-                .metrics
-                .retention_deleted
-                .get_or_create(&label)
-                .clone();
-            let deleted = |n| {
-                counter.inc_by(n);
-            };
-            let retire =
-                retention::keep(&name, &shared.source, &table.sql, retention, deleted, &done);
-            tokio::join!(keeper, retire);
-        });
-    }
-    if let Some(connection) = shared.sink.connection() {
-        tokio::spawn(watch_connection(shared.clone(), connection, done.clone()));
-    }
-    if mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
-        tokio::spawn(progress(shared.clone(), done.clone()));
-    }
-    if let Some(interval) = ops::watchdog_interval() {
-        tokio::spawn(ops::watchdog(shared.ops.clone(), interval, done.clone()));
-    }
-    {
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            shared.shutdown.stop_token().cancelled().await;
-            shared.ops.health.set_stopping();
-            ops::notify_stopping();
-        });
-    }
+    spawn_background(&shared, mode, &endpoints.done);
 
     let tracker = TaskTracker::new();
     tracker.spawn(crate::source::listen::listen(
@@ -602,30 +169,117 @@ async fn relay(
         });
     }
     for id in 0..config.relay.workers {
-        tracker.spawn(
-            worker::Worker {
-                id,
-                shared: shared.clone(),
-            }
-            .run(),
-        );
+        let shared = shared.clone();
+        tracker.spawn(worker::Worker { id, shared }.run());
     }
     tracker.close();
     ops::notify_ready();
+    wait_for_workers(&shared, &tracker).await;
+    flush_sink(&shared).await;
+    if let Some(message) = shared.state.take_fatal() {
+        return Err(RelayError::Fatal(message));
+    }
+    Ok(report(&shared, mode, started).await)
+}
 
+/// Tasks that outlive the workers, stopped by `done` after them: the probe, the floor's
+/// keeper and retention per table, the connection follower, drain's progress line on a
+/// terminal, the systemd watchdog, and the STOPPING notification.
+fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) {
+    {
+        let (shared, done) = (shared.clone(), done.clone());
+        tokio::spawn(async move {
+            let circuit = || {
+                let open = shared.breaker.state() == breaker::BreakerState::Open;
+                (open, shared.breaker.times_opened())
+            };
+            let probed = ops::probe::Probed {
+                source: &shared.source,
+                sink: &shared.sink,
+                tables: &shared.tables,
+                circuit: &circuit,
+                published: shared.state.published(),
+            };
+            ops::probe::run(&shared.ops, probed, done).await
+        });
+    }
+    for t in 0..shared.tables.len() {
+        tokio::spawn(keep_table(shared.clone(), t, done.clone()));
+    }
+    if let Some(connection) = shared.sink.connection() {
+        let (shared, done) = (shared.clone(), done.clone());
+        tokio::spawn(async move {
+            shared
+                .breaker
+                .follow_connection(&shared.ops, connection, done)
+                .await
+        });
+    }
+    if mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        let (shared, done) = (shared.clone(), done.clone());
+        tokio::spawn(async move {
+            let names: Vec<String> = shared
+                .tables
+                .iter()
+                .map(|t| t.config.name.to_string())
+                .collect();
+            let (published, stop) = (shared.state.published(), shared.shutdown.stop_token());
+            ops::progress::show(&shared.ops, &names, published, stop, &done).await
+        });
+    }
+    if let Some(interval) = ops::watchdog_interval() {
+        tokio::spawn(ops::watchdog(shared.ops.clone(), interval, done.clone()));
+    }
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        shared.shutdown.stop_token().cancelled().await;
+        shared.ops.health.set_stopping();
+        ops::notify_stopping();
+    });
+}
+
+/// Table `t`'s claim floor keeper and, in mark mode with a retention, its retention.
+async fn keep_table(shared: Arc<Shared>, t: usize, done: CancellationToken) {
+    let table = &shared.tables[t];
+    let name = table.config.name.to_string();
+    let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, &done);
+    let Some(retention) = shared.relay.retention else {
+        return keeper.await;
+    };
+    let label = ops::metrics::TableLabel {
+        table: name.clone(),
+    };
+    let counter = shared
+        .ops
+        .metrics
+        .retention_deleted
+        .get_or_create(&label)
+        .clone();
+    let deleted = |n| {
+        counter.inc_by(n);
+    };
+    let retire = retention::keep(&name, &shared.source, &table.sql, retention, deleted, &done);
+    tokio::join!(keeper, retire);
+}
+
+/// Waits for the workers to finish; at the deadline, gives them a moment to drop their
+/// transactions and says which tasks did not.
+async fn wait_for_workers(shared: &Shared, tracker: &TaskTracker) {
     tokio::select! {
         _ = tracker.wait() => {}
-        _ = shutdown.abort_token().cancelled() => {
-            // Workers drop their transactions on abort; give them a moment to say so.
+        _ = shared.shutdown.abort_token().cancelled() => {
             if tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await.is_err() {
                 tracing::warn!(tasks = tracker.len(), "Tasks still running at the deadline; exiting anyway");
-                shared.aborted.store(true, Relaxed);
+                shared.state.set_aborted();
             }
         }
     }
-    // Every batch awaited its acks, so this flush has little to do; bound it anyway, and
-    // tightly after an abort, which must exit at once.
-    let flush = if shutdown.abort_token().is_cancelled() {
+}
+
+/// Every batch awaited its acks, so this flush has little to do; bound it anyway, and
+/// tightly after an abort, which must exit at once.
+async fn flush_sink(shared: &Shared) {
+    let flush = if shared.shutdown.abort_token().is_cancelled() {
         Duration::from_millis(250)
     } else {
         Duration::from_secs(2)
@@ -633,26 +287,26 @@ async fn relay(
     if let Err(e) = shared.sink.close(flush).await {
         tracing::warn!(error = %e, "Sink did not flush in time");
     }
+}
 
-    if let Some(message) = shared.fatal.lock().unwrap().take() {
-        return Err(RelayError::Fatal(message));
-    }
-    let aborted = shared.aborted.load(Relaxed);
+/// How the run ended. A drain stopped by a signal or `--timeout` looks once more whether
+/// the outbox emptied meanwhile, and counts what waits for a retry.
+async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
+    let aborted = shared.state.aborted();
     // After an abort (drain --timeout, the deadline, a second signal) the process must
     // exit at once: the closing look at the table gets a second, not a statement deadline.
-    let closing = if shutdown.abort_token().is_cancelled() {
+    let closing = if shared.shutdown.abort_token().is_cancelled() {
         Duration::from_secs(1)
     } else {
         shared.source.deadline()
     };
-    if mode == Mode::Drain && !aborted && !shared.drained.load(Relaxed) {
-        // Stopped by a signal or --timeout: the outbox may still have emptied meanwhile.
+    if mode == Mode::Drain && !aborted && !shared.state.drained() {
         let empty = tokio::time::timeout(closing, shared.nothing_publishable())
             .await
             .unwrap_or(false);
-        shared.drained.store(empty, Relaxed);
+        shared.state.set_drained(empty);
     }
-    let waiting = if mode == Mode::Drain && !shared.drained.load(Relaxed) {
+    let waiting = if mode == Mode::Drain && !shared.state.drained() {
         tokio::time::timeout(closing, shared.waiting())
             .await
             .ok()
@@ -660,14 +314,15 @@ async fn relay(
     } else {
         None
     };
+    let totals = shared.state.totals();
     let report = Report {
         waiting,
-        published: shared.stats.published.load(Relaxed),
-        failed: shared.stats.failed.load(Relaxed),
-        dead: shared.stats.dead.load(Relaxed),
+        published: totals.published,
+        failed: totals.failed,
+        dead: totals.dead,
         elapsed: started.elapsed(),
         aborted,
-        drained: shared.drained.load(Relaxed) && !aborted,
+        drained: shared.state.drained() && !aborted,
     };
     tracing::info!(
         published = report.published,
@@ -677,5 +332,5 @@ async fn relay(
         elapsed = ?report.elapsed,
         "Relay stopped"
     );
-    Ok(report)
+    report
 }

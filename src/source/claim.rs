@@ -90,7 +90,7 @@ use super::{SourceError, Tx};
 use crate::config::Ordering;
 
 /// One claimed row, as read from the table.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ClaimedRow {
     /// The order column's value (`id` by default): the row's handle in the claim, the
     /// mark and the delete.

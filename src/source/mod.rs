@@ -6,12 +6,15 @@
 //! outlive its deadline on the server, whatever happens to the client.
 
 pub mod claim;
+pub mod class;
 pub mod floor;
 pub mod listen;
 pub mod migrate;
 pub mod retention;
 pub mod schema;
+pub mod session;
 pub mod sql;
+pub mod table;
 pub mod tls;
 pub mod vacuum;
 
@@ -20,7 +23,9 @@ use std::time::Duration;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
 
 use crate::config::PostgresConfig;
-use crate::error::{classify_postgres, ErrorClass};
+use crate::error::ErrorClass;
+
+pub use session::{connect, connect_timeout, session_config, Connection, SessionLimits};
 
 /// A PostgreSQL failure, with the class that says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +54,7 @@ impl SourceError {
 
     pub fn class(&self) -> ErrorClass {
         match self {
-            SourceError::Db(e) => classify_postgres(e),
+            SourceError::Db(e) => class::classify(e),
             SourceError::Pool(_) | SourceError::Timeout(_) => ErrorClass::Transient,
             SourceError::Schema(_) => ErrorClass::Fatal,
         }
@@ -93,72 +98,6 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
         Some(why) => format!("{why} ({s})"),
         None => s,
     }
-}
-
-/// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.
-pub type Connection = tokio_postgres::Connection<
-    tokio_postgres::Socket,
-    postgres_openssl::TlsStream<tokio_postgres::Socket>,
->;
-
-/// Opens one connection with `config` and the TLS settings of `pg`; the error is a
-/// sentence for the operator.
-pub async fn connect(
-    pg: &PostgresConfig,
-    config: &tokio_postgres::Config,
-) -> Result<(tokio_postgres::Client, Connection), String> {
-    let tls = pg.tls.connector()?;
-    config.connect(tls).await.map_err(|e| describe(&e))
-}
-
-/// Server-side deadlines for the relay's sessions.
-#[derive(Debug, Clone, Copy)]
-pub struct SessionLimits {
-    pub statement_timeout: Duration,
-    pub lock_timeout: Duration,
-    /// Backstop for a transaction the client forgot: longer than any publish may take.
-    pub idle_in_transaction_timeout: Duration,
-}
-
-/// The connection settings the relay uses for every session: the operator's URL plus
-/// deadlines, keepalives and an application name.
-pub fn session_config(pg: &PostgresConfig, limits: SessionLimits) -> tokio_postgres::Config {
-    let mut cfg = pg.connection.clone();
-    let mut options = cfg.get_options().map(str::to_owned).unwrap_or_default();
-    for (name, value) in [
-        ("statement_timeout", limits.statement_timeout),
-        ("lock_timeout", limits.lock_timeout),
-        (
-            "idle_in_transaction_session_timeout",
-            limits.idle_in_transaction_timeout,
-        ),
-    ] {
-        options.push_str(&format!(" -c {name}={}", value.as_millis()));
-    }
-    // NOTICEs (e.g. "trigger does not exist, skipping" from migrate) are not for operators.
-    options.push_str(" -c client_min_messages=warning");
-    // The relay's statements are short and run thousands of times a second. Their generic
-    // plans (prepared statements) cannot see `LIMIT $2`, estimate a tenth of the table and,
-    // on a large outbox, cross jit_above_cost: with a forced generic plan on 1M pending
-    // rows, psql showed 4.9 ms of JIT compilation for a 0.5 ms window scan, every call.
-    options.push_str(" -c jit=off");
-    cfg.options(options.trim());
-    if cfg.get_application_name().is_none() {
-        cfg.application_name("outbox-relay");
-    }
-    cfg.connect_timeout(connect_timeout(pg));
-    cfg.keepalives(true);
-    cfg.keepalives_idle(Duration::from_secs(30));
-    cfg
-}
-
-/// How long opening a connection may take, start-up packet and authentication included:
-/// `connect_timeout` in `postgres.url` when given, else `postgres.connect_timeout`.
-pub fn connect_timeout(pg: &PostgresConfig) -> Duration {
-    pg.connection
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(pg.connect_timeout)
 }
 
 /// A claim transaction whose statements are prepared once per session and reused.

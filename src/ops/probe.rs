@@ -1,0 +1,134 @@
+//! The probe task: every [`PROBE_INTERVAL`], is PostgreSQL reachable, is the broker (for
+//! `/readyz` and the `dependency_up` gauges), and the circuit gauges; every
+//! [`GAUGE_INTERVAL`], the gauges that read the database: backlog and oldest pending age
+//! per table (from the pending index), dead tuples, and the vacuum horizon with its WARN
+//! (see [`crate::source::vacuum`]).
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::metrics::{SinkLabel, TableLabel};
+use super::{Ops, GAUGE_INTERVAL, PROBE_INTERVAL};
+use crate::sink::Sink;
+use crate::source::table::TablePlan;
+use crate::source::{vacuum, Source};
+
+/// What the probe looks at.
+pub struct Probed<'a> {
+    pub source: &'a Source,
+    pub sink: &'a Sink,
+    pub tables: &'a [TablePlan],
+    /// The circuit breaker: whether it is open now, and how often it opened since start.
+    pub circuit: &'a (dyn Fn() -> (bool, u64) + Sync),
+    /// Rows this process published so far (the progress line subtracts what was published
+    /// after the backlog was read: [`Ops::published_at_backlog_read`]).
+    pub published: &'a AtomicU64,
+}
+
+/// Probes until `done`.
+pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
+    let mut opened_seen = 0;
+    let mut gauges_due = Instant::now();
+    let mut watch = vacuum::Watch::default();
+    loop {
+        let postgres = reachability(ops, &probed, &mut opened_seen).await;
+        if postgres && Instant::now() >= gauges_due {
+            gauges_due = Instant::now() + GAUGE_INTERVAL;
+            let published = probed.published.load(Relaxed);
+            refresh_backlog(ops, &probed).await;
+            ops.published_at_backlog_read.store(published, Relaxed);
+            refresh_vacuum(ops, &probed, &mut watch).await;
+        }
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = tokio::time::sleep(PROBE_INTERVAL) => {}
+        }
+    }
+}
+
+/// Asks both dependencies for an answer within two seconds and records it, with the
+/// circuit gauges; returns whether PostgreSQL answered.
+async fn reachability(ops: &Ops, probed: &Probed<'_>, opened_seen: &mut u64) -> bool {
+    let limit = Duration::from_secs(2);
+    let postgres = probed.source.ping(limit).await.is_ok();
+    let (open, opened) = (probed.circuit)();
+    let broker = !open
+        && matches!(
+            tokio::time::timeout(limit, probed.sink.healthcheck()).await,
+            Ok(Ok(()))
+        );
+    ops.postgres_reachable(postgres);
+    ops.broker_reachable(broker);
+    let label = SinkLabel {
+        sink: probed.sink.name().to_owned(),
+    };
+    ops.metrics
+        .circuit_open
+        .get_or_create(&label)
+        .set(i64::from(open));
+    ops.metrics
+        .circuit_opened
+        .get_or_create(&label)
+        .inc_by(opened - *opened_seen);
+    *opened_seen = opened;
+    postgres
+}
+
+/// Backlog and oldest pending age per table, counted from the claim floor on.
+async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
+    let source = probed.source;
+    for table in probed.tables {
+        let label = TableLabel {
+            table: table.config.name.to_string(),
+        };
+        let view = table.floor.view();
+        let stragglers: &[i64] = &view.stragglers;
+        let read = source.bounded(async {
+            let session = source.session().await?;
+            Ok(session
+                .query_one(&table.sql.backlog, &[&view.value, &stragglers])
+                .await?)
+        });
+        match read.await {
+            Ok(row) => {
+                ops.metrics.backlog.get_or_create(&label).set(row.get(0));
+                ops.metrics
+                    .oldest_age_seconds
+                    .get_or_create(&label)
+                    .set(row.get::<_, f64>(1).max(0.0));
+            }
+            Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
+        }
+    }
+}
+
+/// Dead tuples per table and the oldest snapshot holding back VACUUM.
+async fn refresh_vacuum(ops: &Ops, probed: &Probed<'_>, watch: &mut vacuum::Watch) {
+    let source = probed.source;
+    let read = source.bounded(async {
+        let session = source.session().await?;
+        let mut dead = Vec::new();
+        for table in probed.tables {
+            let quoted = table.config.name.quoted();
+            dead.push(vacuum::dead_tuples(&**session, &quoted).await?);
+        }
+        Ok((dead, vacuum::horizon(&**session).await?))
+    });
+    match read.await {
+        Ok((dead, horizon)) => {
+            for (table, n) in probed.tables.iter().zip(dead) {
+                let label = TableLabel {
+                    table: table.config.name.to_string(),
+                };
+                ops.metrics.dead_tuples.get_or_create(&label).set(n);
+            }
+            let m = &ops.metrics;
+            m.oldest_snapshot_age_seconds.set(horizon.oldest_secs());
+            m.oldest_snapshot_xid_age.set(horizon.oldest_xid_age());
+            watch.observe(&horizon, Instant::now());
+        }
+        Err(e) => tracing::debug!(error = %e, "Could not read the vacuum horizon"),
+    }
+}

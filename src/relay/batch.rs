@@ -1,0 +1,453 @@
+//! One batch, in four phases, each short and each bounded:
+//!
+//! 1. **claim**: open a transaction and lock up to a batch of rows (see
+//!    [`crate::source::claim`]); the only phase that `stop` may cut short, since nothing
+//!    was sent yet (the transaction rolls back).
+//! 2. **publish**: turn rows into messages and send them in per-key order
+//!    ([`super::order`]), bounded by `sink.publish_timeout`, cut short by a lost broker
+//!    connection; outcomes are recorded row by row as acknowledgements arrive.
+//! 3. **settle** ([`settle`], pure): from the outcomes alone, decide what is written back.
+//!    Only rows the broker acknowledged are marked or deleted; a row refused for its own
+//!    sake records an attempt; everything else stays pending as it was.
+//! 4. **finalize**: write that back and commit.
+//!
+//! From the claim on, only `abort` (the shutdown deadline) interrupts: the transaction is
+//! dropped and rolled back, so every row not committed as published stays pending.
+
+use std::time::{Duration, Instant};
+
+use tracing::Instrument;
+
+use super::message::to_message;
+use super::order::{publish_in_order, RowOutcome};
+use super::Shared;
+use crate::config::{OnPublish, Ordering};
+use crate::error::ErrorClass;
+use crate::ops::Metrics;
+use crate::retry;
+use crate::sink::{Sink, SinkError};
+use crate::source::claim::{claim_batch, Budget, ClaimedRow};
+use crate::source::table::TablePlan;
+use crate::source::{Source, SourceError, Tx};
+
+/// Why a batch could not run; each maps to retry-later or stop-the-process.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchError {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("{0}")]
+    Sink(SinkError),
+}
+
+impl BatchError {
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            BatchError::Source(e) => e.class(),
+            BatchError::Sink(e) => e.class,
+        }
+    }
+}
+
+/// How one attempt at a table ended.
+pub enum Batch {
+    /// Nothing to claim in this table.
+    Empty,
+    /// Claimed, published what it could, committed. `trouble` is set when some rows failed
+    /// for a transient reason: the worker backs off before claiming again.
+    Done {
+        trouble: Option<SinkError>,
+        published: usize,
+    },
+    /// `stop` fired during the claim: nothing was claimed.
+    Stopped,
+    /// `abort` fired with rows in flight: rolled back.
+    Aborted,
+}
+
+/// What a batch writes back, decided from its rows' outcomes alone.
+#[derive(Debug, Default, PartialEq)]
+pub struct Settlement {
+    /// Acknowledged by the broker: marked published or deleted.
+    pub published: Vec<i64>,
+    /// Refused for their own sake: each records an attempt (dead-lettered at
+    /// `max_attempts`) and waits before its next one.
+    pub failed: Failures,
+    /// Some rows failed for the broker's sake or got no answer in time: they stay pending
+    /// and the worker backs off.
+    pub trouble: Option<SinkError>,
+}
+
+/// Failed rows as the failure statement takes them: three arrays, index-aligned.
+#[derive(Debug, Default, PartialEq)]
+pub struct Failures {
+    pub ids: Vec<i64>,
+    pub errors: Vec<String>,
+    /// Microseconds until each row's next attempt.
+    pub waits_us: Vec<i64>,
+}
+
+/// Decides what to write back for `rows` given their `outcomes` (index-aligned).
+/// `retry_wait(n)` is the wait before the next attempt of a row that has failed `n` times
+/// before. A fatal outcome (retrying cannot help) is returned as the error: nothing is
+/// written and the batch rolls back.
+pub fn settle(
+    rows: &[ClaimedRow],
+    outcomes: &[RowOutcome],
+    retry_wait: impl Fn(u32) -> Duration,
+) -> Result<Settlement, SinkError> {
+    let mut s = Settlement::default();
+    for (row, outcome) in rows.iter().zip(outcomes) {
+        match outcome {
+            RowOutcome::Published => s.published.push(row.id),
+            RowOutcome::Failed(e) => match e.class {
+                ErrorClass::BadRow => {
+                    s.failed.ids.push(row.id);
+                    s.failed.errors.push(e.message.clone());
+                    let wait = retry_wait(row.attempts.max(0) as u32);
+                    s.failed.waits_us.push(wait.as_micros() as i64);
+                }
+                ErrorClass::Fatal => return Err(e.clone()),
+                ErrorClass::Transient => s.trouble = Some(e.clone()),
+            },
+            RowOutcome::Pending => {
+                s.trouble
+                    .get_or_insert_with(|| SinkError::transient("publish timed out"));
+            }
+            RowOutcome::HeldBack => {}
+        }
+    }
+    Ok(s)
+}
+
+/// Runs one batch on `table` for worker `lane`.
+pub(super) async fn relay_batch(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+) -> Result<Batch, BatchError> {
+    let stop = shared.shutdown.stop_token();
+    let _active = shared.state.enter_batch();
+    let mut session = tokio::select! {
+        biased;
+        _ = stop.cancelled() => return Ok(Batch::Stopped),
+        s = shared.source.session() => s?,
+    };
+    let span = tracing::debug_span!(
+        "batch",
+        worker = lane,
+        table = %table.config.name,
+        rows = tracing::field::Empty,
+        duration_ms = tracing::field::Empty,
+    );
+    let result = run_phases(shared, lane, table, &mut session)
+        .instrument(span)
+        .await;
+    // A session that timed out or broke mid-statement is never handed to the next batch.
+    let error = match &result {
+        Err(BatchError::Source(e)) => Some(e),
+        _ => None,
+    };
+    Source::release(session, error);
+    result
+}
+
+async fn run_phases(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    session: &mut deadpool_postgres::Object,
+) -> Result<Batch, BatchError> {
+    let abort = shared.shutdown.abort_token();
+    // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
+    let claim = async {
+        let tx = shared.source.begin(session).await?;
+        let budget = Budget {
+            rows: shared.relay.batch_size,
+            bytes: shared.relay.max_batch_bytes,
+        };
+        let view = table.floor.view();
+        let ordering = shared.relay.ordering;
+        let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view).await?;
+        Ok::<_, SourceError>((tx, rows))
+    };
+    let (tx, mut rows) = tokio::select! {
+        biased;
+        _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped),
+        r = shared.source.bounded(claim) => r?,
+    };
+    if rows.is_empty() {
+        shared.source.bounded(tx.rollback()).await?;
+        return Ok(Batch::Empty);
+    }
+    table.floor.note_claimed(rows.iter().map(|r| r.id).max());
+    let started = Instant::now();
+    tracing::Span::current().record("rows", rows.len());
+    let metrics = &shared.ops.metrics;
+    let labels = Metrics::table_sink(&table.config.name.to_string(), shared.sink.name());
+    let _in_flight = InFlight::new(&metrics.in_flight, rows.len());
+
+    // 2. Publish.
+    let Some(outcomes) = publish(shared, table, &mut rows).await else {
+        return Ok(Batch::Aborted);
+    };
+    metrics
+        .publish_seconds
+        .get_or_create(&labels)
+        .observe(started.elapsed().as_secs_f64());
+
+    // 3. Settle.
+    let relay = &shared.relay;
+    let settlement = settle(&rows, &outcomes, |attempts| {
+        retry::full_jitter(relay.retry_backoff, relay.retry_backoff_max, attempts)
+    })
+    .map_err(BatchError::Sink)?;
+
+    // 4. Finalize.
+    if !settlement.failed.ids.is_empty() {
+        table.floor.note_retrying();
+    }
+    let dead = tokio::select! {
+        _ = abort.cancelled() => return Ok(Batch::Aborted),
+        r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
+    };
+    record(shared, table, &labels, &settlement, &dead, started);
+    tracing::debug!(
+        worker = lane,
+        table = %table.config.name,
+        rows = rows.len(),
+        published = settlement.published.len(),
+        elapsed = ?started.elapsed(),
+        "Batch committed"
+    );
+    Ok(Batch::Done {
+        published: settlement.published.len(),
+        trouble: settlement.trouble,
+    })
+}
+
+/// Phase 2: publishes `rows` (consuming their payloads) and returns each row's outcome;
+/// `None` when `abort` fired first.
+async fn publish(
+    shared: &Shared,
+    table: &TablePlan,
+    rows: &mut [ClaimedRow],
+) -> Option<Vec<RowOutcome>> {
+    let messages: Vec<_> = rows
+        .iter_mut()
+        .map(|row| to_message(&table.config, row))
+        .collect();
+    // Without a key-order promise every row travels independently: no waves, no holding
+    // back.
+    let keys: Vec<Option<&str>> = match shared.relay.ordering {
+        Ordering::Key => rows.iter().map(|r| r.key.as_deref()).collect(),
+        Ordering::None => vec![None; rows.len()],
+    };
+    let mut outcomes = vec![RowOutcome::Pending; rows.len()];
+    let timeout = shared.publish_timeout;
+    let publish = tokio::time::timeout(
+        timeout,
+        publish_in_order(&shared.sink, &keys, &messages, &mut outcomes),
+    );
+    tokio::select! {
+        _ = shared.shutdown.abort_token().cancelled() => return None,
+        r = publish => if r.is_err() {
+            tracing::warn!(?timeout, "Broker did not acknowledge in time; unacknowledged rows stay pending");
+        },
+        // Acks cannot arrive over a lost connection: let go of the row locks now.
+        _ = connection_lost(&shared.sink) => {
+            tracing::warn!("Connection to the broker lost mid-batch; unacknowledged rows stay pending");
+        }
+    }
+    Some(outcomes)
+}
+
+/// Phase 4: marks or deletes the published rows, records the failed rows' attempts and
+/// commits; returns the rows that reached `max_attempts` (dead-lettered).
+async fn finalize(
+    tx: Tx<'_>,
+    shared: &Shared,
+    table: &TablePlan,
+    settlement: &Settlement,
+) -> Result<Vec<i64>, SourceError> {
+    if !settlement.published.is_empty() {
+        let sql = match shared.relay.on_publish {
+            OnPublish::Delete => &table.sql.delete,
+            OnPublish::Mark => &table.sql.mark,
+        };
+        tx.execute(sql, &[&settlement.published]).await?;
+    }
+    let mut dead = Vec::new();
+    let failed = &settlement.failed;
+    if !failed.ids.is_empty() {
+        let max = shared.relay.max_attempts as i32;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+            [&failed.ids, &failed.errors, &max, &failed.waits_us];
+        for r in tx.query(&table.sql.record_failures, &params).await? {
+            if r.get::<_, bool>(1) {
+                dead.push(r.get::<_, i64>(0));
+            }
+        }
+    }
+    tx.commit().await?;
+    Ok(dead)
+}
+
+/// After the commit: run totals, metrics, one log line per failed row.
+fn record(
+    shared: &Shared,
+    table: &TablePlan,
+    labels: &crate::ops::metrics::TableSink,
+    settlement: &Settlement,
+    dead: &[i64],
+    started: Instant,
+) {
+    let (published, failed) = (&settlement.published, &settlement.failed);
+    shared
+        .state
+        .count(published.len(), failed.ids.len(), dead.len());
+    let metrics = &shared.ops.metrics;
+    for (counter, n) in [
+        (&metrics.published, published.len()),
+        (&metrics.failed, failed.ids.len()),
+        (&metrics.dead, dead.len()),
+    ] {
+        counter.get_or_create(labels).inc_by(n as u64);
+    }
+    metrics
+        .batch_seconds
+        .get_or_create(labels)
+        .observe(started.elapsed().as_secs_f64());
+    tracing::Span::current().record("duration_ms", started.elapsed().as_millis() as u64);
+    for (id, error) in failed.ids.iter().zip(&failed.errors) {
+        if dead.contains(id) {
+            tracing::error!(table = %table.config.name, id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
+        } else {
+            tracing::warn!(table = %table.config.name, id, %error, "Row failed; will retry");
+        }
+    }
+}
+
+/// Resolves when the sink's client reports its connection lost; never for sinks that do
+/// not tell.
+async fn connection_lost(sink: &Sink) {
+    if let Some(mut connection) = sink.connection() {
+        if connection.wait_for(|up| !*up).await.is_ok() {
+            return;
+        }
+    }
+    std::future::pending::<()>().await
+}
+
+/// Counts a batch's rows in the in-flight gauge until it ends, however it ends.
+struct InFlight<'a>(&'a prometheus_client::metrics::gauge::Gauge, i64);
+
+impl<'a> InFlight<'a> {
+    fn new(gauge: &'a prometheus_client::metrics::gauge::Gauge, rows: usize) -> Self {
+        gauge.inc_by(rows as i64);
+        InFlight(gauge, rows as i64)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec_by(self.1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: i64, attempts: i32) -> ClaimedRow {
+        ClaimedRow {
+            id,
+            attempts,
+            ..ClaimedRow::default()
+        }
+    }
+
+    fn rows(n: i64) -> Vec<ClaimedRow> {
+        (1..=n).map(|id| row(id, 0)).collect()
+    }
+
+    /// A fixed retry wait: `n` previous attempts -> n + 1 seconds.
+    fn wait(attempts: u32) -> Duration {
+        Duration::from_secs(u64::from(attempts) + 1)
+    }
+
+    #[test]
+    fn only_published_rows_are_marked() {
+        let outcomes = [
+            RowOutcome::Published,
+            RowOutcome::Failed(SinkError::transient("broker unavailable")),
+            RowOutcome::Published,
+            RowOutcome::Failed(SinkError::bad_row("too large")),
+            RowOutcome::HeldBack,
+            RowOutcome::Pending,
+        ];
+        let s = settle(&rows(6), &outcomes, wait).unwrap();
+        assert_eq!(s.published, [1, 3]);
+        assert_eq!(s.failed.ids, [4]);
+    }
+
+    #[test]
+    fn a_held_back_row_is_not_counted() {
+        // Row 2 is held back behind row 1 of its key, which failed for its own sake: only
+        // row 1 records an attempt; row 2 stays pending, untouched, and no trouble is
+        // reported (the broker is fine).
+        let outcomes = [
+            RowOutcome::Failed(SinkError::bad_row("invalid subject")),
+            RowOutcome::HeldBack,
+        ];
+        let s = settle(&rows(2), &outcomes, wait).unwrap();
+        assert!(s.published.is_empty());
+        assert_eq!(s.failed.ids, [1]);
+        assert_eq!(s.trouble, None);
+    }
+
+    #[test]
+    fn a_timeout_leaves_rows_pending() {
+        // The publish deadline passed with rows 2 and 3 unanswered: they are neither
+        // marked nor charged an attempt, and the worker is told to back off.
+        let outcomes = [
+            RowOutcome::Published,
+            RowOutcome::Pending,
+            RowOutcome::Pending,
+        ];
+        let s = settle(&rows(3), &outcomes, wait).unwrap();
+        assert_eq!(s.published, [1]);
+        assert_eq!(s.failed, Failures::default());
+        assert_eq!(s.trouble, Some(SinkError::transient("publish timed out")));
+    }
+
+    #[test]
+    fn a_broker_failure_leaves_the_row_pending_and_reports_it() {
+        let e = SinkError::transient("nats: no responders");
+        let s = settle(&rows(1), &[RowOutcome::Failed(e.clone())], wait).unwrap();
+        assert!(s.published.is_empty() && s.failed.ids.is_empty());
+        assert_eq!(s.trouble, Some(e));
+    }
+
+    #[test]
+    fn a_bad_row_records_its_error_and_a_wait_that_grows_with_its_attempts() {
+        let rows = [row(7, 0), row(8, 3), row(9, -1)];
+        let bad = |m: &str| RowOutcome::Failed(SinkError::bad_row(m));
+        let s = settle(&rows, &[bad("a"), bad("b"), bad("c")], wait).unwrap();
+        assert_eq!(
+            s.failed,
+            Failures {
+                ids: vec![7, 8, 9],
+                errors: vec!["a".into(), "b".into(), "c".into()],
+                // 0 and 3 previous attempts; a negative count (edited by hand) counts as 0
+                waits_us: vec![1_000_000, 4_000_000, 1_000_000],
+            }
+        );
+    }
+
+    #[test]
+    fn a_fatal_outcome_writes_nothing() {
+        let fatal = SinkError::fatal("authorization violation");
+        let outcomes = [RowOutcome::Published, RowOutcome::Failed(fatal.clone())];
+        assert_eq!(settle(&rows(2), &outcomes, wait), Err(fatal));
+    }
+}

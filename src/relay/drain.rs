@@ -1,0 +1,72 @@
+//! When `drain` is done, and what it leaves behind: no worker inside a batch and no row
+//! any relay could publish now; rows that wait for a retry are reported, not waited for.
+
+use super::Shared;
+use crate::source::{Source, SourceError};
+
+impl Shared {
+    /// True when no worker is inside a batch and no table has a row a relay could publish.
+    pub(super) async fn nothing_publishable(&self) -> bool {
+        if !self.state.idle() {
+            return false;
+        }
+        let check = async {
+            let session = self.source.bounded(self.source.session()).await?;
+            let result = self
+                .source
+                .bounded(async {
+                    for table in &self.tables {
+                        let row = session
+                            .query_one(&table.sql.publishable_exists, &[])
+                            .await?;
+                        if row.get::<_, bool>(0) {
+                            return Ok(false);
+                        }
+                    }
+                    Ok(self.state.idle())
+                })
+                .await;
+            Source::release(session, result.as_ref().err());
+            result
+        };
+        match check.await {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not check for remaining rows");
+                false
+            }
+        }
+    }
+
+    /// Rows waiting for their next attempt, over every table, and the earliest due time
+    /// (as PostgreSQL prints an interval from now); `None` when there are none or the
+    /// database does not answer.
+    pub(super) async fn waiting(&self) -> Option<(i64, String)> {
+        let read = self.source.bounded(async {
+            let session = self.source.session().await?;
+            let mut total = 0;
+            let mut next: Option<(f64, String)> = None;
+            for table in &self.tables {
+                let row = session.query_one(&table.sql.waiting, &[]).await?;
+                total += row.get::<_, i64>(0);
+                if let (Some(text), Some(secs)) = (
+                    row.get::<_, Option<String>>(1),
+                    row.get::<_, Option<f64>>(2),
+                ) {
+                    if next.as_ref().is_none_or(|(s, _)| secs < *s) {
+                        next = Some((secs, text));
+                    }
+                }
+            }
+            Ok::<_, SourceError>((total, next))
+        });
+        match read.await {
+            Ok((n, Some((_, next)))) if n > 0 => Some((n, next)),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "Could not count rows waiting for a retry");
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Start-up: the HTTP endpoints first (a start-up probe sees a 503 with the reason, not a
+//! closed port), then the broker and the tables, each waited for with the one backoff
+//! while it answers with a transient failure (a database or broker still starting), for
+//! as long as `stop` allows (`drain --timeout` bounds start-up too).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::RelayError;
+use crate::config::Config;
+use crate::error::ErrorClass;
+use crate::ops::{self, Ops};
+use crate::retry::Backoff;
+use crate::shutdown::Shutdown;
+use crate::sink::{Sink, SinkError};
+use crate::source::table::{self, TablePlan};
+use crate::source::{Source, SourceError};
+
+/// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait (during
+/// an attempt too); failures `class` calls transient are retried with backoff. `reached`
+/// hears whether each attempt got an answer.
+async fn retry_transient<T, E, F, Fut>(
+    what: &str,
+    shutdown: &Shutdown,
+    class: fn(&E) -> ErrorClass,
+    reached: impl Fn(bool),
+    mut attempt: F,
+) -> Result<T, RelayError>
+where
+    E: Into<RelayError> + std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let stop = shutdown.stop_token();
+    let unreachable = |last_error: String| RelayError::Unreachable {
+        what: what.to_owned(),
+        last_error,
+    };
+    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let mut last_error = "stopped before the first attempt ended".to_owned();
+    loop {
+        let result = tokio::select! {
+            biased;
+            _ = stop.cancelled() => return Err(unreachable(last_error)),
+            r = attempt() => r,
+        };
+        match result {
+            Ok(value) => {
+                reached(true);
+                return Ok(value);
+            }
+            Err(e) if class(&e) == ErrorClass::Transient => {
+                reached(false);
+                let pause = backoff.next_pause();
+                tracing::warn!(error = %e, retry_in = ?pause, "{what} not reachable yet");
+                last_error = e.to_string();
+                tokio::select! {
+                    _ = stop.cancelled() => return Err(unreachable(last_error)),
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Checks every table and returns its statements, waiting out transient failures.
+pub async fn prepare_tables(
+    source: &Source,
+    config: &Config,
+    shutdown: &Shutdown,
+    ops: &Ops,
+) -> Result<Vec<TablePlan>, RelayError> {
+    retry_transient(
+        "PostgreSQL",
+        shutdown,
+        SourceError::class,
+        |up| ops.postgres_reachable(up),
+        || table::prepare(source, config),
+    )
+    .await
+}
+
+/// Connects the configured sink, waiting out transient failures.
+pub async fn connect_sink(
+    config: &Config,
+    shutdown: &Shutdown,
+    ops: &Ops,
+) -> Result<Sink, RelayError> {
+    retry_transient(
+        "Broker",
+        shutdown,
+        |e: &SinkError| e.class,
+        |up| ops.broker_reachable(up),
+        || Sink::connect(&config.sink),
+    )
+    .await
+}
+
+/// The HTTP endpoints, served from the moment the configuration is valid until the relay
+/// returns.
+pub struct Endpoints {
+    pub ops: Arc<Ops>,
+    /// Stops the HTTP server and the other operations tasks when dropped.
+    _done: tokio_util::sync::DropGuard,
+    /// The parent of every task that outlives the workers (probe, watchdog, floor keeper).
+    pub done: CancellationToken,
+}
+
+impl Endpoints {
+    pub async fn start(config: &Config) -> Result<Endpoints, RelayError> {
+        let ops = Ops::new(config.relay.poll_interval);
+        let done = CancellationToken::new();
+        if let Some(http) = &config.http {
+            let listener = ops::http::bind(http.listen)
+                .await
+                .map_err(RelayError::Fatal)?;
+            tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
+            tokio::spawn(ops::http::serve(listener, ops.clone(), done.clone()));
+        }
+        Ok(Endpoints {
+            ops,
+            _done: done.clone().drop_guard(),
+            done,
+        })
+    }
+}

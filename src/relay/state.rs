@@ -1,0 +1,128 @@
+//! What a run keeps track of while it runs: whether a worker is inside a batch, how the
+//! run is ending (drained, aborted, a fatal error) and what it achieved so far.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+
+/// The run's flags and counters, shared by the workers and read for the report.
+#[derive(Default)]
+pub struct RunState {
+    /// Workers inside a batch (claim to commit).
+    active: AtomicUsize,
+    /// `drain` found nothing publishable left.
+    drained: AtomicBool,
+    /// The deadline cut batches short: they rolled back.
+    aborted: AtomicBool,
+    /// The first error that stopped the run.
+    fatal: Mutex<Option<String>>,
+    published: AtomicU64,
+    failed: AtomicU64,
+    dead: AtomicU64,
+}
+
+/// Totals of a run so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub published: u64,
+    pub failed: u64,
+    pub dead: u64,
+}
+
+impl RunState {
+    /// Counts the caller as inside a batch until the guard is dropped.
+    pub fn enter_batch(&self) -> ActiveGuard<'_> {
+        self.active.fetch_add(1, Relaxed);
+        ActiveGuard(&self.active)
+    }
+
+    /// No worker is inside a batch.
+    pub fn idle(&self) -> bool {
+        self.active.load(Relaxed) == 0
+    }
+
+    /// Adds one committed batch's rows.
+    pub fn count(&self, published: usize, failed: usize, dead: usize) {
+        self.published.fetch_add(published as u64, Relaxed);
+        self.failed.fetch_add(failed as u64, Relaxed);
+        self.dead.fetch_add(dead as u64, Relaxed);
+    }
+
+    pub fn totals(&self) -> Totals {
+        Totals {
+            published: self.published.load(Relaxed),
+            failed: self.failed.load(Relaxed),
+            dead: self.dead.load(Relaxed),
+        }
+    }
+
+    /// The counter of published rows (for the progress line and the probe).
+    pub fn published(&self) -> &AtomicU64 {
+        &self.published
+    }
+
+    pub fn set_drained(&self, drained: bool) {
+        self.drained.store(drained, Relaxed);
+    }
+
+    pub fn drained(&self) -> bool {
+        self.drained.load(Relaxed)
+    }
+
+    pub fn set_aborted(&self) {
+        self.aborted.store(true, Relaxed);
+    }
+
+    pub fn aborted(&self) -> bool {
+        self.aborted.load(Relaxed)
+    }
+
+    /// Keeps the first fatal error; later ones are consequences.
+    pub fn record_fatal(&self, message: String) {
+        self.fatal.lock().unwrap().get_or_insert(message);
+    }
+
+    pub fn take_fatal(&self) -> Option<String> {
+        self.fatal.lock().unwrap().take()
+    }
+}
+
+/// Counts a worker as inside a batch, for drain detection, until dropped.
+pub struct ActiveGuard<'a>(&'a AtomicUsize);
+
+impl Drop for ActiveGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_counts_as_active_until_its_guard_drops_however_it_ends() {
+        let state = RunState::default();
+        assert!(state.idle());
+        let a = state.enter_batch();
+        let b = state.enter_batch();
+        drop(a);
+        assert!(!state.idle());
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _moved = b;
+            panic!("a batch that panics");
+        }));
+        assert!(unwound.is_err());
+        assert!(state.idle());
+    }
+
+    #[test]
+    fn the_first_fatal_error_is_the_one_reported() {
+        let state = RunState::default();
+        state.record_fatal("permission denied for table outbox".into());
+        state.record_fatal("connection closed".into());
+        assert_eq!(
+            state.take_fatal().as_deref(),
+            Some("permission denied for table outbox")
+        );
+    }
+}

@@ -1,0 +1,36 @@
+//! An outbox table ready to relay: its configuration, its statements (built once, from
+//! the columns the table really has) and its claim floor.
+
+use super::floor::FloorCell;
+use super::schema;
+use super::sql::TableSql;
+use super::{Source, SourceError};
+use crate::config::{Config, TableConfig};
+
+/// An outbox table, ready to relay.
+pub struct TablePlan {
+    pub config: TableConfig,
+    pub sql: TableSql,
+    /// Where claims start (see [`super::floor`]).
+    pub floor: FloorCell,
+}
+
+/// Checks every configured table once (columns, types, indexes, privileges) and builds
+/// its statements; no retries. A table that cannot be relayed is a
+/// [`SourceError::Schema`] listing every problem found.
+pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
+    let session = source.bounded(source.session()).await?;
+    let mut plans = Vec::new();
+    for table in &config.tables {
+        let shape = source
+            .bounded(async { schema::inspect(&**session, table, &config.relay).await })
+            .await?
+            .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
+        plans.push(TablePlan {
+            sql: TableSql::new(table, &shape, config.relay.ordering),
+            config: table.clone(),
+            floor: FloorCell::default(),
+        });
+    }
+    Ok(plans)
+}
