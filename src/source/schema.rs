@@ -70,34 +70,17 @@ const INDEX_VALID_SQL: &str =
 const COLUMN_PRIVILEGE_SQL: &str =
     "SELECT has_column_privilege(to_regclass($1::text), $2::text, 'UPDATE')";
 
-/// Every problem found with one table, each a sentence saying what to fix.
+/// Every problem found with one table, each a sentence saying what to fix; or, when there
+/// is none, the shape the relay's statements are built for.
 pub async fn inspect(
     client: &impl GenericClient,
     table: &TableConfig,
     relay: &RelayConfig,
 ) -> Result<Result<TableShape, Vec<String>>, SourceError> {
-    let on_publish = relay.on_publish;
-    let name = table.name.quoted();
-    let schema = table.name.schema.as_str();
-    match client.query_opt(SCHEMA_SQL, &[&schema]).await? {
-        None => {
-            return Ok(Err(vec![format!(
-                "table {}: schema {} does not exist: run `outbox-relay migrate`, or fix \
-                 tables.name",
-                table.name,
-                table.name.schema.quoted()
-            )]));
-        }
-        Some(row) if !row.get::<_, bool>(0) => {
-            let schema = table.name.schema.quoted();
-            return Ok(Err(vec![format!(
-                "table {}: this role lacks USAGE on schema {schema}: GRANT USAGE ON SCHEMA \
-                 {schema} TO <relay role> (see migrations/outbox_relay_role.sql)",
-                table.name,
-            )]));
-        }
-        Some(_) => {}
+    if let Some(problem) = schema_problem(client, table).await? {
+        return Ok(Err(vec![problem]));
     }
+    let name = table.name.quoted();
     let rows = client.query(COLUMNS_SQL, &[&name]).await?;
     if rows.is_empty() {
         return Ok(Err(vec![format!(
@@ -111,48 +94,71 @@ pub async fn inspect(
         .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)))
         .collect();
     let mut problems = Vec::new();
+    let shape = check_columns(&types, table, relay, &mut problems);
+    let order = table.columns.order.as_str();
+    if types.contains_key(order) && !order_is_unique(client, table).await? {
+        problems.push(format!(
+            "table {}: column {} orders the rows and identifies them, so it needs unique \
+             values: run `outbox-relay migrate` (adds a unique index) or \
+             CREATE UNIQUE INDEX ON {} ({})",
+            table.name,
+            table.columns.order,
+            table.name.quoted(),
+            table.columns.order.quoted()
+        ));
+    }
+    check_indexes(client, table, &mut problems).await?;
+    check_privileges(client, table, relay, &types, &mut problems).await?;
+    match shape {
+        Some(shape) if problems.is_empty() => Ok(Ok(shape)),
+        _ => Ok(Err(problems)),
+    }
+}
+
+/// A schema that does not exist or that this role may not use.
+async fn schema_problem(
+    client: &impl GenericClient,
+    table: &TableConfig,
+) -> Result<Option<String>, SourceError> {
+    let quoted = table.name.schema.quoted();
+    Ok(
+        match client
+            .query_opt(SCHEMA_SQL, &[&table.name.schema.as_str()])
+            .await?
+        {
+            None => Some(format!(
+                "table {}: schema {quoted} does not exist: run `outbox-relay migrate`, or fix \
+                 tables.name",
+                table.name,
+            )),
+            Some(row) if !row.get::<_, bool>(0) => Some(format!(
+                "table {}: this role lacks USAGE on schema {quoted}: GRANT USAGE ON SCHEMA \
+                 {quoted} TO <relay role> (see migrations/outbox_relay_role.sql)",
+                table.name,
+            )),
+            Some(_) => None,
+        },
+    )
+}
+
+/// Checks every column the configuration names against the table's columns (`types`:
+/// name -> type name) and returns the shape, or `None` when a problem was pushed.
+fn check_columns(
+    types: &HashMap<String, String>,
+    table: &TableConfig,
+    relay: &RelayConfig,
+    problems: &mut Vec<String>,
+) -> Option<TableShape> {
+    let before = problems.len();
     let c = &table.columns;
-    // `migrate` adds the bookkeeping columns; every other column is the application's.
-    let bookkeeping = [
-        &c.published_at,
-        &c.attempts,
-        &c.last_error,
-        &c.dead_at,
-        &c.next_attempt_at,
-    ];
     let mut expect = |column: &str, role: &str, allowed: &[&str]| -> Option<String> {
-        match types.get(column) {
-            None if bookkeeping.iter().any(|b| b.as_str() == column) => {
-                problems.push(format!(
-                    "table {}: column {column} ({role}) is missing: run `outbox-relay migrate`, \
-                     which adds it",
-                    table.name
-                ));
-                None
-            }
-            None => {
-                problems.push(format!(
-                    "table {}: column {column} ({role}) is missing, and only the application \
-                     can add it (migrate adds the relay's bookkeeping columns only): add the \
-                     column in the application's schema migration, or change the config to \
-                     name a column the table has ([[tables]] topic, [tables.columns], \
-                     [tables.header_columns])",
-                    table.name
-                ));
-                None
-            }
-            Some(ty) if !allowed.is_empty() && !allowed.contains(&ty.as_str()) => {
-                problems.push(format!(
-                    "table {}: column {column} ({role}) has type {ty}; use one of {}",
-                    table.name,
-                    allowed.join(", ")
-                ));
-                None
-            }
-            Some(ty) => Some(ty.clone()),
-        }
+        let problem = column_problem(types, table, column, role, allowed);
+        let ty = problem.is_none().then(|| types[column].clone());
+        problems.extend(problem);
+        ty
     };
     let integers = &["int8", "int4", "int2"][..];
+    let times = &["timestamptz", "timestamp"][..];
     if c.order == c.id {
         expect(c.id.as_str(), "message id and order", integers);
     } else {
@@ -174,54 +180,97 @@ pub async fn inspect(
         }
     };
     let headers = optional(&c.headers, "message headers", &["jsonb", "json"]);
-    let created_at = optional(
-        &c.created_at,
-        "creation time",
-        &["timestamptz", "timestamp"],
-    );
-    expect(
-        c.attempts.as_str(),
-        "failed attempts",
-        &["int4", "int2", "int8"],
-    );
+    let created_at = optional(&c.created_at, "creation time", times);
+    expect(c.attempts.as_str(), "failed attempts", integers);
     expect(c.last_error.as_str(), "last error", &["text", "varchar"]);
-    expect(
-        c.dead_at.as_str(),
-        "dead-letter time",
-        &["timestamptz", "timestamp"],
-    );
+    expect(c.dead_at.as_str(), "dead-letter time", times);
     expect(
         c.next_attempt_at.as_str(),
         "next attempt time, added by migrate 0002",
-        &["timestamptz", "timestamp"],
+        times,
     );
-    let published_role = match on_publish {
+    let published_role = match relay.on_publish {
         OnPublish::Mark => "publish time, set in mark mode",
         OnPublish::Delete => "publish time",
     };
-    expect(
-        c.published_at.as_str(),
-        published_role,
-        &["timestamptz", "timestamp"],
-    );
+    expect(c.published_at.as_str(), published_role, times);
     for column in table.topic.columns() {
         expect(column.as_str(), "used in the topic template", &[]);
     }
     for (header, column) in &table.header_columns {
         expect(column.as_str(), &format!("copied to header {header}"), &[]);
     }
-    if types.contains_key(c.order.as_str()) && !order_is_unique(client, table).await? {
+    // (A mapped creation-time column that is missing is reported above.)
+    if relay.retention.is_some()
+        && created_at.is_none()
+        && !matches!(c.created_at, OptionalColumn::Named(_))
+    {
         problems.push(format!(
-            "table {}: column {} orders the rows and identifies them, so it needs unique \
-             values: run `outbox-relay migrate` (adds a unique index) or \
-             CREATE UNIQUE INDEX ON {} ({})",
-            table.name,
-            c.order,
-            table.name.quoted(),
-            c.order.quoted()
+            "table {}: relay.retention needs a creation-time column to tell where the old rows \
+             end, and this table has none: map tables.columns.created_at to a timestamptz \
+             column written at insert (e.g. `created_at timestamptz NOT NULL DEFAULT now()`), \
+             or remove relay.retention",
+            table.name
         ));
     }
+    let payload = match payload.as_deref() {
+        Some("bytea") => PayloadType::Bytea,
+        _ => PayloadType::Text,
+    };
+    (problems.len() == before).then_some(TableShape {
+        payload,
+        headers,
+        created_at,
+    })
+}
 
+/// What is wrong with `column` (playing `role`), if anything: missing, or of a type not in
+/// `allowed` (any type when empty).
+fn column_problem(
+    types: &HashMap<String, String>,
+    table: &TableConfig,
+    column: &str,
+    role: &str,
+    allowed: &[&str],
+) -> Option<String> {
+    let c = &table.columns;
+    // `migrate` adds the bookkeeping columns; every other column is the application's.
+    let bookkeeping = [
+        &c.published_at,
+        &c.attempts,
+        &c.last_error,
+        &c.dead_at,
+        &c.next_attempt_at,
+    ];
+    match types.get(column) {
+        None if bookkeeping.iter().any(|b| b.as_str() == column) => Some(format!(
+            "table {}: column {column} ({role}) is missing: run `outbox-relay migrate`, \
+             which adds it",
+            table.name
+        )),
+        None => Some(format!(
+            "table {}: column {column} ({role}) is missing, and only the application \
+             can add it (migrate adds the relay's bookkeeping columns only): add the \
+             column in the application's schema migration, or change the config to \
+             name a column the table has ([[tables]] topic, [tables.columns], \
+             [tables.header_columns])",
+            table.name
+        )),
+        Some(ty) if !allowed.is_empty() && !allowed.contains(&ty.as_str()) => Some(format!(
+            "table {}: column {column} ({role}) has type {ty}; use one of {}",
+            table.name,
+            allowed.join(", ")
+        )),
+        Some(_) => None,
+    }
+}
+
+/// The claim indexes `migrate` builds: missing or invalid ones are problems.
+async fn check_indexes(
+    client: &impl GenericClient,
+    table: &TableConfig,
+    problems: &mut Vec<String>,
+) -> Result<(), SourceError> {
     for (suffix, what) in super::migrate::CLAIM_INDEXES {
         let index = format!(
             "{}.{}",
@@ -242,13 +291,23 @@ pub async fn inspect(
             ));
         }
     }
+    Ok(())
+}
 
-    // Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants
-    // it): SELECT, DELETE in delete mode or with retention, and UPDATE of the bookkeeping
-    // columns only.
+/// Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants it):
+/// SELECT, DELETE in delete mode or with retention, and UPDATE of the bookkeeping columns
+/// only.
+async fn check_privileges(
+    client: &impl GenericClient,
+    table: &TableConfig,
+    relay: &RelayConfig,
+    types: &HashMap<String, String>,
+    problems: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    let name = table.name.quoted();
     let privileges = client.query_one(PRIVILEGES_SQL, &[&name]).await?;
     let mut needed = vec![(0, "SELECT", "")];
-    if on_publish == OnPublish::Delete {
+    if relay.on_publish == OnPublish::Delete {
         needed.push((1, "DELETE", ""));
     } else if relay.retention.is_some() {
         needed.push((1, "DELETE", " (relay.retention deletes old published rows)"));
@@ -256,58 +315,106 @@ pub async fn inspect(
     for (i, privilege, why) in needed {
         if !privileges.get::<_, bool>(i) {
             problems.push(format!(
-                "table {}: this role lacks {privilege}{why}: GRANT {privilege} ON {} TO <relay \
-                 role>",
+                "table {}: this role lacks {privilege}{why}: GRANT {privilege} ON {name} TO \
+                 <relay role>",
                 table.name,
-                table.name.quoted()
             ));
         }
     }
+    let c = &table.columns;
     let mut updated = vec![&c.attempts, &c.last_error, &c.dead_at, &c.next_attempt_at];
-    if on_publish == OnPublish::Mark {
+    if relay.on_publish == OnPublish::Mark {
         updated.push(&c.published_at);
     }
     for column in updated {
         if !types.contains_key(column.as_str()) {
-            continue; // reported above as missing
+            continue; // reported as missing
         }
         let row = client
             .query_one(COLUMN_PRIVILEGE_SQL, &[&name, &column.as_str()])
             .await?;
         if !row.get::<_, bool>(0) {
             problems.push(format!(
-                "table {}: this role lacks UPDATE on column {column}: GRANT UPDATE ({}) ON {} \
-                 TO <relay role>",
+                "table {}: this role lacks UPDATE on column {column}: GRANT UPDATE ({}) ON \
+                 {name} TO <relay role>",
                 table.name,
                 column.quoted(),
-                table.name.quoted()
             ));
         }
     }
+    Ok(())
+}
 
-    // (A mapped creation-time column that is missing is reported above.)
-    if relay.retention.is_some()
-        && created_at.is_none()
-        && !matches!(c.created_at, OptionalColumn::Named(_))
-    {
-        problems.push(format!(
-            "table {}: relay.retention needs a creation-time column to tell where the old rows \
-             end, and this table has none: map tables.columns.created_at to a timestamptz \
-             column written at insert (e.g. `created_at timestamptz NOT NULL DEFAULT now()`), \
-             or remove relay.retention",
-            table.name
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(extra: &str) -> crate::config::Config {
+        let text = format!(
+            "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"stdout\"\n{extra}\n\
+             [[tables]]\nname = \"public.outbox\"\n"
+        );
+        crate::config::from_str(&text, |_| None, Vec::new()).unwrap()
+    }
+
+    /// The columns `migrate` creates, with their types.
+    fn migrated() -> HashMap<String, String> {
+        [
+            ("id", "int8"),
+            ("topic", "text"),
+            ("key", "text"),
+            ("payload", "jsonb"),
+            ("headers", "jsonb"),
+            ("created_at", "timestamptz"),
+            ("published_at", "timestamptz"),
+            ("attempts", "int4"),
+            ("last_error", "text"),
+            ("dead_at", "timestamptz"),
+            ("next_attempt_at", "timestamptz"),
+        ]
+        .into_iter()
+        .map(|(c, t)| (c.to_owned(), t.to_owned()))
+        .collect()
+    }
+
+    #[test]
+    fn a_migrated_table_has_the_shape_the_statements_need() {
+        let config = config("");
+        let mut problems = Vec::new();
+        let shape = check_columns(&migrated(), &config.tables[0], &config.relay, &mut problems)
+            .expect("no problem");
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(shape.payload, PayloadType::Text);
+        assert_eq!(shape.headers.unwrap().as_str(), "headers");
+    }
+
+    #[test]
+    fn each_column_problem_says_who_can_fix_it() {
+        let config = config("");
+        let mut types = migrated();
+        types.remove("next_attempt_at"); // the relay's: migrate adds it
+        types.remove("key"); // the application's
+        types.insert("attempts".into(), "text".into());
+        let mut problems = Vec::new();
+        let shape = check_columns(&types, &config.tables[0], &config.relay, &mut problems);
+        assert!(shape.is_none());
+        assert_eq!(problems.len(), 3, "{problems:#?}");
+        assert!(problems[0]
+            .contains("column key (ordering key) is missing, and only the application can add it"));
+        assert!(problems[1].contains(
+            "column attempts (failed attempts) has type text; use one of int8, int4, int2"
         ));
+        assert!(problems[2].contains("column next_attempt_at (next attempt time, added by migrate 0002) is missing: run `outbox-relay migrate`"));
     }
-    if !problems.is_empty() {
-        return Ok(Err(problems));
+
+    #[test]
+    fn retention_needs_a_creation_time_column() {
+        let config = config("[relay]\non_publish = \"mark\"\nretention = \"7d\"");
+        let mut types = migrated();
+        types.remove("created_at");
+        let mut problems = Vec::new();
+        check_columns(&types, &config.tables[0], &config.relay, &mut problems);
+        assert_eq!(problems.len(), 1, "{problems:#?}");
+        assert!(problems[0].contains("relay.retention needs a creation-time column"));
     }
-    let payload = match payload.as_deref() {
-        Some("bytea") => PayloadType::Bytea,
-        _ => PayloadType::Text,
-    };
-    Ok(Ok(TableShape {
-        payload,
-        headers,
-        created_at,
-    }))
 }
