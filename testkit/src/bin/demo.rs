@@ -3,13 +3,14 @@
 //! commits after later ids, `outbox-relay migrate`, `outbox-relay drain`, then an
 //! independent consumer checks what arrived. Run it through `scripts/demo`.
 //!
-//! Usage: demo PATH-TO-outbox-relay [--rows N] [--mark] [--kafka]
+//! Flags and their defaults: `demo --help` ([`Args`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
+use clap::Parser;
 use testkit::{KafkaBroker, NatsServer, Postgres};
 
 const TOPICS: [&str; 5] = [
@@ -19,6 +20,26 @@ const TOPICS: [&str; 5] = [
     "orders.3",
     "orders.late",
 ];
+
+/// End-to-end demo on a throwaway PostgreSQL and nats-server (or tansu): seeds the outbox,
+/// runs `outbox-relay migrate` and `drain`, and checks delivery with an independent
+/// consumer. Run it through `scripts/demo`.
+#[derive(Parser)]
+#[command(name = "demo", args_override_self = true)]
+struct Args {
+    /// The outbox-relay binary to run.
+    #[arg(value_name = "PATH-TO-outbox-relay")]
+    relay: String,
+    /// Rows to seed (200 keys, every 50th row with a NULL key), besides the one late row.
+    #[arg(long, value_name = "N", default_value_t = 20_000)]
+    rows: i64,
+    /// `relay.on_publish = "mark"`: published rows stay in the table (default: "delete").
+    #[arg(long)]
+    mark: bool,
+    /// A Kafka-protocol broker (tansu) instead of nats-server.
+    #[arg(long)]
+    kafka: bool,
+}
 
 enum Broker {
     Nats(NatsServer),
@@ -100,18 +121,13 @@ impl Broker {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let usage = "usage: demo PATH-TO-outbox-relay [--rows N] [--mark] [--kafka]";
-    let relay = args.next().context(usage)?;
-    let (mut rows, mut on_publish, mut kafka) = (20_000_i64, "delete", false);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--rows" => rows = args.next().context(usage)?.parse()?,
-            "--mark" => on_publish = "mark",
-            "--kafka" => kafka = true,
-            other => bail!("unknown argument {other:?}; {usage}"),
-        }
-    }
+    let Args {
+        relay,
+        rows,
+        mark,
+        kafka,
+    } = Args::parse();
+    let on_publish = if mark { "mark" } else { "delete" };
 
     let pg = Postgres::start()?;
     let broker = if kafka {

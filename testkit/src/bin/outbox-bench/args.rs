@@ -1,0 +1,47 @@
+//! The command line: every flag `scripts/bench` passes through, with its default.
+
+use clap::{ArgAction, Parser};
+
+/// The relay against this machine's own limits, on throwaway PostgreSQL, nats-server and
+/// tansu; prints markdown tables. Run it through `scripts/bench`.
+#[derive(Parser)]
+#[command(name = "outbox-bench", args_override_self = true)]
+pub(crate) struct Args {
+    /// The outbox-relay binary to measure (C to H run it as a child process).
+    #[arg(value_name = "PATH-TO-outbox-relay")]
+    pub(crate) relay: String,
+    /// Rows of each of A, B, C and E (the table is filled afresh before each).
+    #[arg(long, value_name = "N", default_value_t = 1_000_000)]
+    pub(crate) rows: i64,
+    /// Distinct keys over those rows (and the writer's rows in D, G and H).
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    pub(crate) keys: i64,
+    /// Payload size of every row, in bytes.
+    #[arg(long, value_name = "BYTES", default_value_t = 256)]
+    pub(crate) payload: i64,
+    /// `relay.workers` of the drains, and B's concurrent publishers.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub(crate) workers: usize,
+    /// `relay.batch_size` of the drains, and B's messages per batch.
+    #[arg(long, value_name = "N", default_value_t = 500)]
+    pub(crate) batch: usize,
+    /// Leave Kafka out: no tansu, no Kafka rows in B and C (Kafka is measured by default).
+    #[arg(long = "no-kafka", action = ArgAction::SetFalse)]
+    pub(crate) kafka: bool,
+    /// Seconds per writer rate in D (1k, 2k, 5k and 20k rows/s); 0 skips D.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    pub(crate) steady_secs: u64,
+    /// Rows of F's big drain, compared with one of 200,000 rows; 0 skips F.
+    #[arg(long, value_name = "N", default_value_t = 5_000_000)]
+    pub(crate) big_rows: i64,
+    /// Seconds G holds the snapshot (in whole minutes, rounded up); 0 skips G.
+    #[arg(long, value_name = "N", default_value_t = 600)]
+    pub(crate) held_secs: u64,
+    /// H's `relay.retention` in seconds (the writer runs for five of them); 0 skips H.
+    #[arg(long, value_name = "N", default_value_t = 60)]
+    pub(crate) retention_secs: u64,
+    /// PostgreSQL with fsync, synchronous_commit and full_page_writes off (default: on,
+    /// durable as PostgreSQL ships).
+    #[arg(long)]
+    pub(crate) fast: bool,
+}

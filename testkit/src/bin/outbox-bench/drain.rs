@@ -1,0 +1,242 @@
+//! A, B, C, C', E and F: the database's and each broker's limit, and `outbox-relay drain`
+//! as a child process timed from start to exit, with its peak RSS and CPU time.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use outbox_relay::relay::{self, Mode};
+use outbox_relay::shutdown::Shutdown;
+use outbox_relay::sink::memory::MemorySink;
+use outbox_relay::sink::{Message, Sink};
+
+use crate::cpu::MachineCpu;
+use crate::{Bench, SMALL_ROWS, TOPICS};
+
+/// One measured line of the table.
+pub(crate) struct Row {
+    pub(crate) name: String,
+    pub(crate) rows: i64,
+    pub(crate) secs: f64,
+    /// Which limit this is compared with: "nats", "kafka" or "" (a limit itself).
+    pub(crate) broker: &'static str,
+    /// The ordering mode, for the database limit it is compared with.
+    pub(crate) ordering: &'static str,
+    pub(crate) rss_mb: Option<f64>,
+    pub(crate) cpu_per_100k: Option<f64>,
+    /// Cores the whole machine kept busy during the measurement (all processes).
+    pub(crate) cores_busy: f64,
+}
+
+impl Row {
+    pub(crate) fn rate(&self) -> f64 {
+        self.rows as f64 / self.secs
+    }
+}
+
+impl Bench {
+    /// A: the library's drain with a sink that acknowledges at once.
+    pub(crate) async fn postgres_limit(&self, ordering: &'static str) -> Result<Row> {
+        self.seed(0).await?;
+        let config = self.config("stdout", ordering)?;
+        let started = Instant::now();
+        let machine = MachineCpu::now();
+        let report = relay::run_with_sink(
+            &config,
+            Mode::Drain,
+            Sink::Memory(MemorySink::discarding()),
+            Shutdown::new(),
+        )
+        .await?;
+        let secs = started.elapsed().as_secs_f64();
+        if report.published != self.a.rows as u64 {
+            bail!("A published {} of {} rows", report.published, self.a.rows);
+        }
+        Ok(Row {
+            name: format!(
+                "A. PostgreSQL limit, ordering = \"{ordering}\": claim + delete, no broker"
+            ),
+            rows: self.a.rows,
+            secs,
+            broker: "",
+            ordering,
+            rss_mb: None,
+            cpu_per_100k: None,
+            cores_busy: machine.busy_since(),
+        })
+    }
+
+    /// B: the same messages through the relay's sink, no database.
+    pub(crate) async fn broker_limit(&self, sink_name: &'static str) -> Result<Row> {
+        let config = self.config(sink_name, "none")?;
+        let sink = Arc::new(Sink::connect(&config.sink).await?);
+        let payload: Vec<u8> = std::iter::repeat_n(b'x', self.a.payload as usize).collect();
+        let payload = bytes::Bytes::from(payload);
+        let per_worker = self.a.rows as usize / self.a.workers;
+        let started = Instant::now();
+        let machine = MachineCpu::now();
+        let mut tasks = Vec::new();
+        for w in 0..self.a.workers {
+            let sink = sink.clone();
+            let payload = payload.clone();
+            let batch = self.a.batch;
+            let keys = self.a.keys as usize;
+            tasks.push(tokio::spawn(async move {
+                let mut n = w * per_worker;
+                let end = n + per_worker;
+                while n < end {
+                    let messages: Vec<Message> = (n..(n + batch).min(end))
+                        .map(|i| Message {
+                            id: format!("bench.limit:{i}"),
+                            topic: format!("bench.{}", i % TOPICS),
+                            key: Some(format!("k{}", i % keys)),
+                            payload: payload.clone(),
+                            headers: Vec::new(),
+                        })
+                        .collect();
+                    let refs: Vec<&Message> = messages.iter().collect();
+                    for r in sink.publish_batch(&refs).await {
+                        r.map_err(|e| anyhow::anyhow!("{}", e.message))?;
+                    }
+                    n += messages.len();
+                }
+                Ok::<_, anyhow::Error>(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let _ = sink.close(Duration::from_secs(5)).await;
+        Ok(Row {
+            name: format!("B. {sink_name} limit: publish, acks awaited, no database"),
+            rows: (per_worker * self.a.workers) as i64,
+            secs,
+            broker: "",
+            ordering: "",
+            rss_mb: None,
+            cpu_per_100k: None,
+            cores_busy: machine.busy_since(),
+        })
+    }
+
+    /// C + E: the release binary's drain, with its peak RSS and CPU time.
+    pub(crate) async fn drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
+        self.drain_with(sink, ordering, 0).await
+    }
+
+    /// C with `poison` rows no broker accepts at the head; counts the good rows only.
+    pub(crate) async fn drain_with(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        poison: i64,
+    ) -> Result<Row> {
+        self.seed(poison).await?;
+        if sink == "nats" {
+            self.reset_nats().await?;
+        }
+        let mut row = self.timed_drain(sink, ordering).await?;
+        if poison > 0 {
+            let client = self.pg.connect("app").await?;
+            let counts = client
+                .query_one(
+                    "SELECT count(*) FILTER (WHERE dead_at IS NOT NULL), count(*) FROM public.outbox",
+                    &[],
+                )
+                .await?;
+            let (dead, left): (i64, i64) = (counts.get(0), counts.get(1));
+            if dead != 1 || left != poison {
+                bail!("poisoned drain left {left} rows ({dead} dead); expected {poison} (1 dead)");
+            }
+            row.name = format!(
+                "C'. drain to {sink}, ordering = \"{ordering}\", {poison} rows no stream captures at the head"
+            );
+        }
+        Ok(row)
+    }
+
+    /// E: C (NATS, key order) while another session holds a REPEATABLE READ snapshot, so
+    /// VACUUM can remove nothing: a first drain, then a second one behind the first's
+    /// deleted rows.
+    pub(crate) async fn held_snapshot(&self) -> Result<(Row, Row)> {
+        self.seed(0).await?;
+        self.reset_nats().await?;
+        let holder = self.pg.connect("app").await?;
+        holder
+            .batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_catalog.pg_class",
+            )
+            .await?;
+        let mut first = self.timed_drain("nats", "key").await?;
+        first.name = "E1. C (nats, key) with one REPEATABLE READ snapshot held".to_owned();
+        self.insert(0).await?;
+        let mut second = self.timed_drain("nats", "key").await?;
+        second.name = format!(
+            "E2. E1 again, behind its {} deleted rows VACUUM cannot remove",
+            self.a.rows
+        );
+        holder.batch_execute("ROLLBACK").await?;
+        Ok((first, second))
+    }
+
+    /// F: the same drain on a table of 200,000 rows and of `--big-rows`.
+    pub(crate) async fn table_size(&self) -> Result<Vec<Row>> {
+        let mut rows = Vec::new();
+        for n in [SMALL_ROWS, self.a.big_rows] {
+            eprintln!("    F. filling the table with {n} rows");
+            self.seed_rows(0, n).await?;
+            self.reset_nats().await?;
+            let mut row = self.timed_drain_of("nats", "key", n).await?;
+            row.name = format!("F. C (nats, key) on a table of {n} rows");
+            rows.push(row);
+        }
+        Ok(rows)
+    }
+
+    /// `outbox-relay drain` as a process, timed from its start to its exit (start-up and
+    /// connecting included), on what the table holds now.
+    async fn timed_drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
+        self.timed_drain_of(sink, ordering, self.a.rows).await
+    }
+
+    /// [`Bench::timed_drain`] of a table that holds `rows` rows.
+    async fn timed_drain_of(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        rows: i64,
+    ) -> Result<Row> {
+        let path = self.dir.join(format!("{sink}-{ordering}.toml"));
+        std::fs::write(&path, self.config_text(sink, ordering))?;
+        let started = Instant::now();
+        let machine = MachineCpu::now();
+        let child = Command::new(&self.a.relay)
+            .args(["drain", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start outbox-relay")?;
+        let (status, usage) = testkit::wait_with_usage(child.id() as i32)?;
+        let secs = started.elapsed().as_secs_f64();
+        if status != 0 {
+            bail!("drain ({sink}, {ordering}) exited with {status}");
+        }
+        let cpu = usage.ru_utime.tv_sec as f64
+            + usage.ru_utime.tv_usec as f64 / 1e6
+            + usage.ru_stime.tv_sec as f64
+            + usage.ru_stime.tv_usec as f64 / 1e6;
+        Ok(Row {
+            name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
+            rows,
+            secs,
+            broker: sink,
+            ordering,
+            rss_mb: Some(usage.ru_maxrss as f64 / 1024.0),
+            cpu_per_100k: Some(cpu / (rows as f64 / 100_000.0)),
+            cores_busy: machine.busy_since(),
+        })
+    }
+}

@@ -1,0 +1,82 @@
+//! The plumbing every harness shares: free ports, scratch directories, child processes
+//! that die with their owner, waiting for a server to listen, and waiting for a child
+//! with its resource usage.
+//!
+//! Starts nothing itself. What it sets up is torn down by its users: a scratch directory
+//! is removed by the owning server's `Drop`, and [`die_with_parent`] makes the kernel send
+//! SIGKILL to a child whose spawning thread exits without unwinding.
+
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind an ephemeral port on 127.0.0.1")
+}
+
+/// A fresh empty directory under the system temp dir, removed by the server's Drop.
+pub(crate) fn scratch_dir(kind: &str) -> Result<PathBuf> {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-relay-{kind}-{}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Makes the child receive SIGKILL when the thread that spawned it exits (so a failed
+/// test leaves no process behind).
+pub fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+}
+
+pub(crate) fn wait_for_port(port: u16, child: &mut Child, what: &str, log: &Path) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait()? {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("{what} exited with {status} before accepting connections:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("{what} did not accept connections on port {port} within 30s")
+}
+
+/// Waits for the child `pid` to exit; returns its exit code (-1 when a signal ended it)
+/// and its resource usage (peak RSS in `ru_maxrss`, KiB).
+pub fn wait_with_usage(pid: i32) -> std::io::Result<(i32, libc::rusage)> {
+    let mut status = 0;
+    // SAFETY: rusage is plain old data; wait4 fills it for our own child.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut usage) };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        -1
+    };
+    Ok((code, usage))
+}
