@@ -141,6 +141,13 @@ pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal>
     refused
 }
 
+/// Property names whose values are secrets: never logged, scrubbed from errors.
+pub fn is_secret(name: &str) -> bool {
+    ["password", "secret", "token", "key.pem", "keystore"]
+        .iter()
+        .any(|s| name.contains(s))
+}
+
 /// Everything wrong with `[sink.kafka]` that can be known without a broker, one line per
 /// problem, each naming its key.
 pub(super) fn check(
@@ -163,7 +170,7 @@ pub(super) fn check(
         if refused.iter().any(|r| &r.property == name) {
             continue;
         }
-        let secret = crate::sink::kafka::is_secret(name);
+        let secret = is_secret(name);
         if let Some(why) = librdkafka_refuses(name, value, secret) {
             problems.push(format!("sink.kafka.properties.{name}: {why}"));
         }

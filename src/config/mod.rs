@@ -12,6 +12,7 @@ mod env;
 mod explain;
 pub mod kafka;
 pub mod names;
+pub mod postgres;
 pub mod raw;
 pub mod secret;
 
@@ -55,7 +56,7 @@ pub struct PostgresConfig {
     /// Keep the claim's statements prepared per session (see `source::Tx`).
     pub prepared_statements: bool,
     /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
-    pub tls: crate::source::tls::TlsSettings,
+    pub tls: postgres::TlsSettings,
 }
 
 impl PostgresConfig {
@@ -108,7 +109,7 @@ pub struct RelayConfig {
     /// Payload bytes one claim takes at most; a single larger row is claimed alone.
     pub max_batch_bytes: u64,
     /// Mark mode: published rows whose `published_at` is older than this are deleted
-    /// (see [`crate::source::retention`]); `None` keeps them.
+    /// (the source's retention task); `None` keeps them.
     pub retention: Option<Duration>,
 }
 
@@ -486,10 +487,10 @@ fn strip_key(e: &str) -> String {
 }
 
 fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
-    let (url, tls) = crate::source::tls::split_tls_params(&raw.postgres.url)
-        .map_err(|e| err("postgres.url", e))?;
+    let (url, tls) =
+        postgres::split_tls_params(&raw.postgres.url).map_err(|e| err("postgres.url", e))?;
     // Certificate files are read now: a missing one is a config error, not a runtime one.
-    tls.connector().map_err(|e| err("postgres.url", e))?;
+    tls.check_files().map_err(|e| err("postgres.url", e))?;
     let mut connection = tokio_postgres::Config::from_str(&url).map_err(|e| {
         // tokio-postgres names the option at fault without echoing values.
         err(
@@ -609,7 +610,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
             let mut secret_properties = BTreeMap::new();
             for (name, path) in kafka.property_files {
                 let key = format!("sink.kafka.property_files.{name}");
-                if !crate::sink::kafka::is_secret(&name) {
+                if !self::kafka::is_secret(&name) {
                     return Err(err(
                         &key,
                         "only secret properties (passwords, secrets, tokens, keys) are read \

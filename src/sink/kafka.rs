@@ -17,6 +17,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::{scrub, Message, SinkError};
+use crate::config::kafka::is_secret;
 use crate::config::KafkaConfig;
 
 /// The header that carries the message id.
@@ -39,13 +40,6 @@ pub fn unsafe_properties(properties: &BTreeMap<String, String>) -> Vec<String> {
         .into_iter()
         .map(|r| format!("{}: {}", r.property, r.reason))
         .collect()
-}
-
-/// Property names whose values are secrets: never logged, scrubbed from errors.
-pub(crate) fn is_secret(name: &str) -> bool {
-    ["password", "secret", "token", "key.pem", "keystore"]
-        .iter()
-        .any(|s| name.contains(s))
 }
 
 pub struct KafkaSink {

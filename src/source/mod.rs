@@ -21,6 +21,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod
 
 use crate::config::PostgresConfig;
 use crate::error::{classify_postgres, ErrorClass};
+use tls::Connector as _;
 
 /// A PostgreSQL failure, with the class that says what to do about it.
 #[derive(Debug, thiserror::Error)]
