@@ -11,10 +11,12 @@
 //! value under a key that names a password, secret, token or URL is not shown at all.
 
 use super::env::Override;
+use super::kafka;
 
-/// Key fragments whose values are never shown in an error.
+/// Fragments of the relay's own keys whose values are never shown in an error. librdkafka
+/// property names (anything dotted) follow the one Kafka policy, [`kafka::is_secret`].
 const SECRET_KEYS: &[&str] = &[
-    "password", "passwd", "secret", "token", "url", "nkey", "creds", "key.pem", "keystore",
+    "password", "passwd", "secret", "token", "url", "nkey", "creds",
 ];
 
 /// `line 2, column 12: text must be in double quotes: write ordering = "key"`, followed by
@@ -77,9 +79,17 @@ fn quotable(line: &str) -> Option<String> {
     Some(shown)
 }
 
+/// Whether the value under `key` (a key path, or the key part of a line) may be a secret.
 fn is_secret_key(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    SECRET_KEYS.iter().any(|s| key.contains(s))
+    let key = key.trim().to_ascii_lowercase();
+    let in_kafka_section = ["sink.kafka.properties.", "sink.kafka.property_files."]
+        .iter()
+        .find_map(|section| key.strip_prefix(section));
+    // On a line the section is not known: a dotted name is taken for a librdkafka one.
+    let property = in_kafka_section
+        .or_else(|| key.contains('.').then_some(key.as_str()))
+        .map(|name| name.trim_matches(|c| c == '"' || c == '\''));
+    SECRET_KEYS.iter().any(|s| key.contains(s)) || property.is_some_and(kafka::is_secret)
 }
 
 /// `key = some words`: a value that is neither quoted nor any other TOML value, with the

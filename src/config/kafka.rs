@@ -31,6 +31,13 @@ pub struct Refusal {
     pub reason: String,
 }
 
+impl Refusal {
+    /// `acks: is "1", but ...`: the refusal without the section, for `check`'s report.
+    pub fn short(&self) -> String {
+        format!("{}: {}", self.property, self.reason)
+    }
+}
+
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -141,12 +148,53 @@ pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal>
     refused
 }
 
-/// Property names whose values are secrets: never logged, scrubbed from errors.
+/// Properties whose value is a secret or points at key material: librdkafka's own
+/// sensitive properties (`_RK_SENSITIVE` in its `rdkafka_conf.c`, which it redacts in its
+/// own logs) except `sasl.username`, plus the files holding a private key. Their values
+/// are never shown, are scrubbed from client errors, and may be read from files
+/// (`[sink.kafka.property_files]`).
+///
+/// `sasl.username` is left out on purpose: it is no secret, and scrubbing a short user
+/// name from every client error would mangle the messages.
+pub const SECRET_PROPERTIES: &[&str] = &[
+    "sasl.password",
+    "sasl.oauthbearer.config",
+    "sasl.oauthbearer.client.secret",
+    "sasl.oauthbearer.client.credentials.client.secret",
+    "sasl.oauthbearer.assertion.private.key.file",
+    "sasl.oauthbearer.assertion.private.key.passphrase",
+    "sasl.oauthbearer.assertion.private.key.pem",
+    "sasl.kerberos.keytab",
+    "ssl.ca.pem",
+    "ssl.key.location",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "ssl_key",
+    "ssl.keystore.location",
+    "ssl.keystore.password",
+];
+
+/// Words that make any other property name secret, so that a property a later librdkafka
+/// adds (or a misspelt one) is hidden rather than shown.
+const SECRET_WORDS: &[&str] = &["password", "passphrase", "secret", "token", "key"];
+
+/// Whether the value of librdkafka property `name` is a secret (see [`SECRET_PROPERTIES`]):
+/// the one policy for redaction in `Debug`, in config errors, in client errors, and for
+/// what `[sink.kafka.property_files]` accepts.
 pub fn is_secret(name: &str) -> bool {
-    ["password", "secret", "token", "key.pem", "keystore"]
-        .iter()
-        .any(|s| name.contains(s))
+    let name = name.trim().to_ascii_lowercase();
+    SECRET_PROPERTIES.contains(&name.as_str()) || SECRET_WORDS.iter().any(|w| name.contains(w))
 }
+
+/// Properties the relay sets on the producer unless the operator sets them: the first two
+/// are what the delivery promise needs ([`refused_properties`] refuses other values), the
+/// partitioner puts a key where a Java producer would.
+pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("partitioner", "murmur2_random"),
+    ("client.id", "outbox-relay"),
+];
 
 /// Everything wrong with `[sink.kafka]` that can be known without a broker, one line per
 /// problem, each naming its key.
@@ -367,6 +415,53 @@ mod tests {
         assert!(acks.contains("at-least-once"), "{acks}");
         assert!(acks.contains("write \"all\""), "{acks}");
         assert!(refused[0].reason.contains("per-key order"));
+    }
+
+    #[test]
+    fn one_secret_policy_covers_librdkafkas_sensitive_properties_and_key_files() {
+        for name in SECRET_PROPERTIES {
+            assert!(is_secret(name), "{name}");
+        }
+        // Every name either of the two old lists hid is still hidden.
+        for name in [
+            "sasl.password",
+            "ssl.key.password",
+            "ssl.key.pem",
+            "ssl.key.location",
+            "ssl.keystore.password",
+            "ssl.keystore.location",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.token.endpoint.url",
+            "SASL.Password",
+            "some.future.secret",
+        ] {
+            assert!(is_secret(name), "{name}");
+        }
+        for name in [
+            "sasl.username",
+            "security.protocol",
+            "sasl.mechanisms",
+            "ssl.ca.location",
+            "ssl.certificate.location",
+            "ssl.certificate.pem",
+            "compression.type",
+            "acks",
+            "linger.ms",
+            "client.id",
+        ] {
+            assert!(!is_secret(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_defaults_the_relay_sets_pass_its_own_policy() {
+        let defaults: BTreeMap<String, String> = PRODUCER_DEFAULTS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert!(refused_properties(&defaults).is_empty());
+        assert_eq!(defaults["acks"], "all");
+        assert_eq!(defaults["enable.idempotence"], "true");
     }
 
     #[test]

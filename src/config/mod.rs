@@ -10,6 +10,7 @@
 
 mod env;
 mod explain;
+pub mod headers;
 pub mod kafka;
 pub mod names;
 pub mod postgres;
@@ -233,10 +234,12 @@ impl std::fmt::Debug for KafkaConfig {
             .properties
             .iter()
             .map(|(k, v)| {
-                let secret = ["password", "secret", "key", "token"]
-                    .iter()
-                    .any(|s| k.contains(s));
-                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
+                let shown = if kafka::is_secret(k) {
+                    "<redacted>"
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
             })
             .collect();
         f.debug_struct("KafkaConfig")
@@ -409,9 +412,6 @@ fn err(key: &str, msg: String) -> ConfigError {
     ConfigError(format!("{key}: {msg}"))
 }
 
-/// Header names the relay sets itself.
-const RESERVED_HEADERS: &[&str] = &["outbox-id", "nats-msg-id"];
-
 fn header_columns(
     raw: BTreeMap<String, String>,
     at: &str,
@@ -419,13 +419,13 @@ fn header_columns(
     raw.into_iter()
         .map(|(name, column)| {
             let key = format!("{at}.{name}");
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+            if !headers::is_valid_name(&name) {
                 return Err(err(
                     &key,
                     "a header name is printable ASCII without spaces or ':'".into(),
                 ));
             }
-            if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+            if headers::is_reserved(&name) {
                 return Err(err(&key, format!("{name} is set by the relay itself")));
             }
             let column = Ident::parse(&column).map_err(|e| err(&key, e))?;
