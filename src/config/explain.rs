@@ -12,6 +12,7 @@
 
 use super::env::Override;
 use super::kafka;
+use super::ConfigError;
 
 /// Fragments of the relay's own keys whose values are never shown in an error. librdkafka
 /// property names (anything dotted) follow the one Kafka policy, [`kafka::is_secret`].
@@ -159,7 +160,7 @@ fn plain_syntax(message: &str, unquoted: Option<(&str, &str)>, line: Option<&str
 pub fn serde_error(
     e: &serde_path_to_error::Error<toml::de::Error>,
     overrides: &[Override],
-) -> String {
+) -> ConfigError {
     let path = e.path().to_string();
     let inner = e.inner().message();
     let join = |key: &str| {
@@ -186,24 +187,7 @@ pub fn serde_error(
     } else {
         (path.clone(), plain_type_error(inner, &path))
     };
-    name_sources(&format!("{key}: {message}"), overrides)
-}
-
-/// Appends `(set by OUTBOX_RELAY__...)` to each `key: message` line whose key an
-/// environment variable set, so the operator looks in the right place.
-pub fn name_sources(message: &str, overrides: &[Override]) -> String {
-    message
-        .lines()
-        .map(|line| {
-            let key = line.split_once(": ").map_or("", |(key, _)| key);
-            let key = key.replace('[', ".").replace(']', "");
-            match overrides.iter().find(|o| o.path.join(".") == key) {
-                Some(o) => format!("{line} (set by {})", o.variable),
-                None => line.to_owned(),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    ConfigError::new(key, message).with_sources(overrides)
 }
 
 fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
@@ -366,8 +350,8 @@ fn plain_got(got: &str, path: &str) -> String {
 
 /// `[[relay]]` makes `relay` a list of tables, which serde would then read field by field
 /// and answer with nonsense (`relay[0]: expected usize`). Only `[[tables]]` is a list.
-pub fn check_lists(root: &toml::Table) -> Result<(), String> {
-    fn walk(value: &toml::Value, path: &str) -> Result<(), String> {
+pub fn check_lists(root: &toml::Table) -> Result<(), ConfigError> {
+    fn walk(value: &toml::Value, path: &str) -> Result<(), ConfigError> {
         match value {
             toml::Value::Table(t) => t
                 .iter()
@@ -377,9 +361,12 @@ pub fn check_lists(root: &toml::Table) -> Result<(), String> {
             {
                 let section = section_of(path).unwrap_or_default();
                 let section = section.trim_start_matches('[').trim_end_matches(']');
-                Err(format!(
-                    "{path}: is written [[{section}]], which makes a list; write [{section}] \
-                     with single brackets"
+                Err(ConfigError::new(
+                    path,
+                    format!(
+                        "is written [[{section}]], which makes a list; write [{section}] with \
+                         single brackets"
+                    ),
                 ))
             }
             _ => Ok(()),
@@ -549,13 +536,14 @@ mod tests {
         assert_eq!(check_lists(&root), Ok(()));
         let root: toml::Table = toml::from_str("[[relay]]\nworkers = 1\n").unwrap();
         assert_eq!(
-            check_lists(&root).unwrap_err(),
+            check_lists(&root).unwrap_err().to_string(),
             "relay: is written [[relay]], which makes a list; write [relay] with single brackets"
         );
         let root: toml::Table =
             toml::from_str("[[tables]]\nname = \"a\"\n[[tables.columns]]\nid = \"x\"\n").unwrap();
         assert!(check_lists(&root)
             .unwrap_err()
+            .to_string()
             .starts_with("tables[0].columns: is written [[tables.columns]]"));
     }
 }

@@ -1,14 +1,133 @@
-//! `postgres.url` as libpq users write it: the TLS parameters (`sslmode`, `sslrootcert`,
+//! `[postgres]`: the connection URL, the pool and the session deadlines.
+//!
+//! `postgres.url` is read as libpq users write it: the TLS parameters (`sslmode`, `sslrootcert`,
 //! `sslcert`, `sslkey`) are taken out of the URL or key=value string here, because
 //! tokio-postgres knows only three `sslmode`s and none of the file parameters. The
 //! certificate files are read at load time, so a missing or malformed one is a config
 //! error (exit 2); the OpenSSL connector itself is built in `source::tls`.
 
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
 
 use openssl::pkey::PKey;
 use openssl::x509::X509;
 use tokio_postgres::config::SslMode;
+
+use super::raw::RawPostgres;
+use super::{positive, ConfigError, Secret};
+
+/// `[postgres]`, checked.
+#[derive(Clone)]
+pub struct PostgresConfig {
+    /// Parsed connection settings; may hold a password, so this type's `Debug` is redacted.
+    pub connection: tokio_postgres::Config,
+    /// Connections in the pool; at least `relay.workers`. Default 8.
+    pub pool_size: usize,
+    /// Client and server-side deadline for one statement. Default 30 s.
+    pub statement_timeout: Duration,
+    /// Deadline for opening a connection. Default 10 s.
+    pub connect_timeout: Duration,
+    /// Keep the claim's statements prepared per session (see `source::Tx`). Default true.
+    pub prepared_statements: bool,
+    /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
+    pub tls: TlsSettings,
+}
+
+impl PostgresConfig {
+    /// `postgres://user@host:port/db` without the password, for logs and `check`.
+    pub fn redacted(&self) -> String {
+        let c = &self.connection;
+        let user = c.get_user().unwrap_or("");
+        let hosts: Vec<String> = c
+            .get_hosts()
+            .iter()
+            .zip(c.get_ports().iter().chain(std::iter::repeat(&5432)))
+            .map(|(h, p)| match h {
+                tokio_postgres::config::Host::Tcp(h) => format!("{h}:{p}"),
+                tokio_postgres::config::Host::Unix(path) => format!("{}:{p}", path.display()),
+            })
+            .collect();
+        format!(
+            "postgres://{user}@{}/{}",
+            hosts.join(","),
+            c.get_dbname().unwrap_or("")
+        )
+    }
+}
+
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &self.redacted())
+            .field("pool_size", &self.pool_size)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("prepared_statements", &self.prepared_statements)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// Validates `postgres.url` and `postgres.password_file`: the connection settings and the
+/// TLS settings, certificate files read.
+pub(super) fn connection(
+    raw: &RawPostgres,
+) -> Result<(tokio_postgres::Config, TlsSettings), ConfigError> {
+    let at_url = |e: String| ConfigError::new("postgres.url", e);
+    let (url, tls) = split_tls_params(&raw.url).map_err(at_url)?;
+    // Certificate files are read now: a missing one is a config error, not a runtime one.
+    tls.check_files().map_err(at_url)?;
+    let mut connection = tokio_postgres::Config::from_str(&url).map_err(|e| {
+        // tokio-postgres names the option at fault without echoing values.
+        at_url(format!("not a valid PostgreSQL connection URL ({e})"))
+    })?;
+    connection.ssl_mode(tls.ssl_mode());
+    if let Some(path) = &raw.password_file {
+        let key = "postgres.password_file";
+        if connection.get_password().is_some() {
+            return Err(ConfigError::new(
+                key,
+                "is set and postgres.url has a password too: keep one",
+            ));
+        }
+        let password = Secret::from_file(key, path)?;
+        connection.password(password.expose());
+    }
+    if connection.get_hosts().is_empty() {
+        return Err(at_url(
+            "names no host: write postgres://user@host:5432/db".into(),
+        ));
+    }
+    Ok((connection, tls))
+}
+
+/// Validates the rest of `[postgres]` around a checked [`connection`]: the pool must
+/// give each of `workers` a connection.
+pub(super) fn validate(
+    raw: RawPostgres,
+    (connection, tls): (tokio_postgres::Config, TlsSettings),
+    workers: usize,
+) -> Result<PostgresConfig, ConfigError> {
+    if raw.pool_size < workers {
+        return Err(ConfigError::new(
+            "postgres.pool_size",
+            format!(
+                "is {} but must be at least relay.workers ({workers}): each worker holds a \
+                 connection",
+                raw.pool_size
+            ),
+        ));
+    }
+    Ok(PostgresConfig {
+        connection,
+        pool_size: raw.pool_size,
+        statement_timeout: positive("postgres.statement_timeout", raw.statement_timeout)?,
+        connect_timeout: positive("postgres.connect_timeout", raw.connect_timeout)?,
+        prepared_statements: raw.prepared_statements,
+        tls,
+    })
+}
 
 /// How the relay's sessions use TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,41 +264,56 @@ const TLS_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
 /// rest for tokio-postgres and the settings. tokio-postgres knows only three `sslmode`s
 /// and none of the file parameters, so they are read here.
 pub fn split_tls_params(conn: &str) -> Result<(String, TlsSettings), String> {
-    let mut found: Vec<(String, String)> = Vec::new();
-    let rest = if conn.starts_with("postgres://") || conn.starts_with("postgresql://") {
-        match conn.split_once('?') {
-            None => conn.to_owned(),
-            Some((base, query)) => {
-                let mut kept = Vec::new();
-                for pair in query.split('&').filter(|p| !p.is_empty()) {
-                    let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-                    if TLS_PARAMS.contains(&k) {
-                        found.push((k.to_owned(), percent_decode(v)?));
-                    } else {
-                        kept.push(pair);
-                    }
-                }
-                if kept.is_empty() {
-                    base.to_owned()
-                } else {
-                    format!("{base}?{}", kept.join("&"))
-                }
-            }
-        }
+    let (rest, found) = if conn.starts_with("postgres://") || conn.starts_with("postgresql://") {
+        split_url(conn)?
     } else {
-        let mut kept = Vec::new();
-        for (k, v) in key_values(conn)? {
-            if TLS_PARAMS.contains(&k.as_str()) {
-                found.push((k, v));
-            } else {
-                kept.push(format!(
-                    "{k}='{}'",
-                    v.replace('\\', "\\\\").replace('\'', "\\'")
-                ));
-            }
-        }
-        kept.join(" ")
+        split_key_values(conn)?
     };
+    Ok((rest, tls_settings(found)?))
+}
+
+/// The URL without its TLS query parameters, and those parameters (decoded).
+fn split_url(conn: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let Some((base, query)) = conn.split_once('?') else {
+        return Ok((conn.to_owned(), Vec::new()));
+    };
+    let mut found = Vec::new();
+    let mut kept = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if TLS_PARAMS.contains(&k) {
+            found.push((k.to_owned(), percent_decode(v)?));
+        } else {
+            kept.push(pair);
+        }
+    }
+    let rest = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    Ok((rest, found))
+}
+
+/// A key=value string without its TLS parameters (re-quoted), and those parameters.
+fn split_key_values(conn: &str) -> Result<(String, Vec<(String, String)>), String> {
+    let mut found = Vec::new();
+    let mut kept = Vec::new();
+    for (k, v) in key_values(conn)? {
+        if TLS_PARAMS.contains(&k.as_str()) {
+            found.push((k, v));
+        } else {
+            kept.push(format!(
+                "{k}='{}'",
+                v.replace('\\', "\\\\").replace('\'', "\\'")
+            ));
+        }
+    }
+    Ok((kept.join(" "), found))
+}
+
+/// The settings the TLS parameters ask for; `prefer` when none is given, as with libpq.
+fn tls_settings(found: Vec<(String, String)>) -> Result<TlsSettings, String> {
     let mut settings = TlsSettings {
         mode: TlsMode::Prefer,
         root_cert: None,
@@ -189,21 +323,7 @@ pub fn split_tls_params(conn: &str) -> Result<(String, TlsSettings), String> {
     };
     for (k, v) in found {
         match k.as_str() {
-            "sslmode" => {
-                settings.mode = match v.as_str() {
-                    "disable" => TlsMode::Disable,
-                    "allow" | "prefer" => TlsMode::Prefer,
-                    "require" => TlsMode::Require,
-                    "verify-ca" => TlsMode::VerifyCa,
-                    "verify-full" => TlsMode::VerifyFull,
-                    other => {
-                        return Err(format!(
-                            "sslmode {other:?} is not one of disable, prefer, \
-                             require, verify-ca, verify-full"
-                        ))
-                    }
-                }
-            }
+            "sslmode" => settings.mode = tls_mode(&v)?,
             "sslrootcert" if v == "system" => settings.system_roots = true,
             "sslrootcert" => settings.root_cert = Some(PathBuf::from(v)),
             "sslcert" => settings.client_cert = Some(PathBuf::from(v)),
@@ -219,7 +339,21 @@ pub fn split_tls_params(conn: &str) -> Result<(String, TlsSettings), String> {
                 .to_owned(),
         );
     }
-    Ok((rest, settings))
+    Ok(settings)
+}
+
+/// `sslmode`, as libpq reads it (`allow` is taken as `prefer`).
+fn tls_mode(value: &str) -> Result<TlsMode, String> {
+    match value {
+        "disable" => Ok(TlsMode::Disable),
+        "allow" | "prefer" => Ok(TlsMode::Prefer),
+        "require" => Ok(TlsMode::Require),
+        "verify-ca" => Ok(TlsMode::VerifyCa),
+        "verify-full" => Ok(TlsMode::VerifyFull),
+        other => Err(format!(
+            "sslmode {other:?} is not one of disable, prefer, require, verify-ca, verify-full"
+        )),
+    }
 }
 
 /// `key=value` pairs of a libpq key=value string; values may be single-quoted with `\`
