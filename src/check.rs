@@ -4,8 +4,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::config::kafka::refused_properties;
 use crate::config::{Config, KafkaConfig, SinkTarget, TableConfig};
-use crate::sink::kafka::{check_topic, unsafe_properties, KafkaSink};
+use crate::sink::kafka::{check_topic, KafkaSink};
 use crate::sink::nats::{check_subject, NatsSink};
 use crate::source::{describe, schema, session_config, SessionLimits};
 
@@ -250,7 +251,10 @@ async fn check_kafka(
     out: &mut Findings,
 ) {
     let target = format!("kafka {}", kafka.brokers);
-    let problems = unsafe_properties(&kafka.properties);
+    let problems: Vec<String> = refused_properties(&kafka.properties)
+        .iter()
+        .map(|r| r.short())
+        .collect();
     for p in &problems {
         out.push(Level::Fail, "sink.kafka.properties", p.clone());
     }

@@ -3,6 +3,8 @@
 
 use toml::{Table, Value};
 
+use super::ConfigError;
+
 /// Prefix of the variables that override configuration keys.
 pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
 
@@ -12,15 +14,15 @@ pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
 pub fn interpolate_values(
     table: &mut Table,
     lookup: &impl Fn(&str) -> Option<String>,
-) -> Result<(), String> {
+) -> Result<(), ConfigError> {
     fn walk(
         value: &mut Value,
         path: &mut Vec<String>,
         lookup: &impl Fn(&str) -> Option<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConfigError> {
         match value {
             Value::String(s) if s.contains('$') => {
-                *s = interpolate(s, lookup).map_err(|e| format!("{}: {e}", path.join(".")))?;
+                *s = interpolate(s, lookup).map_err(|e| ConfigError::new(path.join("."), e))?;
             }
             Value::Table(t) => {
                 for (k, v) in t.iter_mut() {
@@ -97,7 +99,7 @@ pub struct Override {
 pub fn apply_overrides(
     root: &mut Table,
     vars: impl IntoIterator<Item = (String, String)>,
-) -> Result<Vec<Override>, String> {
+) -> Result<Vec<Override>, ConfigError> {
     let mut applied = Vec::new();
     let mut vars: Vec<_> = vars
         .into_iter()
@@ -110,8 +112,9 @@ pub fn apply_overrides(
             .map(str::to_lowercase)
             .collect();
         if path.iter().any(String::is_empty) {
-            return Err(format!(
-                "{variable}: malformed override, write OUTBOX_RELAY__<SECTION>__<KEY>"
+            return Err(ConfigError::new(
+                variable,
+                "malformed override, write OUTBOX_RELAY__<SECTION>__<KEY>",
             ));
         }
         // librdkafka's names are dotted and a variable name cannot hold a dot:
@@ -123,7 +126,9 @@ pub fn apply_overrides(
             let name = path.split_off(3).join(".");
             path.push(name);
         }
-        set_path(root, &path, scalar(&raw)).map_err(|e| format!("{variable}: {e}"))?;
+        if let Err(e) = set_path(root, &path, scalar(&raw)) {
+            return Err(ConfigError::new(variable, e));
+        }
         applied.push(Override { variable, path });
     }
     Ok(applied)
@@ -213,7 +218,9 @@ mod tests {
         .unwrap();
         // A value with quotes and newlines cannot change the file's structure.
         let lookup = env(&[("PW", "p\"w\n[x]")]);
-        let err = interpolate_values(&mut root, &lookup).unwrap_err();
+        let err = interpolate_values(&mut root, &lookup)
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("tables[1].name: ${MISSING}"), "{err}");
         assert_eq!(
             root["postgres"]["url"].as_str(),

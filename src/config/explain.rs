@@ -11,10 +11,13 @@
 //! value under a key that names a password, secret, token or URL is not shown at all.
 
 use super::env::Override;
+use super::kafka;
+use super::ConfigError;
 
-/// Key fragments whose values are never shown in an error.
+/// Fragments of the relay's own keys whose values are never shown in an error. librdkafka
+/// property names (anything dotted) follow the one Kafka policy, [`kafka::is_secret`].
 const SECRET_KEYS: &[&str] = &[
-    "password", "passwd", "secret", "token", "url", "nkey", "creds", "key.pem", "keystore",
+    "password", "passwd", "secret", "token", "url", "nkey", "creds",
 ];
 
 /// `line 2, column 12: text must be in double quotes: write ordering = "key"`, followed by
@@ -77,9 +80,17 @@ fn quotable(line: &str) -> Option<String> {
     Some(shown)
 }
 
+/// Whether the value under `key` (a key path, or the key part of a line) may be a secret.
 fn is_secret_key(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
-    SECRET_KEYS.iter().any(|s| key.contains(s))
+    let key = key.trim().to_ascii_lowercase();
+    let in_kafka_section = ["sink.kafka.properties.", "sink.kafka.property_files."]
+        .iter()
+        .find_map(|section| key.strip_prefix(section));
+    // On a line the section is not known: a dotted name is taken for a librdkafka one.
+    let property = in_kafka_section
+        .or_else(|| key.contains('.').then_some(key.as_str()))
+        .map(|name| name.trim_matches(|c| c == '"' || c == '\''));
+    SECRET_KEYS.iter().any(|s| key.contains(s)) || property.is_some_and(kafka::is_secret)
 }
 
 /// `key = some words`: a value that is neither quoted nor any other TOML value, with the
@@ -149,7 +160,7 @@ fn plain_syntax(message: &str, unquoted: Option<(&str, &str)>, line: Option<&str
 pub fn serde_error(
     e: &serde_path_to_error::Error<toml::de::Error>,
     overrides: &[Override],
-) -> String {
+) -> ConfigError {
     let path = e.path().to_string();
     let inner = e.inner().message();
     let join = |key: &str| {
@@ -176,24 +187,7 @@ pub fn serde_error(
     } else {
         (path.clone(), plain_type_error(inner, &path))
     };
-    name_sources(&format!("{key}: {message}"), overrides)
-}
-
-/// Appends `(set by OUTBOX_RELAY__...)` to each `key: message` line whose key an
-/// environment variable set, so the operator looks in the right place.
-pub fn name_sources(message: &str, overrides: &[Override]) -> String {
-    message
-        .lines()
-        .map(|line| {
-            let key = line.split_once(": ").map_or("", |(key, _)| key);
-            let key = key.replace('[', ".").replace(']', "");
-            match overrides.iter().find(|o| o.path.join(".") == key) {
-                Some(o) => format!("{line} (set by {})", o.variable),
-                None => line.to_owned(),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    ConfigError::new(key, message).with_sources(overrides)
 }
 
 fn backticked<'a>(text: &'a str, prefix: &str) -> Option<&'a str> {
@@ -356,8 +350,8 @@ fn plain_got(got: &str, path: &str) -> String {
 
 /// `[[relay]]` makes `relay` a list of tables, which serde would then read field by field
 /// and answer with nonsense (`relay[0]: expected usize`). Only `[[tables]]` is a list.
-pub fn check_lists(root: &toml::Table) -> Result<(), String> {
-    fn walk(value: &toml::Value, path: &str) -> Result<(), String> {
+pub fn check_lists(root: &toml::Table) -> Result<(), ConfigError> {
+    fn walk(value: &toml::Value, path: &str) -> Result<(), ConfigError> {
         match value {
             toml::Value::Table(t) => t
                 .iter()
@@ -367,9 +361,12 @@ pub fn check_lists(root: &toml::Table) -> Result<(), String> {
             {
                 let section = section_of(path).unwrap_or_default();
                 let section = section.trim_start_matches('[').trim_end_matches(']');
-                Err(format!(
-                    "{path}: is written [[{section}]], which makes a list; write [{section}] \
-                     with single brackets"
+                Err(ConfigError::new(
+                    path,
+                    format!(
+                        "is written [[{section}]], which makes a list; write [{section}] with \
+                         single brackets"
+                    ),
                 ))
             }
             _ => Ok(()),
@@ -539,13 +536,14 @@ mod tests {
         assert_eq!(check_lists(&root), Ok(()));
         let root: toml::Table = toml::from_str("[[relay]]\nworkers = 1\n").unwrap();
         assert_eq!(
-            check_lists(&root).unwrap_err(),
+            check_lists(&root).unwrap_err().to_string(),
             "relay: is written [[relay]], which makes a list; write [relay] with single brackets"
         );
         let root: toml::Table =
             toml::from_str("[[tables]]\nname = \"a\"\n[[tables.columns]]\nid = \"x\"\n").unwrap();
         assert!(check_lists(&root)
             .unwrap_err()
+            .to_string()
             .starts_with("tables[0].columns: is written [[tables.columns]]"));
     }
 }

@@ -10,7 +10,7 @@
 //!    not below the time a record may wait for its acknowledgement, an `ssl.*.location`
 //!    file that cannot be read.
 //!
-//! No message shows the value of a secret property.
+//! No message shows the value of a secret property ([`is_secret`], the one policy).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -20,7 +20,85 @@ use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaConfRes;
 
+use super::raw::RawKafka;
 use super::{ConfigError, Secret};
+
+/// `[sink.kafka]`, checked.
+#[derive(Clone)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// `[sink.kafka.properties]`, passed to librdkafka after [`PRODUCER_DEFAULTS`].
+    pub properties: BTreeMap<String, String>,
+    /// `[sink.kafka.property_files]`: properties whose values came from files.
+    pub secret_properties: BTreeMap<String, Secret>,
+}
+
+impl fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shown: BTreeMap<&str, &str> = self
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                let shown = if is_secret(k) {
+                    "<redacted>"
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("brokers", &self.brokers)
+            .field("properties", &shown)
+            .field("secret_properties", &self.secret_properties)
+            .finish()
+    }
+}
+
+/// Validates `[sink.kafka]`, required when `sink.kind = "kafka"`.
+pub(super) fn validate(
+    raw: Option<RawKafka>,
+    publish_timeout: Duration,
+) -> Result<KafkaConfig, ConfigError> {
+    let raw = raw.ok_or_else(|| {
+        ConfigError::new(
+            "sink.kafka.brokers",
+            "required key is missing when sink.kind = \"kafka\"",
+        )
+    })?;
+    let mut secret_properties = BTreeMap::new();
+    for (name, path) in raw.property_files {
+        let key = format!("{PROPERTY_FILES}.{name}");
+        if !is_secret(&name) {
+            return Err(ConfigError::new(
+                key,
+                "only secret properties (passwords, secrets, tokens, keys) are read from \
+                 files; set this one in sink.kafka.properties",
+            ));
+        }
+        if raw.properties.contains_key(&name) {
+            return Err(ConfigError::new(
+                key,
+                format!("{name} is set in sink.kafka.properties too: keep one"),
+            ));
+        }
+        let value = Secret::from_file(&key, &path)?;
+        secret_properties.insert(name, value);
+    }
+    let properties = raw.properties.into_iter().map(|(k, v)| (k, v.0)).collect();
+    check(
+        &raw.brokers,
+        &properties,
+        &secret_properties,
+        publish_timeout,
+    )?;
+    Ok(KafkaConfig {
+        brokers: raw.brokers,
+        properties,
+        secret_properties,
+    })
+}
 
 /// A property the relay refuses, and what to write instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,168 +109,235 @@ pub struct Refusal {
     pub reason: String,
 }
 
-impl fmt::Display for Refusal {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "sink.kafka.properties.{}: {}",
-            self.property, self.reason
-        )
+/// The key of a property set in the file.
+const PROPERTIES: &str = "sink.kafka.properties";
+/// The key of a property read from a file.
+const PROPERTY_FILES: &str = "sink.kafka.property_files";
+
+impl Refusal {
+    /// The refusal as a config error on `sink.kafka.properties.<property>`.
+    pub fn to_error(&self) -> ConfigError {
+        ConfigError::new(format!("{PROPERTIES}.{}", self.property), &self.reason)
+    }
+
+    /// `acks: is "1", but ...`: the refusal without the section, for `check`'s report.
+    pub fn short(&self) -> String {
+        format!("{}: {}", self.property, self.reason)
     }
 }
 
-/// The properties that would break the at-least-once or the per-key order promise, or
-/// that the relay sets itself. None of them is a secret, so their values may be shown.
-pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal> {
-    let mut refused = Vec::new();
-    let mut refuse = |property: &str, reason: String| {
-        refused.push(Refusal {
-            property: property.to_owned(),
-            reason,
-        })
-    };
-    // librdkafka reads either name of a property; both are checked.
-    let get = |names: &[&str]| {
-        names.iter().find_map(|n| {
-            properties
-                .get_key_value(*n)
-                .map(|(k, v)| (k.as_str(), v.trim().to_ascii_lowercase()))
-        })
-    };
-    if let Some((name, v)) = get(&["enable.idempotence"]) {
-        if !matches!(v.as_str(), "true" | "t" | "1") {
-            refuse(
-                name,
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{PROPERTIES}.{}: {}", self.property, self.reason)
+    }
+}
+
+/// One rule of the delivery policy: the property's names (librdkafka reads either), and
+/// why a value (trimmed, lower case) is refused, or `None` when it is fine.
+struct Rule {
+    names: &'static [&'static str],
+    refuse: fn(&str) -> Option<String>,
+}
+
+/// The delivery policy, in the order problems are reported.
+const RULES: &[Rule] = &[
+    Rule {
+        names: &["enable.idempotence"],
+        refuse: |v| {
+            (!matches!(v, "true" | "t" | "1")).then(|| {
                 format!(
                     "is {v:?}, but the relay needs the idempotent producer: without it a \
                      retried record can be written twice or overtake an earlier record of its \
                      key, which breaks the per-key order promise; remove the key (the relay \
                      sets it to true)"
-                ),
-            );
-        }
-    }
-    if let Some((name, v)) = get(&["acks", "request.required.acks"]) {
-        if v != "all" && v != "-1" {
-            refuse(
-                name,
+                )
+            })
+        },
+    },
+    Rule {
+        names: &["acks", "request.required.acks"],
+        refuse: |v| {
+            (v != "all" && v != "-1").then(|| {
                 format!(
                     "is {v:?}, but a row is deleted or marked as soon as Kafka acknowledges it, \
                      and with fewer than all in-sync replicas an acknowledged record can still \
                      be lost, which breaks the at-least-once promise; write \"all\" or remove \
                      the key (the relay sets acks = \"all\")"
-                ),
-            );
-        }
-    }
-    if let Some((name, v)) = get(&["max.in.flight.requests.per.connection", "max.in.flight"]) {
+                )
+            })
+        },
+    },
+    Rule {
+        names: &["max.in.flight.requests.per.connection", "max.in.flight"],
         // A value that is not a number is left to librdkafka's own check.
-        if v.parse::<u64>().is_ok_and(|n| n > 5) {
-            refuse(
-                name,
+        refuse: |v| {
+            v.parse::<u64>().is_ok_and(|n| n > 5).then(|| {
                 format!(
                     "is {v}, but the idempotent producer keeps a partition's records in order \
                      only with at most 5 requests in flight, which the per-key order promise \
                      needs; write 5 or less, or remove the key"
-                ),
-            );
-        }
-    }
-    if let Some((name, v)) = get(&["retries", "message.send.max.retries"]) {
-        if v.parse::<u64>() == Ok(0) {
-            refuse(
-                name,
+                )
+            })
+        },
+    },
+    Rule {
+        names: &["retries", "message.send.max.retries"],
+        refuse: |v| {
+            (v.parse::<u64>() == Ok(0)).then(|| {
                 "is 0, but the idempotent producer the relay needs does not run without \
                  retries (librdkafka refuses it); remove the key"
-                    .into(),
-            );
-        }
-    }
-    if let Some((name, v)) = get(&["queuing.strategy"]) {
-        if v != "fifo" {
-            refuse(
-                name,
+                    .into()
+            })
+        },
+    },
+    Rule {
+        names: &["queuing.strategy"],
+        refuse: |v| {
+            (v != "fifo").then(|| {
                 format!(
                     "is {v:?}, but records must leave in the order they were queued (the \
                      per-key order promise); remove the key"
-                ),
-            );
-        }
-    }
-    if let Some((name, _)) = get(&["transactional.id"]) {
-        refuse(
-            name,
-            "the relay does not use Kafka transactions (the idempotent producer already \
-             writes each record once per attempt), and a transactional producer refuses \
-             records sent outside a transaction; remove the key"
-                .into(),
-        );
-    }
-    for name in ["bootstrap.servers", "metadata.broker.list"] {
-        if properties.contains_key(name) {
-            refuse(
-                name,
-                "the brokers are set by sink.kafka.brokers: move the list there and remove \
-                 this key"
+                )
+            })
+        },
+    },
+    Rule {
+        names: &["transactional.id"],
+        refuse: |_| {
+            Some(
+                "the relay does not use Kafka transactions (the idempotent producer already \
+                 writes each record once per attempt), and a transactional producer refuses \
+                 records sent outside a transaction; remove the key"
                     .into(),
-            );
-        }
-    }
-    refused
+            )
+        },
+    },
+    Rule {
+        names: &["bootstrap.servers"],
+        refuse: |_| Some(BROKERS_ELSEWHERE.into()),
+    },
+    Rule {
+        names: &["metadata.broker.list"],
+        refuse: |_| Some(BROKERS_ELSEWHERE.into()),
+    },
+];
+
+const BROKERS_ELSEWHERE: &str =
+    "the brokers are set by sink.kafka.brokers: move the list there and remove this key";
+
+/// The properties that would break the at-least-once or the per-key order promise, or
+/// that the relay sets itself. None of them is a secret, so their values may be shown.
+pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal> {
+    RULES
+        .iter()
+        .filter_map(|rule| {
+            let (name, value) = rule
+                .names
+                .iter()
+                .find_map(|n| properties.get_key_value(*n))?;
+            let reason = (rule.refuse)(&value.trim().to_ascii_lowercase())?;
+            Some(Refusal {
+                property: name.clone(),
+                reason,
+            })
+        })
+        .collect()
 }
 
-/// Everything wrong with `[sink.kafka]` that can be known without a broker, one line per
-/// problem, each naming its key.
+/// Properties whose value is a secret or points at key material: librdkafka's own
+/// sensitive properties (`_RK_SENSITIVE` in its `rdkafka_conf.c`, which it redacts in its
+/// own logs) except `sasl.username`, plus the files holding a private key. Their values
+/// are never shown, are scrubbed from client errors, and may be read from files
+/// (`[sink.kafka.property_files]`).
+///
+/// `sasl.username` is left out on purpose: it is no secret, and scrubbing a short user
+/// name from every client error would mangle the messages.
+pub const SECRET_PROPERTIES: &[&str] = &[
+    "sasl.password",
+    "sasl.oauthbearer.config",
+    "sasl.oauthbearer.client.secret",
+    "sasl.oauthbearer.client.credentials.client.secret",
+    "sasl.oauthbearer.assertion.private.key.file",
+    "sasl.oauthbearer.assertion.private.key.passphrase",
+    "sasl.oauthbearer.assertion.private.key.pem",
+    "sasl.kerberos.keytab",
+    "ssl.ca.pem",
+    "ssl.key.location",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "ssl_key",
+    "ssl.keystore.location",
+    "ssl.keystore.password",
+];
+
+/// Words that make any other property name secret, so that a property a later librdkafka
+/// adds (or a misspelt one) is hidden rather than shown.
+const SECRET_WORDS: &[&str] = &["password", "passphrase", "secret", "token", "key"];
+
+/// Whether the value of librdkafka property `name` is a secret (see [`SECRET_PROPERTIES`]):
+/// the one policy for redaction in `Debug`, in config errors, in client errors, and for
+/// what `[sink.kafka.property_files]` accepts.
+pub fn is_secret(name: &str) -> bool {
+    let name = name.trim().to_ascii_lowercase();
+    SECRET_PROPERTIES.contains(&name.as_str()) || SECRET_WORDS.iter().any(|w| name.contains(w))
+}
+
+/// Properties the relay sets on the producer unless the operator sets them: the first two
+/// are what the delivery promise needs ([`refused_properties`] refuses other values), the
+/// partitioner puts a key where a Java producer would.
+pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
+    ("enable.idempotence", "true"),
+    ("acks", "all"),
+    ("partitioner", "murmur2_random"),
+    ("client.id", "outbox-relay"),
+];
+
+/// Everything wrong with `[sink.kafka]` that can be known without a broker, one problem
+/// per key.
 pub(super) fn check(
     brokers: &str,
     properties: &BTreeMap<String, String>,
     secret_properties: &BTreeMap<String, Secret>,
     publish_timeout: Duration,
 ) -> Result<(), ConfigError> {
-    let mut problems: Vec<String> = Vec::new();
+    let mut problems: Vec<ConfigError> = Vec::new();
     if brokers.trim().is_empty() {
-        problems.push(
-            "sink.kafka.brokers: is empty: write host:port[,host:port], e.g. \
-             \"127.0.0.1:9092\""
-                .into(),
-        );
+        problems.push(ConfigError::new(
+            "sink.kafka.brokers",
+            "is empty: write host:port[,host:port], e.g. \"127.0.0.1:9092\"",
+        ));
     }
     let refused = refused_properties(properties);
-    problems.extend(refused.iter().map(Refusal::to_string));
+    problems.extend(refused.iter().map(Refusal::to_error));
     for (name, value) in properties {
         if refused.iter().any(|r| &r.property == name) {
             continue;
         }
-        let secret = crate::sink::kafka::is_secret(name);
-        if let Some(why) = librdkafka_refuses(name, value, secret) {
-            problems.push(format!("sink.kafka.properties.{name}: {why}"));
+        if let Some(why) = librdkafka_refuses(name, value, is_secret(name)) {
+            problems.push(ConfigError::new(format!("{PROPERTIES}.{name}"), why));
         }
     }
     for (name, value) in secret_properties {
         if let Some(why) = librdkafka_refuses(name, value.expose(), true) {
-            problems.push(format!("sink.kafka.property_files.{name}: {why}"));
+            problems.push(ConfigError::new(format!("{PROPERTY_FILES}.{name}"), why));
         }
     }
     problems.extend(linger_too_long(properties, publish_timeout));
     problems.extend(unreadable_files(properties));
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(ConfigError(problems.join("\n")))
-    }
+    ConfigError::all(problems)
 }
 
 /// Joins dotted property names back together. Unquoted, `compression.type = "lz4"` is in
 /// TOML a table `compression` holding `type`; librdkafka's names are dotted, so under
 /// `[sink.kafka.properties]` and `[sink.kafka.property_files]` both spellings mean the
 /// same property.
-pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), String> {
+pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), ConfigError> {
     fn flatten(
         table: toml::Table,
         prefix: &str,
         section: &str,
         out: &mut toml::Table,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConfigError> {
         for (key, value) in table {
             let name = if prefix.is_empty() {
                 key
@@ -203,9 +348,9 @@ pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), String> {
                 toml::Value::Table(inner) => flatten(inner, &name, section, out)?,
                 value => {
                     if out.insert(name.clone(), value).is_some() {
-                        return Err(format!(
-                            "sink.kafka.{section}.{name}: is set twice (once with quotes, once \
-                             without); keep one"
+                        return Err(ConfigError::new(
+                            format!("sink.kafka.{section}.{name}"),
+                            "is set twice (once with quotes, once without); keep one",
                         ));
                     }
                 }
@@ -255,7 +400,7 @@ fn librdkafka_refuses(name: &str, value: &str, secret: bool) -> Option<String> {
 fn linger_too_long(
     properties: &BTreeMap<String, String>,
     publish_timeout: Duration,
-) -> Option<String> {
+) -> Option<ConfigError> {
     let millis = |names: &[&str]| {
         names.iter().find_map(|n| {
             let (name, value) = properties.get_key_value(*n)?;
@@ -264,17 +409,19 @@ fn linger_too_long(
     };
     let (name, linger) = millis(&["linger.ms", "queue.buffering.max.ms"])?;
     let (limit, source) = match millis(&["message.timeout.ms", "delivery.timeout.ms"]) {
-        Some((timeout, value)) => (value, format!("sink.kafka.properties.{timeout}")),
+        Some((timeout, value)) => (value, format!("{PROPERTIES}.{timeout}")),
         None => (
             publish_timeout.as_secs_f64() * 1000.0,
             "sink.publish_timeout".to_owned(),
         ),
     };
     (limit > 0.0 && linger >= limit).then(|| {
-        format!(
-            "sink.kafka.properties.{name}: is {linger} ms, not shorter than {source} ({limit} \
-             ms), the longest a record may wait for its acknowledgement; librdkafka refuses \
-             that: lower it"
+        ConfigError::new(
+            format!("{PROPERTIES}.{name}"),
+            format!(
+                "is {linger} ms, not shorter than {source} ({limit} ms), the longest a record \
+                 may wait for its acknowledgement; librdkafka refuses that: lower it"
+            ),
         )
     })
 }
@@ -282,7 +429,7 @@ fn linger_too_long(
 /// `ssl.ca.location`, `ssl.certificate.location`, `ssl.key.location`, ...: librdkafka
 /// reads them when the producer is built; a missing one is a config error now. A CA
 /// location may be a directory, or `probe` (the system's CAs).
-fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<String> {
+fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<ConfigError> {
     properties
         .iter()
         .filter(|(name, _)| name.starts_with("ssl.") && name.ends_with(".location"))
@@ -295,9 +442,9 @@ fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<String> {
                 std::fs::File::open(path).map(|_| ())
             };
             readable.err().map(|e| {
-                format!(
-                    "sink.kafka.properties.{name}: cannot read {value}: {e}: give a readable \
-                     file"
+                ConfigError::new(
+                    format!("{PROPERTIES}.{name}"),
+                    format!("cannot read {value}: {e}: give a readable file"),
                 )
             })
         })
@@ -363,6 +510,53 @@ mod tests {
     }
 
     #[test]
+    fn one_secret_policy_covers_librdkafkas_sensitive_properties_and_key_files() {
+        for name in SECRET_PROPERTIES {
+            assert!(is_secret(name), "{name}");
+        }
+        // Every name either of the two old lists hid is still hidden.
+        for name in [
+            "sasl.password",
+            "ssl.key.password",
+            "ssl.key.pem",
+            "ssl.key.location",
+            "ssl.keystore.password",
+            "ssl.keystore.location",
+            "sasl.oauthbearer.client.secret",
+            "sasl.oauthbearer.token.endpoint.url",
+            "SASL.Password",
+            "some.future.secret",
+        ] {
+            assert!(is_secret(name), "{name}");
+        }
+        for name in [
+            "sasl.username",
+            "security.protocol",
+            "sasl.mechanisms",
+            "ssl.ca.location",
+            "ssl.certificate.location",
+            "ssl.certificate.pem",
+            "compression.type",
+            "acks",
+            "linger.ms",
+            "client.id",
+        ] {
+            assert!(!is_secret(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_defaults_the_relay_sets_pass_its_own_policy() {
+        let defaults: BTreeMap<String, String> = PRODUCER_DEFAULTS
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert!(refused_properties(&defaults).is_empty());
+        assert_eq!(defaults["acks"], "all");
+        assert_eq!(defaults["enable.idempotence"], "true");
+    }
+
+    #[test]
     fn librdkafka_checks_names_and_values_without_a_broker() {
         assert_eq!(
             check_props(&[("compression.type", "lz4"), ("linger.ms", "5")]),
@@ -408,7 +602,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            join_dotted_names(&mut twice).unwrap_err(),
+            join_dotted_names(&mut twice).unwrap_err().to_string(),
             "sink.kafka.properties.compression.type: is set twice (once with quotes, once \
              without); keep one"
         );

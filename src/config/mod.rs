@@ -1,445 +1,122 @@
-//! Configuration: the one place where input is checked.
+//! Configuration: the one place where input is checked, and a leaf: nothing here uses
+//! another module of the crate.
 //!
 //! [`load`] reads the TOML file, replaces `${VAR}` references, applies
 //! `OUTBOX_RELAY__SECTION__KEY` overrides, deserializes into the [`raw`] types (unknown keys
-//! rejected) and validates the result into a [`Config`]. Every error names the key at
-//! fault (a TOML syntax error its line and column) in the file's words, never serde's
-//! ([`explain`]); no error ever contains a secret. Everything that can be known without
-//! the network is checked here, the Kafka producer's properties included ([`kafka`]), so
-//! that every such mistake exits 2.
+//! rejected) and validates the result into a [`Config`]. Every error is a [`ConfigError`]
+//! naming the key at fault (a TOML syntax error its line and column) in the file's words,
+//! never serde's ([`explain`]); no error ever contains a secret. Everything that can be
+//! known without the network is checked here, the Kafka producer's properties included
+//! ([`kafka`]), so that every such mistake exits 2.
+//!
+//! One file per section: [`postgres`] (URL, TLS parameters, pool), [`kafka`] and [`nats`]
+//! (one per sink, with the Kafka property policy), [`tables`] (`[[tables]]`, columns,
+//! headers); `[relay]`, `[http]` and `[shutdown]` are checked below.
 
 mod env;
+mod error;
 mod explain;
+pub mod headers;
 pub mod kafka;
 pub mod names;
+pub mod nats;
+pub mod postgres;
 pub mod raw;
 pub mod secret;
+pub mod tables;
 
-pub use secret::Secret;
-
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::time::Duration;
 
+pub use error::ConfigError;
+pub use kafka::KafkaConfig;
 pub use names::{Ident, TableName, Template};
+pub use nats::{NatsAuth, NatsConfig};
+pub use postgres::PostgresConfig;
 pub use raw::{OnPublish, Ordering, SinkKind};
+pub use secret::Secret;
+pub use tables::{Columns, OptionalColumn, TableConfig};
 
 /// Where the config is read from when neither `--config` nor `OUTBOX_RELAY_CONFIG` is set.
 pub const DEFAULT_PATH: &str = "/etc/outbox-relay/relay.toml";
 
-/// A configuration problem: always the operator's to fix, always exit code 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ConfigError(String);
-
 /// The checked configuration. Everything in it has been validated.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// `[postgres]`.
     pub postgres: PostgresConfig,
+    /// `[relay]`.
     pub relay: RelayConfig,
+    /// `[sink]`.
     pub sink: SinkConfig,
+    /// `[[tables]]`, at least one, no table twice.
     pub tables: Vec<TableConfig>,
+    /// `[http]`; `None`: no HTTP server.
     pub http: Option<HttpConfig>,
+    /// `[shutdown]`.
     pub shutdown: ShutdownConfig,
 }
 
-#[derive(Clone)]
-pub struct PostgresConfig {
-    /// Parsed connection settings; may hold a password, so this type's `Debug` is redacted.
-    pub connection: tokio_postgres::Config,
-    pub pool_size: usize,
-    pub statement_timeout: Duration,
-    pub connect_timeout: Duration,
-    /// Keep the claim's statements prepared per session (see `source::Tx`).
-    pub prepared_statements: bool,
-    /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
-    pub tls: crate::source::tls::TlsSettings,
-}
-
-impl PostgresConfig {
-    /// `postgres://user@host:port/db` without the password, for logs and `check`.
-    pub fn redacted(&self) -> String {
-        let c = &self.connection;
-        let user = c.get_user().unwrap_or("");
-        let hosts: Vec<String> = c
-            .get_hosts()
-            .iter()
-            .zip(c.get_ports().iter().chain(std::iter::repeat(&5432)))
-            .map(|(h, p)| match h {
-                tokio_postgres::config::Host::Tcp(h) => format!("{h}:{p}"),
-                tokio_postgres::config::Host::Unix(path) => format!("{}:{p}", path.display()),
-            })
-            .collect();
-        format!(
-            "postgres://{user}@{}/{}",
-            hosts.join(","),
-            c.get_dbname().unwrap_or("")
-        )
-    }
-}
-
-impl std::fmt::Debug for PostgresConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PostgresConfig")
-            .field("url", &self.redacted())
-            .field("pool_size", &self.pool_size)
-            .field("statement_timeout", &self.statement_timeout)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("prepared_statements", &self.prepared_statements)
-            .field("tls", &self.tls)
-            .finish()
-    }
-}
-
+/// `[relay]`, checked.
 #[derive(Debug, Clone)]
 pub struct RelayConfig {
+    /// Concurrent claim/publish loops, 1 to 256. Default 4.
     pub workers: usize,
+    /// Rows claimed per transaction, 1 to 10000. Default 500.
     pub batch_size: usize,
+    /// Idle re-check when no NOTIFY arrives, at least 1 ms. Default 100 ms.
     pub poll_interval: Duration,
+    /// Which rows keep `id` order. Default `key`.
     pub ordering: Ordering,
+    /// Delete or mark a published row. Default `delete`.
     pub on_publish: OnPublish,
+    /// Failed attempts before a row is dead-lettered, at least 1. Default 10.
     pub max_attempts: u32,
     /// The first retry's ceiling: a failed row's next attempt is due within
-    /// `min(retry_backoff_max, retry_backoff * 2^(attempts-1))` (full jitter).
+    /// `min(retry_backoff_max, retry_backoff * 2^(attempts-1))` (full jitter). Default 1 s.
     pub retry_backoff: Duration,
+    /// The longest wait between two attempts of a row. Default 5 min.
     pub retry_backoff_max: Duration,
     /// Payload bytes one claim takes at most; a single larger row is claimed alone.
+    /// At least 1 KiB. Default 8 MiB.
     pub max_batch_bytes: u64,
     /// Mark mode: published rows whose `published_at` is older than this are deleted
-    /// (see [`crate::source::retention`]); `None` keeps them.
+    /// (the source's retention task); `None` (the default) keeps them.
     pub retention: Option<Duration>,
 }
 
+/// `[sink]`, checked.
 #[derive(Debug, Clone)]
 pub struct SinkConfig {
+    /// Where messages go, with that sink's settings.
     pub target: SinkTarget,
+    /// Longest wait for the broker to acknowledge a batch. Default 10 s.
     pub publish_timeout: Duration,
 }
 
+/// The sink named by `sink.kind`, with its section.
 #[derive(Debug, Clone)]
 pub enum SinkTarget {
+    /// `[sink.nats]`: NATS JetStream.
     Nats(NatsConfig),
+    /// `[sink.kafka]`: Kafka.
     Kafka(KafkaConfig),
+    /// JSON lines on standard output, for debugging.
     Stdout,
 }
 
-#[derive(Clone)]
-pub struct NatsConfig {
-    /// Server URLs; may carry `user:password@`, so `Debug` is redacted.
-    pub urls: Vec<String>,
-    pub auth: NatsAuth,
-    /// `tls_ca_file`: verify the server against these CAs (and require TLS).
-    pub tls_ca: Option<std::path::PathBuf>,
-    /// `tls_cert_file` and `tls_key_file`.
-    pub tls_client: Option<(std::path::PathBuf, std::path::PathBuf)>,
-}
-
-/// How the relay authenticates to NATS beyond what the URL carries.
-#[derive(Debug, Clone)]
-pub enum NatsAuth {
-    None,
-    /// A `.creds` file, read by the client at connect time.
-    CredentialsFile(std::path::PathBuf),
-    /// A user nkey seed, read from `nkey_file`.
-    NKey(Secret),
-}
-
-fn nats_config(urls: Vec<String>, raw: raw::RawNats) -> Result<NatsConfig, ConfigError> {
-    let file = |key: &str, path: std::path::PathBuf| {
-        let key = format!("sink.nats.{key}");
-        secret::existing_file(&key, path).map_err(|e| err(&key, strip_key(&e)))
-    };
-    let auth = match (raw.credentials_file, raw.nkey_file) {
-        (Some(_), Some(_)) => {
-            return Err(err(
-                "sink.nats.nkey_file",
-                "is set and sink.nats.credentials_file too: a .creds file carries its own \
-                 nkey; keep one"
-                    .into(),
-            ))
-        }
-        (Some(path), None) => NatsAuth::CredentialsFile(file("credentials_file", path)?),
-        (None, Some(path)) => {
-            let seed = Secret::from_file("sink.nats.nkey_file", &path)
-                .map_err(|e| err("sink.nats.nkey_file", strip_key(&e)))?;
-            if !seed.expose().trim().starts_with("SU") {
-                return Err(err(
-                    "sink.nats.nkey_file",
-                    format!(
-                        "{} does not hold a user nkey seed (one line starting with SU)",
-                        path.display()
-                    ),
-                ));
-            }
-            NatsAuth::NKey(Secret::new(seed.expose().trim().to_owned()))
-        }
-        (None, None) => NatsAuth::None,
-    };
-    let tls_ca = raw
-        .tls_ca_file
-        .map(|p| file("tls_ca_file", p))
-        .transpose()?;
-    let tls_client = match (raw.tls_cert_file, raw.tls_key_file) {
-        (Some(c), Some(k)) => Some((file("tls_cert_file", c)?, file("tls_key_file", k)?)),
-        (None, None) => None,
-        _ => {
-            return Err(err(
-                "sink.nats.tls_cert_file",
-                "and sink.nats.tls_key_file go together: give both".into(),
-            ))
-        }
-    };
-    Ok(NatsConfig {
-        urls,
-        auth,
-        tls_ca,
-        tls_client,
-    })
-}
-
-impl NatsConfig {
-    /// The server URLs with any credentials removed.
-    pub fn redacted(&self) -> String {
-        self.urls
-            .iter()
-            .map(|u| redact_userinfo(u))
-            .collect::<Vec<_>>()
-            .join(",")
-    }
-}
-
-impl std::fmt::Debug for NatsConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsConfig")
-            .field("urls", &self.redacted())
-            .finish()
-    }
-}
-
-#[derive(Clone)]
-pub struct KafkaConfig {
-    pub brokers: String,
-    pub properties: BTreeMap<String, String>,
-    /// `[sink.kafka.property_files]`: properties whose values came from files.
-    pub secret_properties: BTreeMap<String, Secret>,
-}
-
-impl std::fmt::Debug for KafkaConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let shown: BTreeMap<&str, &str> = self
-            .properties
-            .iter()
-            .map(|(k, v)| {
-                let secret = ["password", "secret", "key", "token"]
-                    .iter()
-                    .any(|s| k.contains(s));
-                (k.as_str(), if secret { "<redacted>" } else { v.as_str() })
-            })
-            .collect();
-        f.debug_struct("KafkaConfig")
-            .field("brokers", &self.brokers)
-            .field("properties", &shown)
-            .field("secret_properties", &self.secret_properties)
-            .finish()
-    }
-}
-
-/// One `[[tables]]` entry.
-#[derive(Debug, Clone)]
-pub struct TableConfig {
-    pub name: TableName,
-    pub topic: Template,
-    pub columns: Columns,
-    /// Extra headers: header name and the column whose value it carries.
-    pub header_columns: Vec<(String, Ident)>,
-}
-
-/// The columns the relay reads and writes. The default is the contract's table
-/// (section 5); `[tables.columns]` maps any of them to other names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Columns {
-    /// Message id: `<table>:<value>`. Any type.
-    pub id: Ident,
-    /// Order within a key, and the row's handle in claims, marks and deletes: an integer
-    /// column with unique values. The id column unless mapped.
-    pub order: Ident,
-    pub key: Ident,
-    pub payload: Ident,
-    pub headers: OptionalColumn,
-    pub created_at: OptionalColumn,
-    pub published_at: Ident,
-    pub attempts: Ident,
-    pub last_error: Ident,
-    pub dead_at: Ident,
-    /// After a failure: the row is not claimed before this time (NULL = due).
-    pub next_attempt_at: Ident,
-}
-
-/// A column the relay can do without.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OptionalColumn {
-    /// Not configured: used when the table has a column of the default name.
-    Default(Ident),
-    /// Configured: the table must have it.
-    Named(Ident),
-    /// Configured as `""`: not used.
-    Off,
-}
-
-impl OptionalColumn {
-    /// The column to look for, if any.
-    pub fn name(&self) -> Option<&Ident> {
-        match self {
-            OptionalColumn::Default(c) | OptionalColumn::Named(c) => Some(c),
-            OptionalColumn::Off => None,
-        }
-    }
-}
-
-impl Default for Columns {
-    fn default() -> Self {
-        let c = |n: &str| Ident::parse(n).expect("default column names are valid");
-        Columns {
-            id: c("id"),
-            order: c("id"),
-            key: c("key"),
-            payload: c("payload"),
-            headers: OptionalColumn::Default(c("headers")),
-            created_at: OptionalColumn::Default(c("created_at")),
-            published_at: c("published_at"),
-            attempts: c("attempts"),
-            last_error: c("last_error"),
-            dead_at: c("dead_at"),
-            next_attempt_at: c("next_attempt_at"),
-        }
-    }
-}
-
-impl Columns {
-    /// Whether these are the default table's column names (however they were written).
-    pub fn is_default_layout(&self) -> bool {
-        let d = Columns::default();
-        let names = |c: &Columns| {
-            [
-                Some(c.id.clone()),
-                Some(c.order.clone()),
-                Some(c.key.clone()),
-                Some(c.payload.clone()),
-                c.headers.name().cloned(),
-                c.created_at.name().cloned(),
-                Some(c.published_at.clone()),
-                Some(c.attempts.clone()),
-                Some(c.last_error.clone()),
-                Some(c.dead_at.clone()),
-                Some(c.next_attempt_at.clone()),
-            ]
-        };
-        names(self) == names(&d)
-    }
-
-    /// Validates `[tables.columns]`; `at` is the key prefix for errors (`tables[0].columns`).
-    fn from_raw(raw: raw::RawColumns, at: &str) -> Result<Columns, ConfigError> {
-        let defaults = Columns::default();
-        let ident = |value: Option<String>, role: &str, default: &Ident| match value {
-            None => Ok(default.clone()),
-            Some(v) => Ident::parse(&v).map_err(|e| err(&format!("{at}.{role}"), e)),
-        };
-        let optional = |value: Option<String>, role: &str, default: &OptionalColumn| match value {
-            None => Ok(default.clone()),
-            Some(v) if v.is_empty() => Ok(OptionalColumn::Off),
-            Some(v) => Ident::parse(&v)
-                .map(OptionalColumn::Named)
-                .map_err(|e| err(&format!("{at}.{role}"), e)),
-        };
-        let id = ident(raw.id, "id", &defaults.id)?;
-        let order = match raw.order {
-            None => id.clone(),
-            some => ident(some, "order", &defaults.order)?,
-        };
-        let columns = Columns {
-            id,
-            order,
-            key: ident(raw.key, "key", &defaults.key)?,
-            payload: ident(raw.payload, "payload", &defaults.payload)?,
-            headers: optional(raw.headers, "headers", &defaults.headers)?,
-            created_at: optional(raw.created_at, "created_at", &defaults.created_at)?,
-            published_at: ident(raw.published_at, "published_at", &defaults.published_at)?,
-            attempts: ident(raw.attempts, "attempts", &defaults.attempts)?,
-            last_error: ident(raw.last_error, "last_error", &defaults.last_error)?,
-            dead_at: ident(raw.dead_at, "dead_at", &defaults.dead_at)?,
-            next_attempt_at: ident(
-                raw.next_attempt_at,
-                "next_attempt_at",
-                &defaults.next_attempt_at,
-            )?,
-        };
-        // One column cannot play two parts the relay writes or reads differently.
-        let roles = [
-            ("order", Some(&columns.order)),
-            ("key", Some(&columns.key)),
-            ("payload", Some(&columns.payload)),
-            ("headers", columns.headers.name()),
-            ("published_at", Some(&columns.published_at)),
-            ("attempts", Some(&columns.attempts)),
-            ("last_error", Some(&columns.last_error)),
-            ("dead_at", Some(&columns.dead_at)),
-            ("next_attempt_at", Some(&columns.next_attempt_at)),
-        ];
-        for (i, (role, column)) in roles.iter().enumerate() {
-            if let Some(other) = roles[..i].iter().find(|(_, c)| c.is_some() && c == column) {
-                return Err(err(
-                    &format!("{at}.{role}"),
-                    format!(
-                        "column {} is already the {} column; each part needs its own column",
-                        column.expect("compared only when set"),
-                        other.0
-                    ),
-                ));
-            }
-        }
-        Ok(columns)
-    }
-}
-
-/// An error on `key`: the message leads with the key at fault.
-fn err(key: &str, msg: String) -> ConfigError {
-    ConfigError(format!("{key}: {msg}"))
-}
-
-/// Header names the relay sets itself.
-const RESERVED_HEADERS: &[&str] = &["outbox-id", "nats-msg-id"];
-
-fn header_columns(
-    raw: BTreeMap<String, String>,
-    at: &str,
-) -> Result<Vec<(String, Ident)>, ConfigError> {
-    raw.into_iter()
-        .map(|(name, column)| {
-            let key = format!("{at}.{name}");
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
-                return Err(err(
-                    &key,
-                    "a header name is printable ASCII without spaces or ':'".into(),
-                ));
-            }
-            if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
-                return Err(err(&key, format!("{name} is set by the relay itself")));
-            }
-            let column = Ident::parse(&column).map_err(|e| err(&key, e))?;
-            Ok((name, column))
-        })
-        .collect()
-}
-
+/// `[http]`, checked.
 #[derive(Debug, Clone)]
 pub struct HttpConfig {
+    /// Address for /metrics, /healthz and /readyz.
     pub listen: SocketAddr,
 }
 
+/// `[shutdown]`, checked.
 #[derive(Debug, Clone)]
 pub struct ShutdownConfig {
+    /// After the first SIGTERM, how long in-flight batches may take. Default 25 s.
     pub drain_timeout: Duration,
 }
 
@@ -454,13 +131,13 @@ pub fn resolve_path(flag: Option<&Path>) -> PathBuf {
 /// environment.
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        ConfigError(format!(
+        ConfigError::general(format!(
             "cannot read config file {}: {e} (pass --config FILE or set OUTBOX_RELAY_CONFIG)",
             path.display()
         ))
     })?;
     from_str(&text, |name| std::env::var(name).ok(), std::env::vars())
-        .map_err(|ConfigError(msg)| ConfigError(format!("{}: {msg}", path.display())))
+        .map_err(|e| e.in_file(path.to_path_buf()))
 }
 
 /// [`load`] without the file system: `lookup` serves `${VAR}`, `vars` the overrides.
@@ -470,243 +147,31 @@ pub fn from_str(
     vars: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Config, ConfigError> {
     let mut table: toml::Table =
-        toml::from_str(text).map_err(|e| ConfigError(explain::syntax_error(text, &e)))?;
-    explain::check_lists(&table).map_err(ConfigError)?;
-    kafka::join_dotted_names(&mut table).map_err(ConfigError)?;
-    env::interpolate_values(&mut table, &lookup).map_err(ConfigError)?;
-    let overrides = env::apply_overrides(&mut table, vars).map_err(ConfigError)?;
+        toml::from_str(text).map_err(|e| ConfigError::general(explain::syntax_error(text, &e)))?;
+    explain::check_lists(&table)?;
+    kafka::join_dotted_names(&mut table)?;
+    env::interpolate_values(&mut table, &lookup)?;
+    let overrides = env::apply_overrides(&mut table, vars)?;
     let raw: raw::RawConfig = serde_path_to_error::deserialize(toml::Value::Table(table))
-        .map_err(|e| ConfigError(explain::serde_error(&e, &overrides)))?;
-    validate(raw).map_err(|ConfigError(e)| ConfigError(explain::name_sources(&e, &overrides)))
+        .map_err(|e| explain::serde_error(&e, &overrides))?;
+    validate(raw).map_err(|e| e.with_sources(&overrides))
 }
 
-/// `key: message` -> `message`, for errors built by helpers that name their key.
-fn strip_key(e: &str) -> String {
-    e.split_once(": ").map_or(e, |(_, rest)| rest).to_owned()
-}
-
+/// Turns the file as written into a checked [`Config`], section by section. The first
+/// problem found is the one reported (all of them, for the Kafka properties).
 fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
-    let (url, tls) = crate::source::tls::split_tls_params(&raw.postgres.url)
-        .map_err(|e| err("postgres.url", e))?;
-    // Certificate files are read now: a missing one is a config error, not a runtime one.
-    tls.connector().map_err(|e| err("postgres.url", e))?;
-    let mut connection = tokio_postgres::Config::from_str(&url).map_err(|e| {
-        // tokio-postgres names the option at fault without echoing values.
-        err(
-            "postgres.url",
-            format!("not a valid PostgreSQL connection URL ({e})"),
-        )
-    })?;
-    connection.ssl_mode(tls.ssl_mode());
-    if let Some(path) = raw.postgres.password_file {
-        if connection.get_password().is_some() {
-            return Err(err(
-                "postgres.password_file",
-                "is set and postgres.url has a password too: keep one".into(),
-            ));
-        }
-        let password = Secret::from_file("postgres.password_file", &path)
-            .map_err(|e| err("postgres.password_file", strip_key(&e)))?;
-        connection.password(password.expose());
-    }
-    if connection.get_hosts().is_empty() {
-        return Err(err(
-            "postgres.url",
-            "names no host: write postgres://user@host:5432/db".into(),
-        ));
-    }
-    let relay = raw.relay;
-    if relay.workers == 0 || relay.workers > 256 {
-        return Err(err("relay.workers", "must be between 1 and 256".into()));
-    }
-    if relay.batch_size == 0 || relay.batch_size > 10_000 {
-        return Err(err(
-            "relay.batch_size",
-            "must be between 1 and 10000".into(),
-        ));
-    }
-    if relay.max_attempts == 0 {
-        return Err(err("relay.max_attempts", "must be at least 1".into()));
-    }
-    let retry_backoff = positive("relay.retry_backoff", relay.retry_backoff)?;
-    let retry_backoff_max = positive("relay.retry_backoff_max", relay.retry_backoff_max)?;
-    if retry_backoff_max < retry_backoff {
-        return Err(err(
-            "relay.retry_backoff_max",
-            format!(
-                "is {retry_backoff_max:?}, shorter than relay.retry_backoff ({retry_backoff:?}): \
-                 the cap must be at least the first wait"
-            ),
-        ));
-    }
-    if relay.max_batch_bytes.0 < 1024 {
-        return Err(err(
-            "relay.max_batch_bytes",
-            format!(
-                "is {} bytes; it must be at least 1KiB (a row larger than the budget is \
-                 still claimed alone, so a small budget only makes batches of one row)",
-                relay.max_batch_bytes.0
-            ),
-        ));
-    }
-    let retention = match relay.retention {
-        None => None,
-        Some(_) if relay.on_publish == OnPublish::Delete => {
-            return Err(err(
-                "relay.retention",
-                "applies to on_publish = \"mark\" only (in delete mode no published row is \
-                 kept): remove it, or set relay.on_publish = \"mark\""
-                    .into(),
-            ))
-        }
-        Some(value) => Some(positive("relay.retention", value)?),
-    };
-    if relay.poll_interval.0 < Duration::from_millis(1) {
-        return Err(err("relay.poll_interval", "must be at least 1ms".into()));
-    }
-    if raw.postgres.pool_size < relay.workers {
-        return Err(err(
-            "postgres.pool_size",
-            format!(
-                "is {} but must be at least relay.workers ({}): each worker holds a connection",
-                raw.postgres.pool_size, relay.workers
-            ),
-        ));
-    }
-    let postgres = PostgresConfig {
-        connection,
-        pool_size: raw.postgres.pool_size,
-        statement_timeout: positive("postgres.statement_timeout", raw.postgres.statement_timeout)?,
-        connect_timeout: positive("postgres.connect_timeout", raw.postgres.connect_timeout)?,
-        prepared_statements: raw.postgres.prepared_statements,
-        tls,
-    };
-
-    let publish_timeout = positive("sink.publish_timeout", raw.sink.publish_timeout)?;
-    let target = match raw.sink.kind {
-        SinkKind::Nats => {
-            let nats = raw.sink.nats.unwrap_or(raw::RawNats {
-                url: "nats://127.0.0.1:4222".into(),
-                credentials_file: None,
-                nkey_file: None,
-                tls_ca_file: None,
-                tls_cert_file: None,
-                tls_key_file: None,
-            });
-            let urls: Vec<String> = nats.url.split(',').map(|u| u.trim().to_owned()).collect();
-            if urls.iter().any(String::is_empty) {
-                return Err(err("sink.nats.url", "contains an empty server URL".into()));
-            }
-            SinkTarget::Nats(nats_config(urls, nats)?)
-        }
-        SinkKind::Kafka => {
-            let kafka = raw.sink.kafka.ok_or_else(|| {
-                err(
-                    "sink.kafka.brokers",
-                    "required key is missing when sink.kind = \"kafka\"".into(),
-                )
-            })?;
-            let mut secret_properties = BTreeMap::new();
-            for (name, path) in kafka.property_files {
-                let key = format!("sink.kafka.property_files.{name}");
-                if !crate::sink::kafka::is_secret(&name) {
-                    return Err(err(
-                        &key,
-                        "only secret properties (passwords, secrets, tokens, keys) are read \
-                         from files; set this one in sink.kafka.properties"
-                            .into(),
-                    ));
-                }
-                if kafka.properties.contains_key(&name) {
-                    return Err(err(
-                        &key,
-                        format!("{name} is set in sink.kafka.properties too: keep one"),
-                    ));
-                }
-                let value = Secret::from_file(&key, &path).map_err(|e| err(&key, strip_key(&e)))?;
-                secret_properties.insert(name, value);
-            }
-            let properties = kafka
-                .properties
-                .into_iter()
-                .map(|(k, v)| (k, v.0))
-                .collect();
-            self::kafka::check(
-                &kafka.brokers,
-                &properties,
-                &secret_properties,
-                publish_timeout,
-            )?;
-            SinkTarget::Kafka(KafkaConfig {
-                brokers: kafka.brokers,
-                properties,
-                secret_properties,
-            })
-        }
-        SinkKind::Stdout => SinkTarget::Stdout,
-    };
-    let sink = SinkConfig {
-        target,
-        publish_timeout,
-    };
-
-    if raw.tables.is_empty() {
-        return Err(err(
-            "tables",
-            "at least one [[tables]] entry is required".into(),
-        ));
-    }
-    let mut tables: Vec<TableConfig> = Vec::new();
-    for (i, t) in raw.tables.into_iter().enumerate() {
-        let name = TableName::parse(&t.name).map_err(|e| err(&format!("tables[{i}].name"), e))?;
-        if tables.iter().any(|other| other.name == name) {
-            return Err(err(
-                &format!("tables[{i}].name"),
-                format!("{name} is listed twice"),
-            ));
-        }
-        let topic = Template::parse(&t.topic).map_err(|e| err(&format!("tables[{i}].topic"), e))?;
-        tables.push(TableConfig {
-            name,
-            topic,
-            columns: Columns::from_raw(t.columns, &format!("tables[{i}].columns"))?,
-            header_columns: header_columns(
-                t.header_columns,
-                &format!("tables[{i}].header_columns"),
-            )?,
-        });
-    }
-
-    let http = match raw.http.listen {
-        None => None,
-        Some(listen) => Some(HttpConfig {
-            listen: listen.parse().map_err(|_| {
-                err(
-                    "http.listen",
-                    format!("{listen:?} is not an address: write host:port, e.g. 127.0.0.1:9187"),
-                )
-            })?,
-        }),
-    };
-
+    let connection = postgres::connection(&raw.postgres)?;
+    let relay = relay(raw.relay)?;
+    let postgres = postgres::validate(raw.postgres, connection, relay.workers)?;
+    let sink = sink(raw.sink)?;
+    let tables = tables::validate(raw.tables)?;
+    let http = http(raw.http)?;
     let shutdown = ShutdownConfig {
         drain_timeout: positive("shutdown.drain_timeout", raw.shutdown.drain_timeout)?,
     };
-
     Ok(Config {
         postgres,
-        relay: RelayConfig {
-            workers: relay.workers,
-            batch_size: relay.batch_size,
-            poll_interval: relay.poll_interval.0,
-            ordering: relay.ordering,
-            on_publish: relay.on_publish,
-            max_attempts: relay.max_attempts,
-            retry_backoff,
-            retry_backoff_max,
-            max_batch_bytes: relay.max_batch_bytes.0,
-            retention,
-        },
+        relay,
         sink,
         tables,
         http,
@@ -714,9 +179,117 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     })
 }
 
+/// Validates `[relay]`.
+fn relay(raw: raw::RawRelay) -> Result<RelayConfig, ConfigError> {
+    if raw.workers == 0 || raw.workers > 256 {
+        return Err(ConfigError::new(
+            "relay.workers",
+            "must be between 1 and 256",
+        ));
+    }
+    if raw.batch_size == 0 || raw.batch_size > 10_000 {
+        return Err(ConfigError::new(
+            "relay.batch_size",
+            "must be between 1 and 10000",
+        ));
+    }
+    if raw.max_attempts == 0 {
+        return Err(ConfigError::new("relay.max_attempts", "must be at least 1"));
+    }
+    let (retry_backoff, retry_backoff_max) = backoff(&raw)?;
+    if raw.max_batch_bytes.0 < 1024 {
+        return Err(ConfigError::new(
+            "relay.max_batch_bytes",
+            format!(
+                "is {} bytes; it must be at least 1KiB (a row larger than the budget is \
+                 still claimed alone, so a small budget only makes batches of one row)",
+                raw.max_batch_bytes.0
+            ),
+        ));
+    }
+    let retention = retention(&raw)?;
+    if raw.poll_interval.0 < Duration::from_millis(1) {
+        return Err(ConfigError::new(
+            "relay.poll_interval",
+            "must be at least 1ms",
+        ));
+    }
+    Ok(RelayConfig {
+        workers: raw.workers,
+        batch_size: raw.batch_size,
+        poll_interval: raw.poll_interval.0,
+        ordering: raw.ordering,
+        on_publish: raw.on_publish,
+        max_attempts: raw.max_attempts,
+        retry_backoff,
+        retry_backoff_max,
+        max_batch_bytes: raw.max_batch_bytes.0,
+        retention,
+    })
+}
+
+/// `relay.retry_backoff` and `relay.retry_backoff_max`: positive, the cap not below the
+/// first wait.
+fn backoff(raw: &raw::RawRelay) -> Result<(Duration, Duration), ConfigError> {
+    let first = positive("relay.retry_backoff", raw.retry_backoff)?;
+    let cap = positive("relay.retry_backoff_max", raw.retry_backoff_max)?;
+    if cap < first {
+        return Err(ConfigError::new(
+            "relay.retry_backoff_max",
+            format!(
+                "is {cap:?}, shorter than relay.retry_backoff ({first:?}): the cap must be at \
+                 least the first wait"
+            ),
+        ));
+    }
+    Ok((first, cap))
+}
+
+/// `relay.retention`: mark mode only.
+fn retention(raw: &raw::RawRelay) -> Result<Option<Duration>, ConfigError> {
+    match raw.retention {
+        None => Ok(None),
+        Some(_) if raw.on_publish == OnPublish::Delete => Err(ConfigError::new(
+            "relay.retention",
+            "applies to on_publish = \"mark\" only (in delete mode no published row is \
+             kept): remove it, or set relay.on_publish = \"mark\"",
+        )),
+        Some(value) => positive("relay.retention", value).map(Some),
+    }
+}
+
+/// Validates `[sink]` and the section of the sink it names.
+fn sink(raw: raw::RawSink) -> Result<SinkConfig, ConfigError> {
+    let publish_timeout = positive("sink.publish_timeout", raw.publish_timeout)?;
+    let target = match raw.kind {
+        SinkKind::Nats => SinkTarget::Nats(nats::validate(raw.nats)?),
+        SinkKind::Kafka => SinkTarget::Kafka(kafka::validate(raw.kafka, publish_timeout)?),
+        SinkKind::Stdout => SinkTarget::Stdout,
+    };
+    Ok(SinkConfig {
+        target,
+        publish_timeout,
+    })
+}
+
+/// Validates `[http]`.
+fn http(raw: raw::RawHttp) -> Result<Option<HttpConfig>, ConfigError> {
+    let Some(listen) = raw.listen else {
+        return Ok(None);
+    };
+    let listen = listen.parse().map_err(|_| {
+        ConfigError::new(
+            "http.listen",
+            format!("{listen:?} is not an address: write host:port, e.g. 127.0.0.1:9187"),
+        )
+    })?;
+    Ok(Some(HttpConfig { listen }))
+}
+
+/// A duration that must not be zero.
 fn positive(key: &str, value: raw::DurationValue) -> Result<Duration, ConfigError> {
     if value.0.is_zero() {
-        Err(ConfigError(format!("{key}: must be longer than 0ms")))
+        Err(ConfigError::new(key, "must be longer than 0ms"))
     } else {
         Ok(value.0)
     }

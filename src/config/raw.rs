@@ -258,6 +258,19 @@ pub struct RawNats {
     pub tls_key_file: Option<std::path::PathBuf>,
 }
 
+impl Default for RawNats {
+    fn default() -> Self {
+        RawNats {
+            url: defaults::nats_url(),
+            credentials_file: None,
+            nkey_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTable {

@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use super::ConfigError;
+
 /// A secret value. It has no `Display`, and its `Debug` shows only that it is set: the
 /// one way to the value is [`Secret::expose`], at the point of use.
 #[derive(Clone, PartialEq, Eq)]
@@ -15,11 +17,11 @@ impl Secret {
     /// Reads a secret file as Kubernetes and systemd credentials write them: the whole
     /// file, one trailing newline dropped. `key` names the config key for errors, which
     /// show the path, never the contents.
-    pub fn from_file(key: &str, path: &Path) -> Result<Secret, String> {
+    pub fn from_file(key: &str, path: &Path) -> Result<Secret, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| {
-            format!(
-                "{key}: cannot read {}: {e}: give a readable file",
-                path.display()
+            ConfigError::new(
+                key,
+                format!("cannot read {}: {e}: give a readable file", path.display()),
             )
         })?;
         let value = text
@@ -27,7 +29,10 @@ impl Secret {
             .or_else(|| text.strip_suffix('\n'))
             .unwrap_or(&text);
         if value.is_empty() {
-            return Err(format!("{key}: {} is empty", path.display()));
+            return Err(ConfigError::new(
+                key,
+                format!("{} is empty", path.display()),
+            ));
         }
         Ok(Secret(value.to_owned()))
     }
@@ -44,13 +49,16 @@ impl std::fmt::Debug for Secret {
 }
 
 /// A file the relay reads later (a NATS `.creds` file, a CA): it must exist now.
-pub fn existing_file(key: &str, path: PathBuf) -> Result<PathBuf, String> {
+pub fn existing_file(key: &str, path: PathBuf) -> Result<PathBuf, ConfigError> {
     match std::fs::metadata(&path) {
         Ok(m) if m.is_file() => Ok(path),
-        Ok(_) => Err(format!("{key}: {} is not a file", path.display())),
-        Err(e) => Err(format!(
-            "{key}: cannot read {}: {e}: give a readable file",
-            path.display()
+        Ok(_) => Err(ConfigError::new(
+            key,
+            format!("{} is not a file", path.display()),
+        )),
+        Err(e) => Err(ConfigError::new(
+            key,
+            format!("cannot read {}: {e}: give a readable file", path.display()),
         )),
     }
 }
@@ -69,9 +77,13 @@ mod tests {
         assert_eq!(s.expose(), "hunter2");
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
         std::fs::write(&path, "\n").unwrap();
-        let e = Secret::from_file("postgres.password_file", &path).unwrap_err();
+        let e = Secret::from_file("postgres.password_file", &path)
+            .unwrap_err()
+            .to_string();
         assert!(e.ends_with("is empty"), "{e}");
-        let e = Secret::from_file("k", &dir.join("missing")).unwrap_err();
+        let e = Secret::from_file("k", &dir.join("missing"))
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("k: cannot read"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

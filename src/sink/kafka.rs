@@ -17,36 +17,11 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::{scrub, Message, SinkError};
+use crate::config::kafka::{is_secret, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
 
 /// The header that carries the message id.
-pub const ID_HEADER: &str = "outbox-id";
-
-/// Properties the relay sets unless the operator overrides them (and the two it enforces).
-const DEFAULTS: &[(&str, &str)] = &[
-    ("enable.idempotence", "true"),
-    ("acks", "all"),
-    ("partitioner", "murmur2_random"),
-    ("client.id", "outbox-relay"),
-];
-
-/// Why a property set would break the delivery promise, one line per problem
-/// (`acks: is "1", but ...`). The rule lives in the configuration
-/// ([`crate::config::kafka::refused_properties`]), where such a property is already a
-/// config error (exit 2); `check` and [`KafkaSink::connect`] ask again as a safeguard.
-pub fn unsafe_properties(properties: &BTreeMap<String, String>) -> Vec<String> {
-    crate::config::kafka::refused_properties(properties)
-        .into_iter()
-        .map(|r| format!("{}: {}", r.property, r.reason))
-        .collect()
-}
-
-/// Property names whose values are secrets: never logged, scrubbed from errors.
-pub(crate) fn is_secret(name: &str) -> bool {
-    ["password", "secret", "token", "key.pem", "keystore"]
-        .iter()
-        .any(|s| name.contains(s))
-}
+pub use crate::config::headers::ID_HEADER;
 
 pub struct KafkaSink {
     producer: FutureProducer,
@@ -95,7 +70,11 @@ impl KafkaSink {
         config: &KafkaConfig,
         publish_timeout: Duration,
     ) -> Result<KafkaSink, SinkError> {
-        let problems = unsafe_properties(&config.properties);
+        // Already a config error (exit 2); asked again as a safeguard.
+        let problems: Vec<String> = refused_properties(&config.properties)
+            .iter()
+            .map(|r| r.short())
+            .collect();
         if !problems.is_empty() {
             return Err(SinkError::fatal(format!(
                 "sink.kafka.properties would break the delivery promise: {}",
@@ -121,7 +100,7 @@ impl KafkaSink {
             "message.timeout.ms",
             publish_timeout.as_millis().to_string(),
         );
-        for (name, value) in DEFAULTS {
+        for (name, value) in PRODUCER_DEFAULTS {
             client.set(*name, *value);
         }
         for (name, value) in &config.properties {
@@ -451,29 +430,6 @@ pub fn check_topic(topic: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
-
-    #[test]
-    fn properties_that_break_the_promise_are_named() {
-        assert!(
-            unsafe_properties(&props(&[("compression.type", "lz4"), ("acks", "-1")])).is_empty()
-        );
-        let problems = unsafe_properties(&props(&[
-            ("enable.idempotence", "false"),
-            ("acks", "1"),
-            ("max.in.flight.requests.per.connection", "10"),
-        ]));
-        assert_eq!(problems.len(), 3, "{problems:?}");
-        assert!(problems[0].starts_with("enable.idempotence: is \"false\""));
-        assert!(problems[1].starts_with("acks: is \"1\""));
-        assert!(problems[2].starts_with("max.in.flight.requests.per.connection: is 10"));
-    }
 
     #[test]
     fn delivery_errors_are_classified() {

@@ -29,11 +29,11 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 
 use super::{scrub, Message, SinkError};
-use crate::config::{NatsAuth, NatsConfig};
+use crate::config::{headers, NatsAuth, NatsConfig};
 use crate::error::ErrorClass;
 
 /// The header JetStream de-duplicates on.
-pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+pub use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
 
 /// JetStream API error: message larger than the stream's `max_msg_size`.
 const JS_MESSAGE_SIZE_EXCEEDS: u64 = 10054;
@@ -206,7 +206,7 @@ impl NatsSink {
             .map(|(n, v)| (n.as_str(), v.as_str()))
             .chain([(MSG_ID_HEADER, message.id.as_str())])
         {
-            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_graphic() && b != b':') {
+            if !headers::is_valid_name(name) {
                 return Err(SinkError::bad_row(format!(
                     "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
                 )));

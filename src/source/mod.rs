@@ -24,6 +24,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod
 
 use crate::config::PostgresConfig;
 use crate::error::ErrorClass;
+use tls::Connector as _;
 
 pub use session::{connect, connect_timeout, session_config, Connection, SessionLimits};
 

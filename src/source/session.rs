@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use super::describe;
+use super::tls::Connector as _;
 use crate::config::PostgresConfig;
 
 /// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.

@@ -1,0 +1,223 @@
+//! `[[tables]]`: which outbox tables are relayed, and which column plays which part.
+
+use std::collections::BTreeMap;
+
+use super::raw::{RawColumns, RawTable};
+use super::{headers, ConfigError, Ident, TableName, Template};
+
+/// One `[[tables]]` entry.
+#[derive(Debug, Clone)]
+pub struct TableConfig {
+    pub name: TableName,
+    pub topic: Template,
+    pub columns: Columns,
+    /// Extra headers: header name and the column whose value it carries.
+    pub header_columns: Vec<(String, Ident)>,
+}
+
+/// The columns the relay reads and writes. The default is the contract's table
+/// (section 5); `[tables.columns]` maps any of them to other names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Columns {
+    /// Message id: `<table>:<value>`. Any type.
+    pub id: Ident,
+    /// Order within a key, and the row's handle in claims, marks and deletes: an integer
+    /// column with unique values. The id column unless mapped.
+    pub order: Ident,
+    pub key: Ident,
+    pub payload: Ident,
+    pub headers: OptionalColumn,
+    pub created_at: OptionalColumn,
+    pub published_at: Ident,
+    pub attempts: Ident,
+    pub last_error: Ident,
+    pub dead_at: Ident,
+    /// After a failure: the row is not claimed before this time (NULL = due).
+    pub next_attempt_at: Ident,
+}
+
+/// A column the relay can do without.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OptionalColumn {
+    /// Not configured: used when the table has a column of the default name.
+    Default(Ident),
+    /// Configured: the table must have it.
+    Named(Ident),
+    /// Configured as `""`: not used.
+    Off,
+}
+
+impl OptionalColumn {
+    /// The column to look for, if any.
+    pub fn name(&self) -> Option<&Ident> {
+        match self {
+            OptionalColumn::Default(c) | OptionalColumn::Named(c) => Some(c),
+            OptionalColumn::Off => None,
+        }
+    }
+}
+
+impl Default for Columns {
+    fn default() -> Self {
+        let c = |n: &str| Ident::parse(n).expect("default column names are valid");
+        Columns {
+            id: c("id"),
+            order: c("id"),
+            key: c("key"),
+            payload: c("payload"),
+            headers: OptionalColumn::Default(c("headers")),
+            created_at: OptionalColumn::Default(c("created_at")),
+            published_at: c("published_at"),
+            attempts: c("attempts"),
+            last_error: c("last_error"),
+            dead_at: c("dead_at"),
+            next_attempt_at: c("next_attempt_at"),
+        }
+    }
+}
+
+impl Columns {
+    /// Whether these are the default table's column names (however they were written).
+    pub fn is_default_layout(&self) -> bool {
+        let d = Columns::default();
+        let names = |c: &Columns| {
+            [
+                Some(c.id.clone()),
+                Some(c.order.clone()),
+                Some(c.key.clone()),
+                Some(c.payload.clone()),
+                c.headers.name().cloned(),
+                c.created_at.name().cloned(),
+                Some(c.published_at.clone()),
+                Some(c.attempts.clone()),
+                Some(c.last_error.clone()),
+                Some(c.dead_at.clone()),
+                Some(c.next_attempt_at.clone()),
+            ]
+        };
+        names(self) == names(&d)
+    }
+
+    /// Validates `[tables.columns]`; `at` is the key prefix for errors (`tables[0].columns`).
+    fn from_raw(raw: RawColumns, at: &str) -> Result<Columns, ConfigError> {
+        let defaults = Columns::default();
+        let ident = |value: Option<String>, role: &str, default: &Ident| match value {
+            None => Ok(default.clone()),
+            Some(v) => Ident::parse(&v).map_err(|e| ConfigError::new(format!("{at}.{role}"), e)),
+        };
+        let optional = |value: Option<String>, role: &str, default: &OptionalColumn| match value {
+            None => Ok(default.clone()),
+            Some(v) if v.is_empty() => Ok(OptionalColumn::Off),
+            Some(v) => Ident::parse(&v)
+                .map(OptionalColumn::Named)
+                .map_err(|e| ConfigError::new(format!("{at}.{role}"), e)),
+        };
+        let id = ident(raw.id, "id", &defaults.id)?;
+        let order = match raw.order {
+            None => id.clone(),
+            some => ident(some, "order", &defaults.order)?,
+        };
+        let columns = Columns {
+            id,
+            order,
+            key: ident(raw.key, "key", &defaults.key)?,
+            payload: ident(raw.payload, "payload", &defaults.payload)?,
+            headers: optional(raw.headers, "headers", &defaults.headers)?,
+            created_at: optional(raw.created_at, "created_at", &defaults.created_at)?,
+            published_at: ident(raw.published_at, "published_at", &defaults.published_at)?,
+            attempts: ident(raw.attempts, "attempts", &defaults.attempts)?,
+            last_error: ident(raw.last_error, "last_error", &defaults.last_error)?,
+            dead_at: ident(raw.dead_at, "dead_at", &defaults.dead_at)?,
+            next_attempt_at: ident(
+                raw.next_attempt_at,
+                "next_attempt_at",
+                &defaults.next_attempt_at,
+            )?,
+        };
+        columns.check_distinct(at)?;
+        Ok(columns)
+    }
+
+    /// One column cannot play two parts the relay writes or reads differently.
+    fn check_distinct(&self, at: &str) -> Result<(), ConfigError> {
+        let roles = [
+            ("order", Some(&self.order)),
+            ("key", Some(&self.key)),
+            ("payload", Some(&self.payload)),
+            ("headers", self.headers.name()),
+            ("published_at", Some(&self.published_at)),
+            ("attempts", Some(&self.attempts)),
+            ("last_error", Some(&self.last_error)),
+            ("dead_at", Some(&self.dead_at)),
+            ("next_attempt_at", Some(&self.next_attempt_at)),
+        ];
+        for (i, (role, column)) in roles.iter().enumerate() {
+            if let Some(other) = roles[..i].iter().find(|(_, c)| c.is_some() && c == column) {
+                return Err(ConfigError::new(
+                    format!("{at}.{role}"),
+                    format!(
+                        "column {} is already the {} column; each part needs its own column",
+                        column.expect("compared only when set"),
+                        other.0
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Validates every `[[tables]]` entry: at least one, none listed twice.
+pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigError> {
+    if raw.is_empty() {
+        return Err(ConfigError::new(
+            "tables",
+            "at least one [[tables]] entry is required",
+        ));
+    }
+    let mut tables: Vec<TableConfig> = Vec::new();
+    for (i, t) in raw.into_iter().enumerate() {
+        let at = |key: &str| format!("tables[{i}].{key}");
+        let name = TableName::parse(&t.name).map_err(|e| ConfigError::new(at("name"), e))?;
+        if tables.iter().any(|other| other.name == name) {
+            return Err(ConfigError::new(
+                at("name"),
+                format!("{name} is listed twice"),
+            ));
+        }
+        let topic = Template::parse(&t.topic).map_err(|e| ConfigError::new(at("topic"), e))?;
+        tables.push(TableConfig {
+            name,
+            topic,
+            columns: Columns::from_raw(t.columns, &at("columns"))?,
+            header_columns: header_columns(t.header_columns, &at("header_columns"))?,
+        });
+    }
+    Ok(tables)
+}
+
+/// Validates `[tables.header_columns]`; `at` is the key prefix for errors.
+fn header_columns(
+    raw: BTreeMap<String, String>,
+    at: &str,
+) -> Result<Vec<(String, Ident)>, ConfigError> {
+    raw.into_iter()
+        .map(|(name, column)| {
+            let key = format!("{at}.{name}");
+            if !headers::is_valid_name(&name) {
+                return Err(ConfigError::new(
+                    key,
+                    "a header name is printable ASCII without spaces or ':'",
+                ));
+            }
+            if headers::is_reserved(&name) {
+                return Err(ConfigError::new(
+                    key,
+                    format!("{name} is set by the relay itself"),
+                ));
+            }
+            let column = Ident::parse(&column).map_err(|e| ConfigError::new(key, e))?;
+            Ok((name, column))
+        })
+        .collect()
+}
