@@ -159,17 +159,7 @@ async fn run_phases(
 ) -> Result<Batch, BatchError> {
     let abort = shared.shutdown.abort_token();
     // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
-    let claim = async {
-        let tx = shared.source.begin(session).await?;
-        let budget = Budget {
-            rows: shared.relay.batch_size,
-            bytes: shared.relay.max_batch_bytes,
-        };
-        let view = table.floor.view();
-        let ordering = shared.relay.ordering;
-        let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view).await?;
-        Ok::<_, SourceError>((tx, rows))
-    };
+    let claim = claim(shared, lane, table, session);
     let (tx, mut rows) = tokio::select! {
         biased;
         _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped),
@@ -223,6 +213,23 @@ async fn run_phases(
         published: settlement.published.len(),
         trouble: settlement.trouble,
     })
+}
+
+/// Phase 1: opens the transaction and claims up to a batch of rows from the floor on.
+async fn claim<'a>(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    session: &'a mut deadpool_postgres::Object,
+) -> Result<(Tx<'a>, Vec<ClaimedRow>), SourceError> {
+    let tx = shared.source.begin(session).await?;
+    let budget = Budget {
+        rows: shared.relay.batch_size,
+        bytes: shared.relay.max_batch_bytes,
+    };
+    let (ordering, view) = (shared.relay.ordering, table.floor.view());
+    let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view).await?;
+    Ok((tx, rows))
 }
 
 /// Phase 2: publishes `rows` (consuming their payloads) and returns each row's outcome;
