@@ -52,17 +52,7 @@ async fn execute(command: Command, config: Config) -> u8 {
             relay_until_stopped(&config, Mode::Drain, limit).await
         }
         Command::Migrate { no_notify } => run_migrate(&config, !no_notify).await,
-        Command::Check => {
-            let findings = check::check(&config).await;
-            for f in &findings {
-                say(&f.to_string());
-            }
-            if findings.iter().any(|f| f.level == check::Level::Fail) {
-                EXIT_FAILURE
-            } else {
-                EXIT_OK
-            }
-        }
+        Command::Check => run_check(&config).await,
         Command::Status => match admin::status(&config).await {
             Ok(tables) => {
                 for t in &tables {
@@ -85,37 +75,59 @@ async fn execute(command: Command, config: Config) -> u8 {
             } else {
                 admin::Requeue::Ids(ids)
             };
-            match admin::requeue(&config, table.as_deref(), which).await {
-                Ok(report) => {
-                    let ids: Vec<String> = report.requeued.iter().map(i64::to_string).collect();
-                    let done = if waiting {
-                        format!("made {} rows waiting for a retry due now", ids.len())
-                    } else {
-                        format!("requeued {} dead rows", ids.len())
-                    };
-                    say(&format!(
-                        "{}: {done}{}",
-                        report.table,
-                        if ids.is_empty() {
-                            String::new()
-                        } else {
-                            format!(" (ids {})", ids.join(", "))
-                        }
-                    ));
-                    if !report.not_dead.is_empty() {
-                        let ids: Vec<String> = report.not_dead.iter().map(i64::to_string).collect();
-                        say_err(&format!(
-                            "warning: {}: not dead-lettered, left as they are: {}",
-                            report.table,
-                            ids.join(", ")
-                        ));
-                    }
-                    EXIT_OK
-                }
-                Err(e) => admin_error(e),
-            }
+            run_requeue(&config, table.as_deref(), which).await
         }
     }
+}
+
+/// `check`: one line per finding; exit 1 if any failed.
+async fn run_check(config: &Config) -> u8 {
+    let findings = check::check(config).await;
+    for f in &findings {
+        say(&f.to_string());
+    }
+    if findings.iter().any(|f| f.level == check::Level::Fail) {
+        EXIT_FAILURE
+    } else {
+        EXIT_OK
+    }
+}
+
+/// `requeue`: what was made due, and a warning naming ids that were not dead.
+async fn run_requeue(config: &Config, table: Option<&str>, which: admin::Requeue) -> u8 {
+    let waiting = matches!(which, admin::Requeue::Waiting);
+    let report = match admin::requeue(config, table, which).await {
+        Ok(report) => report,
+        Err(e) => return admin_error(e),
+    };
+    let list = |ids: &[i64]| {
+        ids.iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let done = if waiting {
+        format!(
+            "made {} rows waiting for a retry due now",
+            report.requeued.len()
+        )
+    } else {
+        format!("requeued {} dead rows", report.requeued.len())
+    };
+    let ids = if report.requeued.is_empty() {
+        String::new()
+    } else {
+        format!(" (ids {})", list(&report.requeued))
+    };
+    say(&format!("{}: {done}{ids}", report.table));
+    if !report.not_dead.is_empty() {
+        say_err(&format!(
+            "warning: {}: not dead-lettered, left as they are: {}",
+            report.table,
+            list(&report.not_dead)
+        ));
+    }
+    EXIT_OK
 }
 
 fn admin_error(e: admin::AdminError) -> u8 {
