@@ -3,19 +3,26 @@
 //!
 //! # Module map
 //!
+//! ARCHITECTURE.md follows a row from claim to commit and says where each promise of the
+//! contract is kept and tested; `tests/layers.rs` keeps the layering below.
+//!
 //! - [`cli`]: the command line (clap).
-//! - [`config`]: TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a validated [`config::Config`].
-//!   The only place that checks input.
-//! - [`source`]: PostgreSQL. Pool and session deadlines, table inspection, the SQL, the
-//!   key-ordered claim (its invariant is documented in [`source::claim`]), migrations,
-//!   LISTEN/NOTIFY.
-//! - [`sink`]: the sink contract and its implementations: NATS JetStream, stdout, memory.
-//! - [`relay`]: supervisor and workers: claim -> publish -> await acks -> mark -> commit;
-//!   per-key publish order in [`relay::order`].
+//! - [`config`]: a leaf. TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a checked
+//!   [`config::Config`]; the one place input is checked (exit 2), each sink's keys in its
+//!   own file.
+//! - [`source`]: PostgreSQL. Session deadlines per command ([`source::session`]), tables
+//!   ready to relay ([`source::table`]), the SQL ([`source::sql`]), the key-ordered claim
+//!   (its invariant proved in [`source::claim`]), the claim floor, retention, migrations,
+//!   LISTEN/NOTIFY, and what to do about each error ([`source::class`]).
+//! - [`sink`]: the sink contract and its implementations: Kafka, NATS JetStream, stdout,
+//!   memory (tests).
+//! - [`relay`]: `run`/`drain`: start-up, the workers, one batch in phases (claim ->
+//!   publish -> settle -> finalize), per-key publish order ([`relay::order`]), the circuit
+//!   breaker, the run's state and report.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
+//! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.
 //! - [`check`]: the `check` command's findings.
 //! - [`admin`]: the `status` and `requeue` commands.
-//! - [`ops`]: metrics, `/healthz` `/readyz`, systemd notifications.
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
 //! - [`retry`]: the one capped exponential backoff with full jitter everyone uses.
 

@@ -33,7 +33,7 @@ pub fn classify(e: &tokio_postgres::Error) -> ErrorClass {
     }
 }
 
-/// The class of a SQLSTATE: [`FATAL_SQLSTATES`] are fatal, every other code (shutdown,
+/// The class of a SQLSTATE: `FATAL_SQLSTATES` are fatal, every other code (shutdown,
 /// statement or lock timeout, serialization failure, too many connections) transient.
 pub fn classify_sqlstate(code: &str) -> ErrorClass {
     if FATAL_SQLSTATES.contains(&code) {
