@@ -201,16 +201,24 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
     seed(&client, 200_000, 200, 13).await;
     let before: HashSet<i64> = ids(&client).await.into_iter().collect();
 
+    // The relay's log goes to a file (a pipe nobody reads could fill and block its
+    // logging), shown if publishing never starts.
+    let log = env.config.with_file_name("relay.stderr");
     let mut relay = env
         .command(&["run"])
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    wait_until("publishing to start", Duration::from_secs(30), async || {
-        count(&client, "SELECT count(*) FROM public.outbox").await < 195_000
-    })
-    .await;
+    let started = Instant::now();
+    while count(&client, "SELECT count(*) FROM public.outbox").await >= 195_000 {
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = relay.kill();
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            panic!("publishing did not start within 30 s; the relay's log:\n{log}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     signal(&relay, "TERM");
     // drain_timeout is 10s in the test config.
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(12));
