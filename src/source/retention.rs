@@ -137,26 +137,7 @@ pub async fn keep(
         let mut total = 0;
         let outcome = loop {
             let begun = Instant::now();
-            let chunk = source
-                .bounded(async {
-                    let session = source.session().await?;
-                    let result = session
-                        .query_one(retire.as_str(), &[&after, &CHUNK, &seconds])
-                        .await
-                        .map_err(SourceError::from);
-                    Source::release(session, result.as_ref().err());
-                    let row = result?;
-                    Ok::<_, SourceError>(Chunk {
-                        last: row.get(0),
-                        rows: row.get(1),
-                        deleted: row.get(2),
-                        young: row.get(3),
-                        ripening: row.get(4),
-                        old: row.get(5),
-                    })
-                })
-                .await;
-            let chunk = match chunk {
+            let chunk = match retire_chunk(source, retire, after, seconds).await {
                 Ok(chunk) => chunk,
                 Err(e) => break Err(e),
             };
@@ -188,6 +169,34 @@ pub async fn keep(
             _ = tokio::time::sleep(walk.cycle.saturating_sub(started.elapsed())) => {}
         }
     }
+}
+
+/// One retire statement: deletes up to [`CHUNK`] old published rows after `after`.
+async fn retire_chunk(
+    source: &Source,
+    retire: &str,
+    after: i64,
+    seconds: f64,
+) -> Result<Chunk, SourceError> {
+    source
+        .bounded(async {
+            let session = source.session().await?;
+            let result = session
+                .query_one(retire, &[&after, &CHUNK, &seconds])
+                .await
+                .map_err(SourceError::from);
+            Source::release(session, result.as_ref().err());
+            let row = result?;
+            Ok(Chunk {
+                last: row.get(0),
+                rows: row.get(1),
+                deleted: row.get(2),
+                young: row.get(3),
+                ripening: row.get(4),
+                old: row.get(5),
+            })
+        })
+        .await
 }
 
 #[cfg(test)]
