@@ -244,6 +244,43 @@ async fn without_deadlines(
 }
 
 /// Every pending migration's transactional part, and the trigger, in one transaction.
+/// The versions the ledger `ledger` records as applied to `table_key`, creating the ledger
+/// first; a table that no longer `exists` has its rows forgotten.
+async fn applied_versions(
+    tx: &tokio_postgres::Transaction<'_>,
+    ledger: &str,
+    table_key: &str,
+    exists: bool,
+) -> Result<Vec<i32>, SourceError> {
+    tx.batch_execute(&format!(
+        "CREATE TABLE IF NOT EXISTS {ledger} (
+             table_name text NOT NULL,
+             version integer NOT NULL,
+             name text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now(),
+             PRIMARY KEY (table_name, version))"
+    ))
+    .await?;
+    if !exists {
+        // The table was dropped since an earlier migrate: its ledger rows describe a table
+        // that is gone, and would make this run skip creating it.
+        tx.execute(
+            &format!("DELETE FROM {ledger} WHERE table_name = $1"),
+            &[&table_key],
+        )
+        .await?;
+    }
+    Ok(tx
+        .query(
+            &format!("SELECT version FROM {ledger} WHERE table_name = $1"),
+            &[&table_key],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
 async fn migrate_in_transaction(
     client: &mut Client,
     table: &TableConfig,
@@ -275,34 +312,8 @@ async fn migrate_in_transaction(
              relay's columns and indexes"
         )));
     }
-    tx.batch_execute(&format!(
-        "CREATE TABLE IF NOT EXISTS {ledger} (
-             table_name text NOT NULL,
-             version integer NOT NULL,
-             name text NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now(),
-             PRIMARY KEY (table_name, version))"
-    ))
-    .await?;
     let table_key = name.to_string();
-    if !exists {
-        // The table was dropped since an earlier migrate: its ledger rows describe a table
-        // that is gone, and would make this run skip creating it.
-        tx.execute(
-            &format!("DELETE FROM {ledger} WHERE table_name = $1"),
-            &[&table_key],
-        )
-        .await?;
-    }
-    let applied: Vec<i32> = tx
-        .query(
-            &format!("SELECT version FROM {ledger} WHERE table_name = $1"),
-            &[&table_key],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let applied = applied_versions(&tx, &ledger, &table_key, exists).await?;
     let mut report = MigrateReport {
         table: table_key.clone(),
         notify,
