@@ -247,6 +247,25 @@ async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
         "{}",
         text(&out)
     );
+    // The server asks for a password the URL does not give: the client refuses before
+    // asking, which no retry changes, so drain stops at once naming it (it used to retry
+    // it as "not reachable yet" until its timeout).
+    let no_password = format!(
+        "postgres://outbox_relay@127.0.0.1:{}/app?sslmode=verify-full&sslrootcert={}",
+        env.pg.port(),
+        root(&ca)
+    );
+    let started = std::time::Instant::now();
+    let out = with_url(&env, &no_password, &["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("password missing"), "{}", text(&out));
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(15),
+        "retried for {:?}: {}",
+        started.elapsed(),
+        text(&out)
+    );
+
     // verify-ca checks the chain only: the same host name passes.
     let out = with_url(
         &env,
