@@ -30,7 +30,7 @@ use crate::source::{floor, retention};
 use crate::source::{session_config, SessionLimits, Source, SourceError};
 
 use start::Endpoints;
-pub use start::{connect_sink, prepare_tables};
+use start::{connect_sink, prepare_tables};
 use state::RunState;
 
 /// A failure that ends the run (exit code 1).
