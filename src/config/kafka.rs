@@ -21,7 +21,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::types::RDKafkaConfRes;
 
 use super::raw::RawKafka;
-use super::{ConfigError, Secret};
+use super::{pem, ConfigError, Secret};
 
 /// `[sink.kafka]`, checked.
 #[derive(Clone)]
@@ -324,6 +324,13 @@ pub(super) fn check(
     }
     problems.extend(linger_too_long(properties, publish_timeout));
     problems.extend(unreadable_files(properties));
+    problems.extend(malformed_pem_files(properties, secret_properties));
+    // Unless librdkafka already refused the value.
+    if let Err(e) = max_message_bytes(properties) {
+        if !problems.iter().any(|p| p.key == e.key) {
+            problems.push(e);
+        }
+    }
     ConfigError::all(problems)
 }
 
@@ -451,6 +458,60 @@ fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<ConfigError> {
         .collect()
 }
 
+/// `ssl.ca.location`, `ssl.certificate.location` and `ssl.key.location` that can be read
+/// but that librdkafka would refuse when the producer is built: PEM certificates, and a
+/// PEM key (decrypted with `ssl.key.password` if set). The error shows the path, never the
+/// file.
+fn malformed_pem_files(
+    properties: &BTreeMap<String, String>,
+    secret_properties: &BTreeMap<String, Secret>,
+) -> Vec<ConfigError> {
+    let passphrase = properties
+        .get("ssl.key.password")
+        .map(String::as_str)
+        .or_else(|| {
+            secret_properties
+                .get("ssl.key.password")
+                .map(Secret::expose)
+        });
+    let mut problems = Vec::new();
+    for (name, value) in properties {
+        let path = std::path::Path::new(value);
+        if !path.is_file() || std::fs::File::open(path).is_err() {
+            continue; // a directory of CAs, `probe`, or reported as unreadable
+        }
+        let parsed = match name.as_str() {
+            "ssl.ca.location" | "ssl.certificate.location" => pem::certificates(path).map(|_| ()),
+            "ssl.key.location" => pem::private_key(path, passphrase).map(|_| ()),
+            _ => Ok(()),
+        };
+        if let Err(why) = parsed {
+            problems.push(ConfigError::new(
+                format!("{PROPERTIES}.{name}"),
+                format!("{value} {why}: give a readable PEM file"),
+            ));
+        }
+    }
+    problems
+}
+
+/// `message.max.bytes`, which the sink also uses to refuse oversized records before
+/// sending: a whole number of bytes.
+pub fn max_message_bytes(properties: &BTreeMap<String, String>) -> Result<usize, ConfigError> {
+    match properties.get("message.max.bytes") {
+        None => Ok(DEFAULT_MAX_MESSAGE_BYTES),
+        Some(v) => v.parse().map_err(|_| {
+            ConfigError::new(
+                format!("{PROPERTIES}.message.max.bytes"),
+                format!("is {v:?}: write a whole number of bytes, e.g. 1000000"),
+            )
+        }),
+    }
+}
+
+/// librdkafka's default `message.max.bytes`.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -557,6 +618,54 @@ mod tests {
     }
 
     #[test]
+    fn files_librdkafka_would_refuse_at_build_time_are_refused_now() {
+        let dir = std::env::temp_dir().join(format!("cfg-kafka-pem-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not PEM").unwrap();
+        let junk = junk.to_str().unwrap();
+        for name in [
+            "ssl.ca.location",
+            "ssl.certificate.location",
+            "ssl.key.location",
+        ] {
+            let e = check_props(&[(name, junk)]).unwrap_err();
+            assert!(
+                e.starts_with(&format!(
+                    "sink.kafka.properties.{name}: {junk} cannot be used ("
+                )),
+                "{e}"
+            );
+            assert!(e.ends_with("give a readable PEM file"), "{e}");
+        }
+        // A directory of CAs is left to librdkafka.
+        let dir_name = dir.to_str().unwrap();
+        assert_eq!(check_props(&[("ssl.ca.location", dir_name)]), Ok(()));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn message_max_bytes_must_be_a_number_the_sink_can_use() {
+        assert_eq!(
+            max_message_bytes(&props(&[])),
+            Ok(DEFAULT_MAX_MESSAGE_BYTES)
+        );
+        assert_eq!(
+            max_message_bytes(&props(&[("message.max.bytes", "2000000")])),
+            Ok(2_000_000)
+        );
+        let e = max_message_bytes(&props(&[("message.max.bytes", " 2000000")])).unwrap_err();
+        assert_eq!(e.key, "sink.kafka.properties.message.max.bytes");
+        // Reported once, whoever finds it first.
+        let e = check_props(&[("message.max.bytes", "lots")]).unwrap_err();
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(
+            e.starts_with("sink.kafka.properties.message.max.bytes: "),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn librdkafka_checks_names_and_values_without_a_broker() {
         assert_eq!(
             check_props(&[("compression.type", "lz4"), ("linger.ms", "5")]),
@@ -611,7 +720,7 @@ mod tests {
     #[test]
     fn ssl_files_must_be_readable_now() {
         let ca = std::env::temp_dir().join(format!("kafka-ca-{}.pem", std::process::id()));
-        std::fs::write(&ca, "not checked here").unwrap();
+        std::fs::write(&ca, pem::self_signed().0).unwrap();
         let ca = ca.to_str().unwrap();
         assert_eq!(check_props(&[("ssl.ca.location", ca)]), Ok(()));
         assert_eq!(check_props(&[("ssl.ca.location", "probe")]), Ok(()));

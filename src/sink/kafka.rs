@@ -17,7 +17,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::{scrub, Message, SinkError};
-use crate::config::kafka::{is_secret, refused_properties, PRODUCER_DEFAULTS};
+use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
 
 /// The header that carries the message id.
@@ -58,8 +58,6 @@ impl TopicSeen {
     }
 }
 
-/// librdkafka's default `message.max.bytes`.
-const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 /// Room for a record's framing (offsets, timestamps, varints) next to key, value, headers.
 const RECORD_OVERHEAD: usize = 64;
 
@@ -115,14 +113,8 @@ impl KafkaSink {
                 scrub(&e.to_string(), &secrets)
             ))
         })?;
-        let max_message_bytes = match config.properties.get("message.max.bytes") {
-            Some(v) => v.parse().map_err(|_| {
-                SinkError::fatal(format!(
-                    "sink.kafka.properties: message.max.bytes = {v:?} is not a number"
-                ))
-            })?,
-            None => DEFAULT_MAX_MESSAGE_BYTES,
-        };
+        let max_message_bytes =
+            max_message_bytes(&config.properties).map_err(|e| SinkError::fatal(e.to_string()))?;
         Ok(KafkaSink {
             producer,
             secrets,
