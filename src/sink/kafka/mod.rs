@@ -16,7 +16,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{scrub, Message, SinkError};
+use super::{scrub, Message, SinkError, SinkService};
 use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
 
@@ -79,34 +79,8 @@ impl KafkaSink {
                 problems.join("; ")
             )));
         }
-        let secrets: Vec<String> = config
-            .properties
-            .iter()
-            .filter(|(k, _)| is_secret(k))
-            .map(|(_, v)| v.clone())
-            .chain(
-                config
-                    .secret_properties
-                    .values()
-                    .map(|s| s.expose().to_owned()),
-            )
-            .collect();
-        let mut client = ClientConfig::new();
-        client.set("bootstrap.servers", &config.brokers);
-        // librdkafka gives up on a record when the relay stops waiting for it.
-        client.set(
-            "message.timeout.ms",
-            publish_timeout.as_millis().to_string(),
-        );
-        for (name, value) in PRODUCER_DEFAULTS {
-            client.set(*name, *value);
-        }
-        for (name, value) in &config.properties {
-            client.set(name, value);
-        }
-        for (name, value) in &config.secret_properties {
-            client.set(name, value.expose());
-        }
+        let secrets = secret_values(config);
+        let client = client_config(config, publish_timeout);
         let producer: FutureProducer = client.create().map_err(|e| {
             SinkError::fatal(format!(
                 "cannot create the Kafka producer: {}",
@@ -188,77 +162,6 @@ impl KafkaSink {
         seen.verdict()
     }
 
-    /// Rejects records Kafka would refuse for themselves, before anything of the batch is
-    /// queued: an invalid topic name, a record larger than `message.max.bytes`.
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
-        check_topic(&message.topic).map_err(SinkError::bad_row)?;
-        let size = RECORD_OVERHEAD
-            + message.key.as_ref().map_or(0, String::len)
-            + message.payload.len()
-            + message.id.len()
-            + ID_HEADER.len()
-            + message
-                .headers
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 8)
-                .sum::<usize>();
-        if size > self.max_message_bytes {
-            return Err(SinkError::bad_row(format!(
-                "record is about {size} bytes, too large for the producer's message.max.bytes \
-                 ({}); the broker's own limit may be lower",
-                self.max_message_bytes
-            )));
-        }
-        Ok(())
-    }
-
-    /// Queues the whole batch, then awaits every delivery report. Once a record cannot
-    /// be queued, the later records of its key are not queued either. A record to a topic
-    /// the brokers say does not exist is not queued: it is the row's fault.
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
-        let mut missing: HashMap<&str, bool> = HashMap::new();
-        for message in messages {
-            if !missing.contains_key(message.topic.as_str()) {
-                let exists = self.topic_exists(&message.topic).await;
-                missing.insert(&message.topic, exists == Some(false));
-            }
-        }
-        let mut pending = Vec::with_capacity(messages.len());
-        let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
-        for message in messages {
-            let key = message.key.as_deref();
-            if key.is_some_and(|k| stopped.contains(k)) {
-                pending.push(Err(SinkError::transient(
-                    "not sent: an earlier record of its key failed",
-                )));
-                continue;
-            }
-            let enqueued = if missing[message.topic.as_str()] {
-                Err(missing_topic(&message.topic))
-            } else {
-                self.enqueue(message).await
-            };
-            if let (Err(_), Some(k)) = (&enqueued, key) {
-                stopped.insert(k);
-            }
-            pending.push(enqueued);
-        }
-        let mut results = Vec::with_capacity(messages.len());
-        for (enqueued, message) in pending.into_iter().zip(messages) {
-            results.push(match enqueued {
-                Err(e) => Err(e),
-                Ok(delivery) => match delivery.await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
-                    Err(_) => Err(SinkError::transient(
-                        "the producer dropped a delivery report",
-                    )),
-                },
-            });
-        }
-        results
-    }
-
     /// Puts one record on the producer queue; a full queue is backpressure, not an error.
     async fn enqueue(
         &self,
@@ -311,11 +214,6 @@ impl KafkaSink {
         }
     }
 
-    /// Whether a broker answers a metadata request within 5s.
-    pub async fn healthcheck(&self) -> Result<(), SinkError> {
-        self.metadata(None).await.map(|_| ())
-    }
-
     /// Topic name -> partition count, from the brokers (all topics, or just `topic`).
     pub async fn metadata(
         &self,
@@ -344,15 +242,138 @@ impl KafkaSink {
         .await
         .map_err(|e| SinkError::transient(format!("metadata task failed: {e}")))?
     }
+}
+
+impl SinkService for KafkaSink {
+    const NAME: &'static str = "kafka";
+
+    /// The idempotent producer keeps a partition's records in order through its retries.
+    fn keeps_order_in_flight(&self) -> bool {
+        true
+    }
+
+    /// Rejects records Kafka would refuse for themselves, before anything of the batch is
+    /// queued: an invalid topic name, a record larger than `message.max.bytes`.
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_topic(&message.topic).map_err(SinkError::bad_row)?;
+        let size = RECORD_OVERHEAD
+            + message.key.as_ref().map_or(0, String::len)
+            + message.payload.len()
+            + message.id.len()
+            + ID_HEADER.len()
+            + message
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>();
+        if size > self.max_message_bytes {
+            return Err(SinkError::bad_row(format!(
+                "record is about {size} bytes, too large for the producer's message.max.bytes \
+                 ({}); the broker's own limit may be lower",
+                self.max_message_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues the whole batch, then awaits every delivery report. Once a record cannot
+    /// be queued, the later records of its key are not queued either. A record to a topic
+    /// the brokers say does not exist is not queued: it is the row's fault.
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut missing: HashMap<&str, bool> = HashMap::new();
+        for message in messages {
+            if !missing.contains_key(message.topic.as_str()) {
+                let exists = self.topic_exists(&message.topic).await;
+                missing.insert(&message.topic, exists == Some(false));
+            }
+        }
+        let mut pending = Vec::with_capacity(messages.len());
+        let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        for message in messages {
+            let key = message.key.as_deref();
+            if key.is_some_and(|k| stopped.contains(k)) {
+                pending.push(Err(SinkError::transient(
+                    "not sent: an earlier record of its key failed",
+                )));
+                continue;
+            }
+            let enqueued = if missing[message.topic.as_str()] {
+                Err(missing_topic(&message.topic))
+            } else {
+                self.enqueue(message).await
+            };
+            if let (Err(_), Some(k)) = (&enqueued, key) {
+                stopped.insert(k);
+            }
+            pending.push(enqueued);
+        }
+        let mut results = Vec::with_capacity(messages.len());
+        for (enqueued, message) in pending.into_iter().zip(messages) {
+            results.push(match enqueued {
+                Err(e) => Err(e),
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
+                    Err(_) => Err(SinkError::transient(
+                        "the producer dropped a delivery report",
+                    )),
+                },
+            });
+        }
+        results
+    }
+
+    /// Whether a broker answers a metadata request within 5s.
+    async fn healthcheck(&self) -> Result<(), SinkError> {
+        self.metadata(None).await.map(|_| ())
+    }
 
     /// Flushes queued records, off the async runtime (librdkafka's flush blocks).
-    pub async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+    async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
         let producer = self.producer.clone();
         tokio::task::spawn_blocking(move || producer.flush(timeout))
             .await
             .map_err(|e| SinkError::transient(format!("flush task failed: {e}")))?
             .map_err(|e| SinkError::transient(format!("Kafka flush: {e}")))
     }
+}
+
+/// The values of every secret property, to scrub from the client's errors.
+fn secret_values(config: &KafkaConfig) -> Vec<String> {
+    config
+        .properties
+        .iter()
+        .filter(|(k, _)| is_secret(k))
+        .map(|(_, v)| v.clone())
+        .chain(
+            config
+                .secret_properties
+                .values()
+                .map(|s| s.expose().to_owned()),
+        )
+        .collect()
+}
+
+/// The producer's configuration: the brokers, the record timeout, the relay's defaults,
+/// then the operator's properties.
+fn client_config(config: &KafkaConfig, publish_timeout: Duration) -> ClientConfig {
+    let mut client = ClientConfig::new();
+    client.set("bootstrap.servers", &config.brokers);
+    // librdkafka gives up on a record when the relay stops waiting for it.
+    client.set(
+        "message.timeout.ms",
+        publish_timeout.as_millis().to_string(),
+    );
+    for (name, value) in PRODUCER_DEFAULTS {
+        client.set(*name, *value);
+    }
+    for (name, value) in &config.properties {
+        client.set(name, value);
+    }
+    for (name, value) in &config.secret_properties {
+        client.set(name, value.expose());
+    }
+    client
 }
 
 /// How long a topic's existence, read from metadata, is trusted.

@@ -3,8 +3,9 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use super::{Message, SinkError};
+use super::{Message, SinkError, SinkService};
 
 #[derive(Default)]
 pub struct MemorySink {
@@ -57,19 +58,23 @@ impl MemorySink {
     pub fn published(&self) -> Vec<Message> {
         self.published.lock().unwrap().clone()
     }
+}
 
-    pub fn keeps_order_in_flight(&self) -> bool {
+impl SinkService for MemorySink {
+    const NAME: &'static str = "memory";
+
+    fn keeps_order_in_flight(&self) -> bool {
         self.keeps_order
     }
 
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
         match self.rejections.lock().unwrap().get(&message.id) {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
     }
 
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         if self.discard {
             return messages.iter().map(|_| Ok(())).collect();
         }
@@ -85,5 +90,10 @@ impl MemorySink {
                 }
             })
             .collect()
+    }
+
+    /// Nothing is buffered.
+    async fn close(&self, _timeout: Duration) -> Result<(), SinkError> {
+        Ok(())
     }
 }

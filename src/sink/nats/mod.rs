@@ -28,7 +28,7 @@ use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 
-use super::{scrub, Message, SinkError};
+use super::{scrub, within, Message, SinkError, SinkService};
 use crate::config::{headers, NatsAuth, NatsConfig};
 use crate::error::ErrorClass;
 
@@ -60,88 +60,17 @@ impl NatsSink {
     /// Connects to the servers; fails (transient) if none answers within `timeout`.
     pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
         let (addrs, mut secrets) = parse_servers(config)?;
-        let mut options = async_nats::ConnectOptions::new();
-        // async-nats ignores credentials in a server URL: pass them on ourselves.
-        // `nats://user:password@host` is a user, `nats://TOKEN@host` a token.
-        if let Some(addr) = addrs.iter().find(|a| a.has_user_pass()) {
-            match (addr.username(), addr.password()) {
-                (Some(user), Some(password)) => {
-                    options = options.user_and_password(user.to_owned(), password.to_owned());
-                }
-                (Some(token), None) => options = options.token(token.to_owned()),
-                _ => {}
-            }
-        }
-        match &config.auth {
-            NatsAuth::None => {}
-            NatsAuth::CredentialsFile(path) => {
-                options = options.credentials_file(path).await.map_err(|e| {
-                    SinkError::fatal(format!(
-                        "sink.nats.credentials_file: {} is not a usable .creds file: {e}",
-                        path.display()
-                    ))
-                })?;
-            }
-            NatsAuth::NKey(seed) => {
-                secrets.push(seed.expose().to_owned());
-                options = options.nkey(seed.expose().to_owned());
-            }
-        }
-        if let Some(ca) = &config.tls_ca {
-            options = options.add_root_certificates(ca.clone()).require_tls(true);
-        }
-        if let Some((cert, key)) = &config.tls_client {
-            options = options.add_client_certificate(cert.clone(), key.clone());
-        }
-        if config.urls.iter().any(|u| u.starts_with("tls://")) {
-            options = options.require_tls(true);
-        }
-        let scrub = |e: &dyn std::fmt::Display| scrub(&e.to_string(), &secrets);
+        let options = connect_options(config, &addrs, &mut secrets).await?;
         let denied: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let (connected_tx, connected) = tokio::sync::watch::channel(true);
-        let events = {
-            let denied = denied.clone();
-            move |event: async_nats::Event| {
-                match &event {
-                    async_nats::Event::Connected => {
-                        connected_tx.send_replace(true);
-                    }
-                    async_nats::Event::Disconnected | async_nats::Event::Closed => {
-                        connected_tx.send_replace(false);
-                    }
-                    async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
-                        if let Some(subject) = denied_subject(text) {
-                            denied.lock().unwrap().insert(subject, Instant::now());
-                        }
-                    }
-                    _ => {}
-                }
-                tracing::debug!(%event, "NATS connection event");
-                std::future::ready(())
-            }
-        };
         let client = options
             .name("outbox-relay")
             .connection_timeout(timeout)
             .max_reconnects(None)
-            .event_callback(events)
+            .event_callback(on_event(denied.clone(), connected_tx))
             .connect(addrs)
             .await
-            .map_err(|e| {
-                let message = format!(
-                    "cannot connect to NATS at {}: {}",
-                    config.redacted(),
-                    scrub(&e)
-                );
-                match e.kind() {
-                    async_nats::ConnectErrorKind::AuthorizationViolation
-                    | async_nats::ConnectErrorKind::Authentication => SinkError::fatal(format!(
-                        "{message}: the server refused these credentials; fix the user, \
-                         password, token, nkey or .creds in [sink.nats]"
-                    )),
-                    _ => SinkError::transient(message),
-                }
-            })?;
+            .map_err(|e| connect_error(config, &e, &secrets))?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
         Ok(NatsSink {
             client,
@@ -151,11 +80,6 @@ impl NatsSink {
             denied,
             connected,
         })
-    }
-
-    /// Follows the connection: `false` from the moment it is lost until it is back.
-    pub fn connection(&self) -> tokio::sync::watch::Receiver<bool> {
-        self.connected.clone()
     }
 
     /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
@@ -187,84 +111,26 @@ impl NatsSink {
         Ok(captured)
     }
 
-    /// The JetStream context, for `check`.
-    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
-        &self.js
-    }
-
     /// What the server said about itself when we connected.
     pub fn server_info(&self) -> async_nats::ServerInfo {
         self.client.server_info()
     }
 
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
-        check_subject(&message.topic).map_err(SinkError::bad_row)?;
-        let mut header_bytes = "NATS/1.0\r\n\r\n".len();
-        for (name, value) in message
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .chain([(MSG_ID_HEADER, message.id.as_str())])
-        {
-            if !headers::is_valid_name(name) {
-                return Err(SinkError::bad_row(format!(
-                    "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
-                )));
-            }
-            if value.contains(['\r', '\n']) {
-                return Err(SinkError::bad_row(format!(
-                    "value of header {name:?} contains a line break"
-                )));
-            }
-            header_bytes += name.len() + value.len() + 4;
+    /// Flushes what the client still buffers.
+    async fn flush(&self) -> Result<(), SinkError> {
+        match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::transient(format!(
+                "NATS flush failed: {}",
+                scrub(&e.to_string(), &self.secrets)
+            ))),
+            Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
         }
-        let max = self.client.max_payload();
-        let size = header_bytes + message.payload.len();
-        if max > 0 && size > max {
-            return Err(SinkError::bad_row(format!(
-                "message is {size} bytes with headers; the NATS server accepts at most {max} \
-                 (max_payload)"
-            )));
-        }
-        Ok(())
     }
 
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
-        let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
-        let mut acks = Vec::with_capacity(messages.len());
-        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
-        for message in messages {
-            if self.recently_denied(&message.topic) {
-                acks.push(None);
-                results.push(Err(denied_error(&message.topic)));
-                continue;
-            }
-            let mut headers = HeaderMap::new();
-            for (name, value) in &message.headers {
-                headers.insert(name.as_str(), value.as_str());
-            }
-            headers.insert(MSG_ID_HEADER, message.id.as_str());
-            let publish = PublishMessage::build()
-                .payload(message.payload.clone())
-                .headers(headers);
-            match self.js.send_publish(message.topic.clone(), publish).await {
-                Ok(ack) => acks.push(Some(ack)),
-                Err(e) => {
-                    acks.push(None);
-                    results.push(Err(self.classify(&message.topic, &e).await));
-                    continue;
-                }
-            }
-            results.push(Ok(()));
-        }
-        for (i, ack) in acks.into_iter().enumerate() {
-            if let Some(ack) = ack {
-                if let Err(e) = ack.await {
-                    results[i] = Err(self.classify(&messages[i].topic, &e).await);
-                }
-            }
-        }
-        results
+    /// The JetStream context, for `check`.
+    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
+        &self.js
     }
 
     async fn classify(
@@ -305,11 +171,91 @@ impl NatsSink {
             ErrorClass::Transient => SinkError::transient(text),
         }
     }
+}
+
+impl SinkService for NatsSink {
+    const NAME: &'static str = "nats";
+
+    /// JetStream gives no order promise across a reconnect, so the relay sends a key's
+    /// next message only after the previous one's ack.
+    fn keeps_order_in_flight(&self) -> bool {
+        false
+    }
+
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_subject(&message.topic).map_err(SinkError::bad_row)?;
+        let mut header_bytes = "NATS/1.0\r\n\r\n".len();
+        for (name, value) in message
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain([(MSG_ID_HEADER, message.id.as_str())])
+        {
+            if !headers::is_valid_name(name) {
+                return Err(SinkError::bad_row(format!(
+                    "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
+                )));
+            }
+            if value.contains(['\r', '\n']) {
+                return Err(SinkError::bad_row(format!(
+                    "value of header {name:?} contains a line break"
+                )));
+            }
+            header_bytes += name.len() + value.len() + 4;
+        }
+        let max = self.client.max_payload();
+        let size = header_bytes + message.payload.len();
+        if max > 0 && size > max {
+            return Err(SinkError::bad_row(format!(
+                "message is {size} bytes with headers; the NATS server accepts at most {max} \
+                 (max_payload)"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
+        let mut acks = Vec::with_capacity(messages.len());
+        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
+        for message in messages {
+            if self.recently_denied(&message.topic) {
+                acks.push(None);
+                results.push(Err(denied_error(&message.topic)));
+                continue;
+            }
+            let mut headers = HeaderMap::new();
+            for (name, value) in &message.headers {
+                headers.insert(name.as_str(), value.as_str());
+            }
+            headers.insert(MSG_ID_HEADER, message.id.as_str());
+            let publish = PublishMessage::build()
+                .payload(message.payload.clone())
+                .headers(headers);
+            match self.js.send_publish(message.topic.clone(), publish).await {
+                Ok(ack) => acks.push(Some(ack)),
+                Err(e) => {
+                    acks.push(None);
+                    results.push(Err(self.classify(&message.topic, &e).await));
+                    continue;
+                }
+            }
+            results.push(Ok(()));
+        }
+        for (i, ack) in acks.into_iter().enumerate() {
+            if let Some(ack) = ack {
+                if let Err(e) = ack.await {
+                    results[i] = Err(self.classify(&messages[i].topic, &e).await);
+                }
+            }
+        }
+        results
+    }
 
     /// Connected, and JetStream answers a request (`$JS.API.INFO`): a full round trip
     /// through the server, not just a socket write. The reply is not parsed: any answer
     /// means JetStream is serving (no responders, or none in time, means it is not).
-    pub async fn healthcheck(&self) -> Result<(), SinkError> {
+    async fn healthcheck(&self) -> Result<(), SinkError> {
         if self.client.connection_state() != async_nats::connection::State::Connected {
             return Err(SinkError::transient("not connected to NATS"));
         }
@@ -324,16 +270,13 @@ impl NatsSink {
         }
     }
 
-    /// Flushes what the client still buffers.
-    pub async fn close(&self) -> Result<(), SinkError> {
-        match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(SinkError::transient(format!(
-                "NATS flush failed: {}",
-                scrub(&e.to_string(), &self.secrets)
-            ))),
-            Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
-        }
+    /// Follows the connection: `false` from the moment it is lost until it is back.
+    fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        Some(self.connected.clone())
+    }
+
+    async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+        within(timeout, self.flush()).await
     }
 }
 
@@ -351,6 +294,99 @@ fn denied_subject(error: &str) -> Option<String> {
     let at = error.to_ascii_lowercase().find(MARK)? + MARK.len();
     let subject = error[at..].trim().trim_matches(|c| c == '"' || c == '\'');
     (!subject.is_empty()).then(|| subject.to_owned())
+}
+
+/// The client's options for `config`: credentials from the URLs, the nkey or `.creds`
+/// file, TLS. Secrets met on the way are added to `secrets`.
+async fn connect_options(
+    config: &NatsConfig,
+    addrs: &[ServerAddr],
+    secrets: &mut Vec<String>,
+) -> Result<async_nats::ConnectOptions, SinkError> {
+    let mut options = async_nats::ConnectOptions::new();
+    // async-nats ignores credentials in a server URL: pass them on ourselves.
+    // `nats://user:password@host` is a user, `nats://TOKEN@host` a token.
+    if let Some(addr) = addrs.iter().find(|a| a.has_user_pass()) {
+        match (addr.username(), addr.password()) {
+            (Some(user), Some(password)) => {
+                options = options.user_and_password(user.to_owned(), password.to_owned());
+            }
+            (Some(token), None) => options = options.token(token.to_owned()),
+            _ => {}
+        }
+    }
+    match &config.auth {
+        NatsAuth::None => {}
+        NatsAuth::CredentialsFile(path) => {
+            options = options.credentials_file(path).await.map_err(|e| {
+                SinkError::fatal(format!(
+                    "sink.nats.credentials_file: {} is not a usable .creds file: {e}",
+                    path.display()
+                ))
+            })?;
+        }
+        NatsAuth::NKey(seed) => {
+            secrets.push(seed.expose().to_owned());
+            options = options.nkey(seed.expose().to_owned());
+        }
+    }
+    if let Some(ca) = &config.tls_ca {
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let Some((cert, key)) = &config.tls_client {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if config.urls.iter().any(|u| u.starts_with("tls://")) {
+        options = options.require_tls(true);
+    }
+    Ok(options)
+}
+
+/// Follows the connection's events: up or down into `connected`, subjects the server
+/// refused a publish to into `denied`.
+fn on_event(
+    denied: Arc<Mutex<HashMap<String, Instant>>>,
+    connected: tokio::sync::watch::Sender<bool>,
+) -> impl Fn(async_nats::Event) -> std::future::Ready<()> {
+    move |event: async_nats::Event| {
+        match &event {
+            async_nats::Event::Connected => {
+                connected.send_replace(true);
+            }
+            async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                connected.send_replace(false);
+            }
+            async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
+                if let Some(subject) = denied_subject(text) {
+                    denied.lock().unwrap().insert(subject, Instant::now());
+                }
+            }
+            _ => {}
+        }
+        tracing::debug!(%event, "NATS connection event");
+        std::future::ready(())
+    }
+}
+
+/// A failed connect: refused credentials are fatal, anything else transient.
+fn connect_error(
+    config: &NatsConfig,
+    e: &async_nats::ConnectError,
+    secrets: &[String],
+) -> SinkError {
+    let message = format!(
+        "cannot connect to NATS at {}: {}",
+        config.redacted(),
+        scrub(&e.to_string(), secrets)
+    );
+    match e.kind() {
+        async_nats::ConnectErrorKind::AuthorizationViolation
+        | async_nats::ConnectErrorKind::Authentication => SinkError::fatal(format!(
+            "{message}: the server refused these credentials; fix the user, password, token, \
+             nkey or .creds in [sink.nats]"
+        )),
+        _ => SinkError::transient(message),
+    }
 }
 
 /// Parses the configured URLs, collecting any passwords or tokens they carry.
