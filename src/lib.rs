@@ -5,11 +5,12 @@
 //!
 //! - [`cli`]: the command line (clap).
 //! - [`config`]: TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a validated [`config::Config`].
-//!   The only place that checks input.
+//!   The only place that checks input, and a leaf: it uses no other module of the crate.
 //! - [`source`]: PostgreSQL. Pool and session deadlines, table inspection, the SQL, the
 //!   key-ordered claim (its invariant is documented in [`source::claim`]), migrations,
 //!   LISTEN/NOTIFY.
-//! - [`sink`]: the sink contract and its implementations: NATS JetStream, stdout, memory.
+//! - [`sink`]: the sink contract ([`sink::SinkService`]) and one folder per implementation:
+//!   Kafka, NATS JetStream, stdout, memory.
 //! - [`relay`]: supervisor and workers: claim -> publish -> await acks -> mark -> commit;
 //!   per-key publish order in [`relay::order`].
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).

@@ -34,7 +34,9 @@ pub struct Message {
     pub id: String,
     /// Kafka topic or NATS subject.
     pub topic: String,
+    /// Ordering and partition key; `None`: no order promise.
     pub key: Option<String>,
+    /// The body, sent as bytes.
     pub payload: Bytes,
     /// From the row's `headers` column, in the column's order.
     pub headers: Vec<(String, String)>,
@@ -44,23 +46,28 @@ pub struct Message {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct SinkError {
+    /// Retry later, this row is bad, or stop the process.
     pub class: ErrorClass,
+    /// What happened; never holds a secret.
     pub message: String,
 }
 
 impl SinkError {
+    /// The broker's fault: retried.
     pub fn transient(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::Transient,
             message: message.into(),
         }
     }
+    /// The row's fault: retried on its schedule, then dead-lettered.
     pub fn bad_row(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::BadRow,
             message: message.into(),
         }
     }
+    /// Stops the process: the operator must fix something.
     pub fn fatal(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::Fatal,

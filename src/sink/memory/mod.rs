@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use super::{Message, SinkError, SinkService};
 
+/// Records what it acknowledged; fails or rejects the messages it is told to.
 #[derive(Default)]
 pub struct MemorySink {
     published: Mutex<Vec<Message>>,

@@ -29,20 +29,23 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::{HeaderMap, ServerAddr};
 
 use super::{scrub, within, Message, SinkError, SinkService};
+
+mod errors;
+
 use crate::config::{headers, NatsAuth, NatsConfig};
 use crate::error::ErrorClass;
+pub use errors::{check_subject, classify_publish};
+use errors::{denied_error, denied_subject};
 
 /// The header JetStream de-duplicates on.
 pub use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
-
-/// JetStream API error: message larger than the stream's `max_msg_size`.
-const JS_MESSAGE_SIZE_EXCEEDS: u64 = 10054;
 
 /// How long the answer to "which stream captures this subject?" is trusted.
 pub const CAPTURE_TTL: Duration = Duration::from_secs(2);
 /// How long a subject the server refused to let us publish to fails without a try.
 pub const DENIED_TTL: Duration = Duration::from_secs(30);
 
+/// A NATS connection and its JetStream context.
 pub struct NatsSink {
     client: async_nats::Client,
     js: async_nats::jetstream::Context,
@@ -280,22 +283,6 @@ impl SinkService for NatsSink {
     }
 }
 
-/// The error of a row whose subject this user may not publish to.
-fn denied_error(subject: &str) -> SinkError {
-    SinkError::bad_row(format!(
-        "the NATS server denies this user permission to publish to {subject:?}: allow it in \
-         the user's publish permissions, or fix the table's topic template"
-    ))
-}
-
-/// The subject of a server error `Permissions Violation for Publish to "<subject>"`.
-fn denied_subject(error: &str) -> Option<String> {
-    const MARK: &str = "permissions violation for publish to ";
-    let at = error.to_ascii_lowercase().find(MARK)? + MARK.len();
-    let subject = error[at..].trim().trim_matches(|c| c == '"' || c == '\'');
-    (!subject.is_empty()).then(|| subject.to_owned())
-}
-
 /// The client's options for `config`: credentials from the URLs, the nkey or `.creds`
 /// file, TLS. Secrets met on the way are added to `secrets`.
 async fn connect_options(
@@ -412,87 +399,9 @@ fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), 
     Ok((addrs, secrets))
 }
 
-/// The class of a JetStream publish failure: the row's own size is its fault; a missing
-/// stream, a timeout, a lost connection or a broker error are the broker's (retried).
-pub fn classify_publish(kind: PublishErrorKind, js_code: Option<u64>) -> ErrorClass {
-    match kind {
-        PublishErrorKind::MaxPayloadExceeded => ErrorClass::BadRow,
-        PublishErrorKind::Other if js_code == Some(JS_MESSAGE_SIZE_EXCEEDS) => ErrorClass::BadRow,
-        _ => ErrorClass::Transient,
-    }
-}
-
-/// A subject a message may be published to: dot-separated tokens, none empty, no
-/// wildcards, no white space.
-pub fn check_subject(subject: &str) -> Result<(), String> {
-    if subject.is_empty() {
-        return Err("the subject is empty".to_owned());
-    }
-    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(format!("subject {subject:?} contains white space"));
-    }
-    for token in subject.split('.') {
-        match token {
-            "" => return Err(format!("subject {subject:?} has an empty token")),
-            "*" | ">" => {
-                return Err(format!(
-                    "subject {subject:?} contains a wildcard; messages need a literal subject"
-                ))
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn subjects_are_checked_before_sending() {
-        assert!(check_subject("orders.created").is_ok());
-        for bad in ["", "a..b", ".a", "a.", "a b", "a.*", "a.>", "a\tb"] {
-            assert!(check_subject(bad).is_err(), "{bad:?} accepted");
-        }
-    }
-
-    #[test]
-    fn publish_errors_map_to_classes() {
-        use ErrorClass::*;
-        for (kind, code, class) in [
-            (PublishErrorKind::MaxPayloadExceeded, None, BadRow),
-            (
-                PublishErrorKind::Other,
-                Some(JS_MESSAGE_SIZE_EXCEEDS),
-                BadRow,
-            ),
-            (PublishErrorKind::Other, Some(10_077), Transient), // maximum messages exceeded
-            (PublishErrorKind::StreamNotFound, None, Transient),
-            (PublishErrorKind::TimedOut, None, Transient),
-            (PublishErrorKind::BrokenPipe, None, Transient),
-            (PublishErrorKind::WrongLastSequence, None, Transient),
-        ] {
-            assert_eq!(classify_publish(kind, code), class, "{kind:?} {code:?}");
-        }
-    }
-
-    #[test]
-    fn a_denied_publish_names_its_subject() {
-        assert_eq!(
-            denied_subject("Permissions Violation for Publish to \"orders.secret\""),
-            Some("orders.secret".to_owned())
-        );
-        assert_eq!(
-            denied_subject("permissions violation for publish to 'a.b'"),
-            Some("a.b".to_owned())
-        );
-        assert_eq!(
-            denied_subject("Permissions Violation for Subscription to \"x\""),
-            None
-        );
-        assert_eq!(denied_subject("maximum payload exceeded"), None);
-    }
 
     #[test]
     fn secrets_are_scrubbed() {

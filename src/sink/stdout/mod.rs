@@ -8,6 +8,7 @@ use tokio::sync::Mutex;
 
 use super::{within, Message, SinkError, SinkService};
 
+/// JSON lines on standard output.
 pub struct StdoutSink {
     out: Mutex<tokio::io::Stdout>,
 }
