@@ -77,7 +77,7 @@ impl SinkError {
 }
 
 /// What every sink does. Each sink implements it in its own folder; [`Sink`] dispatches
-/// to the one configured, in one place ([`dispatch`]).
+/// to the one configured, in one place (the `dispatch!` macro).
 pub trait SinkService {
     /// The name used in logs and metrics labels.
     const NAME: &'static str;
