@@ -14,8 +14,8 @@
 //!   ready to relay ([`source::table`]), the SQL ([`source::sql`]), the key-ordered claim
 //!   (its invariant proved in [`source::claim`]), the claim floor, retention, migrations,
 //!   LISTEN/NOTIFY, and what to do about each error ([`source::class`]).
-//! - [`sink`]: the sink contract and its implementations: Kafka, NATS JetStream, stdout,
-//!   memory (tests).
+//! - [`sink`]: the sink contract ([`sink::SinkService`]) and one folder per implementation:
+//!   Kafka, NATS JetStream, stdout, memory (tests).
 //! - [`relay`]: `run`/`drain`: start-up, the workers, one batch in phases (claim ->
 //!   publish -> settle -> finalize), per-key publish order ([`relay::order`]), the circuit
 //!   breaker, the run's state and report.

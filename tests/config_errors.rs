@@ -366,3 +366,48 @@ fn unknown_key_suggests_the_nearest_one() {
         "{text}"
     );
 }
+
+#[test]
+fn sink_input_refused_only_at_connect_before_is_a_config_error_exit_2() {
+    // A NATS URL the client cannot parse, a TLS file that is not PEM: both used to pass the
+    // configuration and fail when the sink connected.
+    let text = config_error(
+        &VALID.replace(
+            "kind = \"nats\"",
+            "kind = \"nats\"\n[sink.nats]\nurl = \"http://u:Pa55-w0rd-never-shown@h:4222\"",
+        ),
+        &[],
+    );
+    assert!(
+        text.contains("sink.nats.url: http://<redacted>@h:4222 is not a NATS URL"),
+        "{text}"
+    );
+    let dir = std::env::temp_dir().join(format!("outbox-relay-pem-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let junk = dir.join("ca.pem");
+    std::fs::write(&junk, "not a certificate").unwrap();
+    let text = config_error(
+        &VALID.replace(
+            "kind = \"nats\"",
+            &format!(
+                "kind = \"nats\"\n[sink.nats]\ntls_ca_file = \"{}\"",
+                junk.display()
+            ),
+        ),
+        &[],
+    );
+    assert!(text.contains("sink.nats.tls_ca_file: "), "{text}");
+    assert!(text.contains("give a readable PEM file"), "{text}");
+    let text = config_error(
+        &KAFKA.replace(
+            "\"compression.type\" = \"lz4\"\n",
+            &format!("\"ssl.certificate.location\" = \"{}\"\n", junk.display()),
+        ),
+        &[],
+    );
+    assert!(
+        text.contains("sink.kafka.properties.ssl.certificate.location: "),
+        "{text}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -8,7 +8,10 @@
 //!    value is a config error, not a failure at connect time.
 //! 3. What librdkafka would otherwise refuse only when the producer is built: `linger.ms`
 //!    not below the time a record may wait for its acknowledgement, an `ssl.*.location`
-//!    file that cannot be read.
+//!    file that cannot be read or is not PEM, a `message.max.bytes` that is no number.
+//!
+//! 2 and 3 live in `kafka/check.rs`; this file holds the config type and the policy: what
+//! the relay refuses, what it sets itself, and which properties are secrets.
 //!
 //! No message shows the value of a secret property ([`is_secret`], the one policy).
 
@@ -16,12 +19,13 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
-use rdkafka::error::KafkaError;
-use rdkafka::types::RDKafkaConfRes;
-
 use super::raw::RawKafka;
 use super::{ConfigError, Secret};
+
+mod check;
+
+use check::check;
+pub use check::{max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES};
 
 /// `[sink.kafka]`, checked.
 #[derive(Clone)]
@@ -292,41 +296,6 @@ pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("client.id", "outbox-relay"),
 ];
 
-/// Everything wrong with `[sink.kafka]` that can be known without a broker, one problem
-/// per key.
-pub(super) fn check(
-    brokers: &str,
-    properties: &BTreeMap<String, String>,
-    secret_properties: &BTreeMap<String, Secret>,
-    publish_timeout: Duration,
-) -> Result<(), ConfigError> {
-    let mut problems: Vec<ConfigError> = Vec::new();
-    if brokers.trim().is_empty() {
-        problems.push(ConfigError::new(
-            "sink.kafka.brokers",
-            "is empty: write host:port[,host:port], e.g. \"127.0.0.1:9092\"",
-        ));
-    }
-    let refused = refused_properties(properties);
-    problems.extend(refused.iter().map(Refusal::to_error));
-    for (name, value) in properties {
-        if refused.iter().any(|r| &r.property == name) {
-            continue;
-        }
-        if let Some(why) = librdkafka_refuses(name, value, is_secret(name)) {
-            problems.push(ConfigError::new(format!("{PROPERTIES}.{name}"), why));
-        }
-    }
-    for (name, value) in secret_properties {
-        if let Some(why) = librdkafka_refuses(name, value.expose(), true) {
-            problems.push(ConfigError::new(format!("{PROPERTY_FILES}.{name}"), why));
-        }
-    }
-    problems.extend(linger_too_long(properties, publish_timeout));
-    problems.extend(unreadable_files(properties));
-    ConfigError::all(problems)
-}
-
 /// Joins dotted property names back together. Unquoted, `compression.type = "lz4"` is in
 /// TOML a table `compression` holding `type`; librdkafka's names are dotted, so under
 /// `[sink.kafka.properties]` and `[sink.kafka.property_files]` both spellings mean the
@@ -376,81 +345,6 @@ pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), ConfigErro
     Ok(())
 }
 
-/// Offers one property to librdkafka's configuration parser (no client is created).
-fn librdkafka_refuses(name: &str, value: &str, secret: bool) -> Option<String> {
-    let mut config = ClientConfig::new();
-    config.set(name, value);
-    match config.create_native_config() {
-        Ok(_) => None,
-        Err(KafkaError::ClientConfig(RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN, ..)) => Some(
-            "librdkafka has no such property: check the name against \
-             https://github.com/confluentinc/librdkafka/blob/master/CONFIGURATION.md"
-                .into(),
-        ),
-        // librdkafka's description quotes the value: fine, unless it is a secret.
-        Err(KafkaError::ClientConfig(_, description, ..)) if !secret => {
-            Some(format!("librdkafka refuses it: {description}"))
-        }
-        Err(_) => Some("librdkafka refuses this value (not shown: it is a secret)".into()),
-    }
-}
-
-/// librdkafka refuses to build a producer whose `linger.ms` is not below the record
-/// timeout: the relay's `sink.publish_timeout`, unless a property sets its own.
-fn linger_too_long(
-    properties: &BTreeMap<String, String>,
-    publish_timeout: Duration,
-) -> Option<ConfigError> {
-    let millis = |names: &[&str]| {
-        names.iter().find_map(|n| {
-            let (name, value) = properties.get_key_value(*n)?;
-            Some((name.as_str(), value.trim().parse::<f64>().ok()?))
-        })
-    };
-    let (name, linger) = millis(&["linger.ms", "queue.buffering.max.ms"])?;
-    let (limit, source) = match millis(&["message.timeout.ms", "delivery.timeout.ms"]) {
-        Some((timeout, value)) => (value, format!("{PROPERTIES}.{timeout}")),
-        None => (
-            publish_timeout.as_secs_f64() * 1000.0,
-            "sink.publish_timeout".to_owned(),
-        ),
-    };
-    (limit > 0.0 && linger >= limit).then(|| {
-        ConfigError::new(
-            format!("{PROPERTIES}.{name}"),
-            format!(
-                "is {linger} ms, not shorter than {source} ({limit} ms), the longest a record \
-                 may wait for its acknowledgement; librdkafka refuses that: lower it"
-            ),
-        )
-    })
-}
-
-/// `ssl.ca.location`, `ssl.certificate.location`, `ssl.key.location`, ...: librdkafka
-/// reads them when the producer is built; a missing one is a config error now. A CA
-/// location may be a directory, or `probe` (the system's CAs).
-fn unreadable_files(properties: &BTreeMap<String, String>) -> Vec<ConfigError> {
-    properties
-        .iter()
-        .filter(|(name, _)| name.starts_with("ssl.") && name.ends_with(".location"))
-        .filter(|(name, value)| !(*name == "ssl.ca.location" && value.as_str() == "probe"))
-        .filter_map(|(name, value)| {
-            let path = std::path::Path::new(value);
-            let readable = if path.is_dir() && name.as_str() == "ssl.ca.location" {
-                std::fs::read_dir(path).map(|_| ())
-            } else {
-                std::fs::File::open(path).map(|_| ())
-            };
-            readable.err().map(|e| {
-                ConfigError::new(
-                    format!("{PROPERTIES}.{name}"),
-                    format!("cannot read {value}: {e}: give a readable file"),
-                )
-            })
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,16 +354,6 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
-    }
-
-    fn check_props(pairs: &[(&str, &str)]) -> Result<(), String> {
-        check(
-            "k:9092",
-            &props(pairs),
-            &BTreeMap::new(),
-            Duration::from_secs(10),
-        )
-        .map_err(|e| e.to_string())
     }
 
     #[test]
@@ -557,36 +441,6 @@ mod tests {
     }
 
     #[test]
-    fn librdkafka_checks_names_and_values_without_a_broker() {
-        assert_eq!(
-            check_props(&[("compression.type", "lz4"), ("linger.ms", "5")]),
-            Ok(())
-        );
-        let e = check_props(&[("compresion.type", "lz4")]).unwrap_err();
-        assert!(
-            e.starts_with("sink.kafka.properties.compresion.type: librdkafka has no such property"),
-            "{e}"
-        );
-        let e = check_props(&[("compression.type", "lz5")]).unwrap_err();
-        assert!(
-            e.starts_with("sink.kafka.properties.compression.type: librdkafka refuses it:"),
-            "{e}"
-        );
-        assert!(e.contains("lz5"), "{e}");
-    }
-
-    #[test]
-    fn secret_values_are_never_shown() {
-        let e = check_props(&[("acks", "0"), ("ssl.keystore.password", "s3cr3t\0x")]).unwrap_err();
-        assert!(e.contains("sink.kafka.properties.acks: is \"0\""), "{e}");
-        assert!(
-            e.contains("sink.kafka.properties.ssl.keystore.password: librdkafka refuses"),
-            "{e}"
-        );
-        assert!(!e.contains("s3cr3t"), "{e}");
-    }
-
-    #[test]
     fn dotted_names_mean_the_same_property_quoted_or_not() {
         let mut root: toml::Table = toml::from_str(
             "[sink.kafka.properties]\ncompression.type = \"lz4\"\n\"linger.ms\" = 5\n\
@@ -605,41 +459,6 @@ mod tests {
             join_dotted_names(&mut twice).unwrap_err().to_string(),
             "sink.kafka.properties.compression.type: is set twice (once with quotes, once \
              without); keep one"
-        );
-    }
-
-    #[test]
-    fn ssl_files_must_be_readable_now() {
-        let ca = std::env::temp_dir().join(format!("kafka-ca-{}.pem", std::process::id()));
-        std::fs::write(&ca, "not checked here").unwrap();
-        let ca = ca.to_str().unwrap();
-        assert_eq!(check_props(&[("ssl.ca.location", ca)]), Ok(()));
-        assert_eq!(check_props(&[("ssl.ca.location", "probe")]), Ok(()));
-        let e = check_props(&[("ssl.key.location", "/nope/relay.key")]).unwrap_err();
-        assert!(
-            e.starts_with("sink.kafka.properties.ssl.key.location: cannot read /nope/relay.key:"),
-            "{e}"
-        );
-        std::fs::remove_file(ca).unwrap();
-    }
-
-    #[test]
-    fn every_problem_is_reported_at_once() {
-        let e = check(
-            " ",
-            &props(&[("acks", "1"), ("linger.ms", "20000")]),
-            &BTreeMap::new(),
-            Duration::from_secs(10),
-        )
-        .unwrap_err()
-        .to_string();
-        let lines: Vec<&str> = e.lines().collect();
-        assert_eq!(lines.len(), 3, "{e}");
-        assert!(lines[0].starts_with("sink.kafka.brokers: is empty"), "{e}");
-        assert!(lines[1].starts_with("sink.kafka.properties.acks:"), "{e}");
-        assert!(
-            lines[2].starts_with("sink.kafka.properties.linger.ms: is 20000 ms, not shorter than sink.publish_timeout"),
-            "{e}"
         );
     }
 }

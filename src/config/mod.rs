@@ -20,6 +20,7 @@ pub mod headers;
 pub mod kafka;
 pub mod names;
 pub mod nats;
+mod pem;
 pub mod postgres;
 pub mod raw;
 pub mod secret;

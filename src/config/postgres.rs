@@ -10,12 +10,10 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use openssl::pkey::PKey;
-use openssl::x509::X509;
 use tokio_postgres::config::SslMode;
 
 use super::raw::RawPostgres;
-use super::{positive, ConfigError, Secret};
+use super::{pem, positive, ConfigError, Secret};
 
 /// `[postgres]`, checked.
 #[derive(Clone)]
@@ -193,22 +191,13 @@ impl TlsSettings {
     /// and the file, never a file's contents.
     pub fn check_files(&self) -> Result<(), String> {
         if let (true, Some(path)) = (self.verifies_chain(), &self.root_cert) {
-            let certs = read_pem(path, "sslrootcert", X509::stack_from_pem)?;
-            if certs.is_empty() {
-                return Err(unusable("sslrootcert", path, "no PEM certificate in it"));
-            }
+            pem::certificates(path).map_err(|why| at("sslrootcert", path, why))?;
         }
         match (&self.client_cert, &self.client_key) {
             (Some(cert), Some(key)) => {
-                let chain = read_pem(cert, "sslcert", X509::stack_from_pem)?;
-                let Some(leaf) = chain.first() else {
-                    return Err(unusable("sslcert", cert, "no PEM certificate in it"));
-                };
-                let private = read_pem(key, "sslkey", PKey::private_key_from_pem)?;
-                let matches = leaf
-                    .public_key()
-                    .is_ok_and(|public| public.public_eq(&private));
-                if !matches {
+                let chain = pem::certificates(cert).map_err(|why| at("sslcert", cert, why))?;
+                let private = pem::private_key(key, None).map_err(|why| at("sslkey", key, why))?;
+                if !pem::belongs_to(&private, &chain[0]) {
                     return Err(key_mismatch(cert, key));
                 }
                 Ok(())
@@ -228,34 +217,15 @@ pub fn key_mismatch(cert: &Path, key: &Path) -> String {
     )
 }
 
+/// `sslcert /c.pem cannot be used (...): give a readable PEM file`.
+fn at(param: &str, path: &Path, why: String) -> String {
+    format!("{param} {} {why}: give a readable PEM file", path.display())
+}
+
 /// `sslrootcert /ca.pem does not exist: give a readable PEM file`, or `cannot be used`
-/// with the reason.
+/// with the reason: for the connector, which reads the files again.
 pub fn file_error(param: &str, path: &Path, error: &dyn std::fmt::Display) -> String {
-    if path.exists() {
-        unusable(param, path, error)
-    } else {
-        format!(
-            "{param} {} does not exist: give a readable PEM file",
-            path.display()
-        )
-    }
-}
-
-fn unusable(param: &str, path: &Path, why: impl std::fmt::Display) -> String {
-    format!(
-        "{param} {} cannot be used ({why}): give a readable PEM file",
-        path.display()
-    )
-}
-
-/// Reads `path` and parses it with `parse`; errors in [`file_error`]'s words.
-fn read_pem<T>(
-    path: &Path,
-    param: &str,
-    parse: impl FnOnce(&[u8]) -> Result<T, openssl::error::ErrorStack>,
-) -> Result<T, String> {
-    let pem = std::fs::read(path).map_err(|e| file_error(param, path, &e))?;
-    parse(&pem).map_err(|e| file_error(param, path, &e))
+    at(param, path, pem::why(path, error))
 }
 
 const TLS_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];

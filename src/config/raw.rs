@@ -457,31 +457,17 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     n.checked_mul(factor).ok_or_else(bad)
 }
 
-/// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"`, `"7d"` (a whole number and a unit).
+/// Parses `"250ms"`, `"25s"`, `"5m"`, `"1h"`, `"7d"`: a number and a unit, as
+/// [`humantime`] reads them (which also takes `"1.5s"`, `"1h 30m"` and unit words such as
+/// `"2min"` or `"3days"`). White space around the text is ignored; a bare number is not a
+/// duration.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
-    let bad = || {
+    humantime::parse_duration(text.trim()).map_err(|why| {
         format!(
-            "invalid duration {text:?}: write a whole number followed by ms, s, m, h or d, \
+            "invalid duration {text:?} ({why}): write a number followed by ms, s, m, h or d, \
              e.g. \"250ms\", \"25s\", \"5m\", \"7d\""
         )
-    };
-    let text_trimmed = text.trim();
-    let split = text_trimmed
-        .find(|c: char| !c.is_ascii_digit())
-        .ok_or_else(bad)?;
-    let (number, unit) = text_trimmed.split_at(split);
-    let n: u64 = number.parse().map_err(|_| bad())?;
-    let millis_per_unit = match unit.trim() {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(millis_per_unit)
-        .map(Duration::from_millis)
-        .ok_or_else(bad)
+    })
 }
 
 mod defaults {
@@ -546,19 +532,34 @@ mod tests {
         assert_eq!(parse_duration("25s"), Ok(Duration::from_secs(25)));
         assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
         assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_duration("0ms"), Ok(Duration::ZERO));
+    }
+
+    #[test]
+    fn every_form_accepted_before_humantime_still_is() {
+        // The old parser: optional white space around, and between number and unit.
+        for (text, secs) in [
+            (" 25s ", 25),
+            ("5 m", 300),
+            ("\t1h", 3600),
+            ("2d\n", 172_800),
+        ] {
+            assert_eq!(
+                parse_duration(text),
+                Ok(Duration::from_secs(secs)),
+                "{text:?}"
+            );
+        }
+        // And what humantime adds.
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2min"), Ok(Duration::from_secs(120)));
     }
 
     #[test]
     fn bad_durations_say_how_to_write_one() {
-        for bad in [
-            "",
-            "10",
-            "ms",
-            "1.5s",
-            "10x",
-            "-1s",
-            "99999999999999999999h",
-        ] {
+        for bad in ["", "10", "ms", "10x", "-1s", "99999999999999999999h"] {
             let err = parse_duration(bad).unwrap_err();
             assert!(err.contains("e.g. \"250ms\""), "{bad}: {err}");
         }

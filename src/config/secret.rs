@@ -1,44 +1,52 @@
-//! Secrets read from files (`*_file` keys): kept out of `Debug`, logs and errors.
+//! Secrets read from files (`*_file` keys): kept out of `Debug`, logs and errors, and
+//! wiped from memory when dropped ([`secrecy`]).
 
 use std::path::{Path, PathBuf};
+
+use secrecy::{ExposeSecret, SecretString};
 
 use super::ConfigError;
 
 /// A secret value. It has no `Display`, and its `Debug` shows only that it is set: the
 /// one way to the value is [`Secret::expose`], at the point of use.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+#[derive(Clone)]
+pub struct Secret(SecretString);
 
 impl Secret {
+    /// Takes `value` in as a secret.
     pub fn new(value: String) -> Secret {
-        Secret(value)
+        Secret(SecretString::from(value))
     }
 
     /// Reads a secret file as Kubernetes and systemd credentials write them: the whole
     /// file, one trailing newline dropped. `key` names the config key for errors, which
     /// show the path, never the contents.
     pub fn from_file(key: &str, path: &Path) -> Result<Secret, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            ConfigError::new(
-                key,
-                format!("cannot read {}: {e}: give a readable file", path.display()),
-            )
-        })?;
+        let whole = std::fs::read_to_string(path)
+            .map(Secret::new)
+            .map_err(|e| {
+                ConfigError::new(
+                    key,
+                    format!("cannot read {}: {e}: give a readable file", path.display()),
+                )
+            })?;
+        let text = whole.expose();
         let value = text
             .strip_suffix("\r\n")
             .or_else(|| text.strip_suffix('\n'))
-            .unwrap_or(&text);
+            .unwrap_or(text);
         if value.is_empty() {
             return Err(ConfigError::new(
                 key,
                 format!("{} is empty", path.display()),
             ));
         }
-        Ok(Secret(value.to_owned()))
+        Ok(Secret::new(value.to_owned()))
     }
 
+    /// The value, at the point of use only.
     pub fn expose(&self) -> &str {
-        &self.0
+        self.0.expose_secret()
     }
 }
 

@@ -8,8 +8,12 @@ use super::{headers, ConfigError, Ident, TableName, Template};
 /// One `[[tables]]` entry.
 #[derive(Debug, Clone)]
 pub struct TableConfig {
+    /// `name`: the schema-qualified table.
     pub name: TableName,
+    /// `topic`: the Kafka topic or NATS subject, from literals and columns. Default
+    /// `{topic}`.
     pub topic: Template,
+    /// `[tables.columns]`: which column plays which part.
     pub columns: Columns,
     /// Extra headers: header name and the column whose value it carries.
     pub header_columns: Vec<(String, Ident)>,
@@ -24,13 +28,21 @@ pub struct Columns {
     /// Order within a key, and the row's handle in claims, marks and deletes: an integer
     /// column with unique values. The id column unless mapped.
     pub order: Ident,
+    /// Ordering and partition key; NULL = unordered.
     pub key: Ident,
+    /// Message body.
     pub payload: Ident,
+    /// A JSON object of strings copied to message headers.
     pub headers: OptionalColumn,
+    /// Lag is measured from here.
     pub created_at: OptionalColumn,
+    /// Set in mark mode.
     pub published_at: Ident,
+    /// Failed publish attempts.
     pub attempts: Ident,
+    /// The last publish error.
     pub last_error: Ident,
+    /// Set when the row is dead-lettered.
     pub dead_at: Ident,
     /// After a failure: the row is not claimed before this time (NULL = due).
     pub next_attempt_at: Ident,

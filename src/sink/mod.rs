@@ -9,11 +9,18 @@
 //! [`stdout`] (JSON lines, debugging) and [`memory`] (tests).
 //!
 //! Only rows whose message got `Ok` are ever marked or deleted.
+//!
+//! Adding a sink: a folder `sink/<name>/` implementing [`SinkService`], its config in
+//! `config/<name>.rs`, a variant in [`SinkTarget`], and a variant here in [`Sink`] (with
+//! its line in [`Sink::connect`] and in `dispatch!`).
 
 pub mod kafka;
 pub mod memory;
 pub mod nats;
 pub mod stdout;
+
+use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 
@@ -27,7 +34,9 @@ pub struct Message {
     pub id: String,
     /// Kafka topic or NATS subject.
     pub topic: String,
+    /// Ordering and partition key; `None`: no order promise.
     pub key: Option<String>,
+    /// The body, sent as bytes.
     pub payload: Bytes,
     /// From the row's `headers` column, in the column's order.
     pub headers: Vec<(String, String)>,
@@ -37,23 +46,28 @@ pub struct Message {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct SinkError {
+    /// Retry later, this row is bad, or stop the process.
     pub class: ErrorClass,
+    /// What happened; never holds a secret.
     pub message: String,
 }
 
 impl SinkError {
+    /// The broker's fault: retried.
     pub fn transient(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::Transient,
             message: message.into(),
         }
     }
+    /// The row's fault: retried on its schedule, then dead-lettered.
     pub fn bad_row(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::BadRow,
             message: message.into(),
         }
     }
+    /// Stops the process: the operator must fix something.
     pub fn fatal(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::Fatal,
@@ -62,107 +76,126 @@ impl SinkError {
     }
 }
 
-/// Every sink the relay can publish to.
+/// What every sink does. Each sink implements it in its own folder; [`Sink`] dispatches
+/// to the one configured, in one place (the `dispatch!` macro).
+pub trait SinkService {
+    /// The name used in logs and metrics labels.
+    const NAME: &'static str;
+
+    /// [`SinkService::NAME`], from a value.
+    fn name(&self) -> &'static str {
+        Self::NAME
+    }
+
+    /// Whether messages of one key stay in order when a whole batch is in flight at once,
+    /// even if one of them fails.
+    fn keeps_order_in_flight(&self) -> bool;
+
+    /// Rejects a message the broker would refuse for itself (size, subject), before any
+    /// message of its batch is sent. Default: every message is fine.
+    fn check(&self, _message: &Message) -> Result<(), SinkError> {
+        Ok(())
+    }
+
+    /// Publishes `messages` and waits for every acknowledgement; the result at index i
+    /// belongs to message i, `Ok` only for a positive acknowledgement.
+    fn publish_batch(
+        &self,
+        messages: &[&Message],
+    ) -> impl Future<Output = Vec<Result<(), SinkError>>> + Send;
+
+    /// Follows the broker connection, where the client knows it: `false` from the moment
+    /// it is lost until it is back. Default `None`: the client reconnects on its own and
+    /// says nothing, or there is no connection.
+    fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        None
+    }
+
+    /// Whether the broker is reachable now. Default: always.
+    fn healthcheck(&self) -> impl Future<Output = Result<(), SinkError>> + Send {
+        std::future::ready(Ok(()))
+    }
+
+    /// Flushes what is buffered, within `timeout`.
+    fn close(&self, timeout: Duration) -> impl Future<Output = Result<(), SinkError>> + Send;
+}
+
+/// Every sink the relay can publish to: a closed set.
 pub enum Sink {
+    /// [`kafka`].
     Kafka(kafka::KafkaSink),
+    /// [`nats`].
     Nats(Box<nats::NatsSink>),
+    /// [`stdout`].
     Stdout(stdout::StdoutSink),
+    /// [`memory`], for tests.
     Memory(memory::MemorySink),
+}
+
+/// Runs `$call` on the sink inside `$sink`, whichever it is: the one place that lists the
+/// variants for the [`SinkService`] methods.
+macro_rules! dispatch {
+    ($sink:expr, $s:ident => $call:expr) => {
+        match $sink {
+            Sink::Kafka($s) => $call,
+            Sink::Nats($s) => $call,
+            Sink::Stdout($s) => $call,
+            Sink::Memory($s) => $call,
+        }
+    };
 }
 
 impl Sink {
     /// Connects the sink named by the configuration.
     pub async fn connect(config: &SinkConfig) -> Result<Sink, SinkError> {
-        match &config.target {
-            SinkTarget::Nats(nats) => Ok(Sink::Nats(Box::new(
-                nats::NatsSink::connect(nats, config.publish_timeout).await?,
-            ))),
-            SinkTarget::Stdout => Ok(Sink::Stdout(stdout::StdoutSink::new())),
-            SinkTarget::Kafka(kafka) => Ok(Sink::Kafka(kafka::KafkaSink::connect(
-                kafka,
-                config.publish_timeout,
-            )?)),
-        }
+        let timeout = config.publish_timeout;
+        Ok(match &config.target {
+            SinkTarget::Kafka(c) => Sink::Kafka(kafka::KafkaSink::connect(c, timeout)?),
+            SinkTarget::Nats(c) => Sink::Nats(Box::new(nats::NatsSink::connect(c, timeout).await?)),
+            SinkTarget::Stdout => Sink::Stdout(stdout::StdoutSink::new()),
+        })
     }
 
     /// The name used in logs and metrics labels.
     pub fn name(&self) -> &'static str {
-        match self {
-            Sink::Kafka(_) => "kafka",
-            Sink::Nats(_) => "nats",
-            Sink::Stdout(_) => "stdout",
-            Sink::Memory(_) => "memory",
-        }
+        dispatch!(self, s => s.name())
     }
 
-    /// Whether messages of one key stay in order when a whole batch is in flight at once,
-    /// even if one of them fails. The idempotent Kafka producer keeps a partition's records
-    /// in order through its retries. JetStream gives no such promise across a reconnect, so
-    /// for NATS the relay sends a key's next message only after the previous one's ack.
+    /// See [`SinkService::keeps_order_in_flight`].
     pub fn keeps_order_in_flight(&self) -> bool {
-        match self {
-            Sink::Kafka(_) => true,
-            Sink::Nats(_) => false,
-            Sink::Stdout(_) => true,
-            Sink::Memory(m) => m.keeps_order_in_flight(),
-        }
+        dispatch!(self, s => s.keeps_order_in_flight())
     }
 
-    /// Rejects a message the broker would refuse for itself (size, subject), before any
-    /// message of its batch is sent.
+    /// See [`SinkService::check`].
     pub fn check(&self, message: &Message) -> Result<(), SinkError> {
-        match self {
-            Sink::Kafka(s) => s.check(message),
-            Sink::Nats(s) => s.check(message),
-            Sink::Stdout(_) => Ok(()),
-            Sink::Memory(m) => m.check(message),
-        }
+        dispatch!(self, s => s.check(message))
     }
 
-    /// Publishes `messages` and waits for every acknowledgement; the result at index i
-    /// belongs to message i.
+    /// See [`SinkService::publish_batch`].
     pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
-        match self {
-            Sink::Kafka(s) => s.publish_batch(messages).await,
-            Sink::Nats(s) => s.publish_batch(messages).await,
-            Sink::Stdout(s) => s.publish_batch(messages).await,
-            Sink::Memory(m) => m.publish_batch(messages).await,
-        }
+        dispatch!(self, s => s.publish_batch(messages).await)
     }
 
-    /// Follows the broker connection, where the client knows it (NATS): `false` from the
-    /// moment it is lost until it is back. `None`: the client reconnects on its own and
-    /// says nothing (Kafka), or there is no connection.
+    /// See [`SinkService::connection`].
     pub fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
-        match self {
-            Sink::Nats(s) => Some(s.connection()),
-            Sink::Kafka(_) | Sink::Stdout(_) | Sink::Memory(_) => None,
-        }
+        dispatch!(self, s => s.connection())
     }
 
-    /// Whether the broker is reachable now.
+    /// See [`SinkService::healthcheck`].
     pub async fn healthcheck(&self) -> Result<(), SinkError> {
-        match self {
-            Sink::Kafka(s) => s.healthcheck().await,
-            Sink::Nats(s) => s.healthcheck().await,
-            Sink::Stdout(_) | Sink::Memory(_) => Ok(()),
-        }
+        dispatch!(self, s => s.healthcheck().await)
     }
 
-    /// Flushes what is buffered, within `timeout`.
-    pub async fn close(&self, timeout: std::time::Duration) -> Result<(), SinkError> {
-        match self {
-            Sink::Kafka(s) => s.close(timeout).await,
-            Sink::Nats(s) => within(timeout, s.close()).await,
-            Sink::Stdout(s) => within(timeout, s.close()).await,
-            Sink::Memory(_) => Ok(()),
-        }
+    /// See [`SinkService::close`].
+    pub async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+        dispatch!(self, s => s.close(timeout).await)
     }
 }
 
+/// `fut`, or a transient error if it does not finish within `timeout`.
 async fn within(
-    timeout: std::time::Duration,
-    fut: impl std::future::Future<Output = Result<(), SinkError>>,
+    timeout: Duration,
+    fut: impl Future<Output = Result<(), SinkError>>,
 ) -> Result<(), SinkError> {
     tokio::time::timeout(timeout, fut)
         .await

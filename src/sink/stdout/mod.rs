@@ -1,11 +1,14 @@
 //! `stdout`: one JSON line per message, for local debugging. A message counts as published
 //! once its line was written and flushed.
 
+use std::time::Duration;
+
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Mutex;
 
-use super::{Message, SinkError};
+use super::{within, Message, SinkError, SinkService};
 
+/// JSON lines on standard output.
 pub struct StdoutSink {
     out: Mutex<tokio::io::Stdout>,
 }
@@ -17,13 +20,33 @@ impl Default for StdoutSink {
 }
 
 impl StdoutSink {
+    /// A sink writing to the process's standard output.
     pub fn new() -> StdoutSink {
         StdoutSink {
             out: Mutex::new(tokio::io::stdout()),
         }
     }
 
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+    /// Flushes standard output.
+    async fn flush(&self) -> Result<(), SinkError> {
+        self.out
+            .lock()
+            .await
+            .flush()
+            .await
+            .map_err(|e| SinkError::transient(format!("stdout: {e}")))
+    }
+}
+
+impl SinkService for StdoutSink {
+    const NAME: &'static str = "stdout";
+
+    /// Lines are written in order.
+    fn keeps_order_in_flight(&self) -> bool {
+        true
+    }
+
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut buf = Vec::new();
         for m in messages {
             serde_json::to_writer(&mut buf, &line(m)).expect("JSON values always serialize");
@@ -39,13 +62,8 @@ impl StdoutSink {
         messages.iter().map(|_| result.clone()).collect()
     }
 
-    pub async fn close(&self) -> Result<(), SinkError> {
-        self.out
-            .lock()
-            .await
-            .flush()
-            .await
-            .map_err(|e| SinkError::transient(format!("stdout: {e}")))
+    async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+        within(timeout, self.flush()).await
     }
 }
 

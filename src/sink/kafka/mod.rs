@@ -16,13 +16,19 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{scrub, Message, SinkError};
-use crate::config::kafka::{is_secret, refused_properties, PRODUCER_DEFAULTS};
+use super::{scrub, Message, SinkError, SinkService};
+
+mod errors;
+
+use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
+pub use errors::check_topic;
+use errors::{classify_code, missing_topic, Class};
 
 /// The header that carries the message id.
 pub use crate::config::headers::ID_HEADER;
 
+/// An idempotent Kafka producer and what the brokers said about topics.
 pub struct KafkaSink {
     producer: FutureProducer,
     secrets: Vec<String>,
@@ -58,8 +64,6 @@ impl TopicSeen {
     }
 }
 
-/// librdkafka's default `message.max.bytes`.
-const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 /// Room for a record's framing (offsets, timestamps, varints) next to key, value, headers.
 const RECORD_OVERHEAD: usize = 64;
 
@@ -81,48 +85,16 @@ impl KafkaSink {
                 problems.join("; ")
             )));
         }
-        let secrets: Vec<String> = config
-            .properties
-            .iter()
-            .filter(|(k, _)| is_secret(k))
-            .map(|(_, v)| v.clone())
-            .chain(
-                config
-                    .secret_properties
-                    .values()
-                    .map(|s| s.expose().to_owned()),
-            )
-            .collect();
-        let mut client = ClientConfig::new();
-        client.set("bootstrap.servers", &config.brokers);
-        // librdkafka gives up on a record when the relay stops waiting for it.
-        client.set(
-            "message.timeout.ms",
-            publish_timeout.as_millis().to_string(),
-        );
-        for (name, value) in PRODUCER_DEFAULTS {
-            client.set(*name, *value);
-        }
-        for (name, value) in &config.properties {
-            client.set(name, value);
-        }
-        for (name, value) in &config.secret_properties {
-            client.set(name, value.expose());
-        }
+        let secrets = secret_values(config);
+        let client = client_config(config, publish_timeout);
         let producer: FutureProducer = client.create().map_err(|e| {
             SinkError::fatal(format!(
                 "cannot create the Kafka producer: {}",
                 scrub(&e.to_string(), &secrets)
             ))
         })?;
-        let max_message_bytes = match config.properties.get("message.max.bytes") {
-            Some(v) => v.parse().map_err(|_| {
-                SinkError::fatal(format!(
-                    "sink.kafka.properties: message.max.bytes = {v:?} is not a number"
-                ))
-            })?,
-            None => DEFAULT_MAX_MESSAGE_BYTES,
-        };
+        let max_message_bytes =
+            max_message_bytes(&config.properties).map_err(|e| SinkError::fatal(e.to_string()))?;
         Ok(KafkaSink {
             producer,
             secrets,
@@ -196,77 +168,6 @@ impl KafkaSink {
         seen.verdict()
     }
 
-    /// Rejects records Kafka would refuse for themselves, before anything of the batch is
-    /// queued: an invalid topic name, a record larger than `message.max.bytes`.
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
-        check_topic(&message.topic).map_err(SinkError::bad_row)?;
-        let size = RECORD_OVERHEAD
-            + message.key.as_ref().map_or(0, String::len)
-            + message.payload.len()
-            + message.id.len()
-            + ID_HEADER.len()
-            + message
-                .headers
-                .iter()
-                .map(|(k, v)| k.len() + v.len() + 8)
-                .sum::<usize>();
-        if size > self.max_message_bytes {
-            return Err(SinkError::bad_row(format!(
-                "record is about {size} bytes, too large for the producer's message.max.bytes \
-                 ({}); the broker's own limit may be lower",
-                self.max_message_bytes
-            )));
-        }
-        Ok(())
-    }
-
-    /// Queues the whole batch, then awaits every delivery report. Once a record cannot
-    /// be queued, the later records of its key are not queued either. A record to a topic
-    /// the brokers say does not exist is not queued: it is the row's fault.
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
-        let mut missing: HashMap<&str, bool> = HashMap::new();
-        for message in messages {
-            if !missing.contains_key(message.topic.as_str()) {
-                let exists = self.topic_exists(&message.topic).await;
-                missing.insert(&message.topic, exists == Some(false));
-            }
-        }
-        let mut pending = Vec::with_capacity(messages.len());
-        let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
-        for message in messages {
-            let key = message.key.as_deref();
-            if key.is_some_and(|k| stopped.contains(k)) {
-                pending.push(Err(SinkError::transient(
-                    "not sent: an earlier record of its key failed",
-                )));
-                continue;
-            }
-            let enqueued = if missing[message.topic.as_str()] {
-                Err(missing_topic(&message.topic))
-            } else {
-                self.enqueue(message).await
-            };
-            if let (Err(_), Some(k)) = (&enqueued, key) {
-                stopped.insert(k);
-            }
-            pending.push(enqueued);
-        }
-        let mut results = Vec::with_capacity(messages.len());
-        for (enqueued, message) in pending.into_iter().zip(messages) {
-            results.push(match enqueued {
-                Err(e) => Err(e),
-                Ok(delivery) => match delivery.await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
-                    Err(_) => Err(SinkError::transient(
-                        "the producer dropped a delivery report",
-                    )),
-                },
-            });
-        }
-        results
-    }
-
     /// Puts one record on the producer queue; a full queue is backpressure, not an error.
     async fn enqueue(
         &self,
@@ -319,11 +220,6 @@ impl KafkaSink {
         }
     }
 
-    /// Whether a broker answers a metadata request within 5s.
-    pub async fn healthcheck(&self) -> Result<(), SinkError> {
-        self.metadata(None).await.map(|_| ())
-    }
-
     /// Topic name -> partition count, from the brokers (all topics, or just `topic`).
     pub async fn metadata(
         &self,
@@ -352,9 +248,94 @@ impl KafkaSink {
         .await
         .map_err(|e| SinkError::transient(format!("metadata task failed: {e}")))?
     }
+}
+
+impl SinkService for KafkaSink {
+    const NAME: &'static str = "kafka";
+
+    /// The idempotent producer keeps a partition's records in order through its retries.
+    fn keeps_order_in_flight(&self) -> bool {
+        true
+    }
+
+    /// Rejects records Kafka would refuse for themselves, before anything of the batch is
+    /// queued: an invalid topic name, a record larger than `message.max.bytes`.
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_topic(&message.topic).map_err(SinkError::bad_row)?;
+        let size = RECORD_OVERHEAD
+            + message.key.as_ref().map_or(0, String::len)
+            + message.payload.len()
+            + message.id.len()
+            + ID_HEADER.len()
+            + message
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>();
+        if size > self.max_message_bytes {
+            return Err(SinkError::bad_row(format!(
+                "record is about {size} bytes, too large for the producer's message.max.bytes \
+                 ({}); the broker's own limit may be lower",
+                self.max_message_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queues the whole batch, then awaits every delivery report. Once a record cannot
+    /// be queued, the later records of its key are not queued either. A record to a topic
+    /// the brokers say does not exist is not queued: it is the row's fault.
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut missing: HashMap<&str, bool> = HashMap::new();
+        for message in messages {
+            if !missing.contains_key(message.topic.as_str()) {
+                let exists = self.topic_exists(&message.topic).await;
+                missing.insert(&message.topic, exists == Some(false));
+            }
+        }
+        let mut pending = Vec::with_capacity(messages.len());
+        let mut stopped: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        for message in messages {
+            let key = message.key.as_deref();
+            if key.is_some_and(|k| stopped.contains(k)) {
+                pending.push(Err(SinkError::transient(
+                    "not sent: an earlier record of its key failed",
+                )));
+                continue;
+            }
+            let enqueued = if missing[message.topic.as_str()] {
+                Err(missing_topic(&message.topic))
+            } else {
+                self.enqueue(message).await
+            };
+            if let (Err(_), Some(k)) = (&enqueued, key) {
+                stopped.insert(k);
+            }
+            pending.push(enqueued);
+        }
+        let mut results = Vec::with_capacity(messages.len());
+        for (enqueued, message) in pending.into_iter().zip(messages) {
+            results.push(match enqueued {
+                Err(e) => Err(e),
+                Ok(delivery) => match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
+                    Err(_) => Err(SinkError::transient(
+                        "the producer dropped a delivery report",
+                    )),
+                },
+            });
+        }
+        results
+    }
+
+    /// Whether a broker answers a metadata request within 5s.
+    async fn healthcheck(&self) -> Result<(), SinkError> {
+        self.metadata(None).await.map(|_| ())
+    }
 
     /// Flushes queued records, off the async runtime (librdkafka's flush blocks).
-    pub async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+    async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
         let producer = self.producer.clone();
         tokio::task::spawn_blocking(move || producer.flush(timeout))
             .await
@@ -363,109 +344,45 @@ impl KafkaSink {
     }
 }
 
+/// The values of every secret property, to scrub from the client's errors.
+fn secret_values(config: &KafkaConfig) -> Vec<String> {
+    config
+        .properties
+        .iter()
+        .filter(|(k, _)| is_secret(k))
+        .map(|(_, v)| v.clone())
+        .chain(
+            config
+                .secret_properties
+                .values()
+                .map(|s| s.expose().to_owned()),
+        )
+        .collect()
+}
+
+/// The producer's configuration: the brokers, the record timeout, the relay's defaults,
+/// then the operator's properties.
+fn client_config(config: &KafkaConfig, publish_timeout: Duration) -> ClientConfig {
+    let mut client = ClientConfig::new();
+    client.set("bootstrap.servers", &config.brokers);
+    // librdkafka gives up on a record when the relay stops waiting for it.
+    client.set(
+        "message.timeout.ms",
+        publish_timeout.as_millis().to_string(),
+    );
+    for (name, value) in PRODUCER_DEFAULTS {
+        client.set(*name, *value);
+    }
+    for (name, value) in &config.properties {
+        client.set(name, value);
+    }
+    for (name, value) in &config.secret_properties {
+        client.set(name, value.expose());
+    }
+    client
+}
+
 /// How long a topic's existence, read from metadata, is trusted.
 const TOPIC_TTL: Duration = Duration::from_secs(5);
 /// A topic is missing only when answers this far apart both said so.
 const MISSING_CONFIRMED_AFTER: Duration = Duration::from_secs(2);
-
-/// The error of a row whose topic the brokers do not know.
-fn missing_topic(topic: &str) -> SinkError {
-    SinkError::bad_row(format!(
-        "topic {topic:?} does not exist on the brokers: create it, or fix the table's topic \
-         template (`outbox-relay check` lists what is missing)"
-    ))
-}
-
-enum Class {
-    Transient,
-    BadRow,
-    Fatal,
-    MissingTopic,
-}
-
-/// What a librdkafka error code means for the row: retry later, this record is bad, or
-/// stop the process. Unlisted codes are transient: timeouts, transport failures, leader
-/// changes and the like resolve themselves.
-fn classify_code(code: RDKafkaErrorCode) -> Class {
-    use RDKafkaErrorCode as C;
-    match code {
-        C::MessageSizeTooLarge
-        | C::InvalidMessageSize
-        | C::InvalidMessage
-        | C::InvalidRecord
-        | C::InvalidTopic
-        | C::MessageBatchTooLarge => Class::BadRow,
-        C::TopicAuthorizationFailed
-        | C::ClusterAuthorizationFailed
-        | C::TransactionalIdAuthorizationFailed
-        | C::SaslAuthenticationFailed
-        | C::Authentication
-        | C::Fatal
-        | C::UnsupportedSASLMechanism
-        | C::IllegalSASLState => Class::Fatal,
-        C::UnknownTopicOrPartition | C::UnknownTopic => Class::MissingTopic,
-        _ => Class::Transient,
-    }
-}
-
-/// A topic name Kafka accepts: 1 to 249 characters of `[a-zA-Z0-9._-]`, not `.` or `..`.
-pub fn check_topic(topic: &str) -> Result<(), String> {
-    if topic.is_empty() || topic.len() > 249 {
-        return Err(format!("topic {topic:?} must be 1 to 249 characters"));
-    }
-    if topic == "." || topic == ".." {
-        return Err(format!("topic {topic:?} is not allowed"));
-    }
-    if let Some(c) = topic
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
-    {
-        return Err(format!(
-            "topic {topic:?} contains {c:?}; Kafka topics use letters, digits, '.', '_' and '-'"
-        ));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn delivery_errors_are_classified() {
-        use RDKafkaErrorCode as C;
-        assert!(matches!(
-            classify_code(C::MessageSizeTooLarge),
-            Class::BadRow
-        ));
-        assert!(matches!(classify_code(C::InvalidTopic), Class::BadRow));
-        assert!(matches!(
-            classify_code(C::TopicAuthorizationFailed),
-            Class::Fatal
-        ));
-        assert!(matches!(
-            classify_code(C::MessageTimedOut),
-            Class::Transient
-        ));
-        assert!(matches!(
-            classify_code(C::NotLeaderForPartition),
-            Class::Transient
-        ));
-        assert!(matches!(
-            classify_code(C::BrokerTransportFailure),
-            Class::Transient
-        ));
-        assert!(matches!(
-            classify_code(C::UnknownTopicOrPartition),
-            Class::MissingTopic
-        ));
-    }
-
-    #[test]
-    fn topic_names_are_checked_before_sending() {
-        assert!(check_topic("orders.created-v1_x").is_ok());
-        for bad in ["", ".", "..", "a b", "a/b", "ä", &"x".repeat(250)] {
-            assert!(check_topic(bad).is_err(), "{bad:?} accepted");
-        }
-    }
-}

@@ -3,9 +3,11 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use super::{Message, SinkError};
+use super::{Message, SinkError, SinkService};
 
+/// Records what it acknowledged; fails or rejects the messages it is told to.
 #[derive(Default)]
 pub struct MemorySink {
     published: Mutex<Vec<Message>>,
@@ -57,19 +59,23 @@ impl MemorySink {
     pub fn published(&self) -> Vec<Message> {
         self.published.lock().unwrap().clone()
     }
+}
 
-    pub fn keeps_order_in_flight(&self) -> bool {
+impl SinkService for MemorySink {
+    const NAME: &'static str = "memory";
+
+    fn keeps_order_in_flight(&self) -> bool {
         self.keeps_order
     }
 
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
         match self.rejections.lock().unwrap().get(&message.id) {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
     }
 
-    pub async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         if self.discard {
             return messages.iter().map(|_| Ok(())).collect();
         }
@@ -85,5 +91,10 @@ impl MemorySink {
                 }
             })
             .collect()
+    }
+
+    /// Nothing is buffered.
+    async fn close(&self, _timeout: Duration) -> Result<(), SinkError> {
+        Ok(())
     }
 }

@@ -1,0 +1,413 @@
+//! NATS JetStream: every message carries `Nats-Msg-Id: <table>:<id>` (JetStream drops a
+//! re-send inside the stream's duplicate window) and counts only once its PubAck arrived.
+//!
+//! # Whose fault is a failed publish?
+//!
+//! A row-level refusal must count against the row (retry schedule, then dead-letter) and
+//! never look like a broker outage, or one bad row stalls every key. Two refusals are the
+//! row's:
+//! - *No stream captures the subject.* A JetStream publish nobody answers comes back as
+//!   "no responders", which a stream leader election also produces, for every subject. So
+//!   the relay asks the server which stream captures the subject (`$JS.API.STREAM.NAMES`
+//!   with a subject filter, answers cached for [`CAPTURE_TTL`]): only a positive "none" makes
+//!   the row bad; a stream that exists, or no answer, keeps the failure transient.
+//! - *Publish permission denied for the subject.* The server drops the message and reports
+//!   `Permissions Violation for Publish to "<subject>"` as an asynchronous error, so the
+//!   PubAck never comes. The relay records those subjects from the connection's events; a
+//!   timed-out publish to a recently denied subject is the row's fault, and the next
+//!   publishes to it fail at once for [`DENIED_TTL`], without waiting out a timeout.
+//!
+//! Authorization refused at connect is fatal. Everything else (timeouts, a lost
+//! connection, server errors) is the broker's: transient.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::{HeaderMap, ServerAddr};
+
+use super::{scrub, within, Message, SinkError, SinkService};
+
+mod errors;
+
+use crate::config::{headers, NatsAuth, NatsConfig};
+use crate::error::ErrorClass;
+pub use errors::{check_subject, classify_publish};
+use errors::{denied_error, denied_subject};
+
+/// The header JetStream de-duplicates on.
+pub use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
+
+/// How long the answer to "which stream captures this subject?" is trusted.
+pub const CAPTURE_TTL: Duration = Duration::from_secs(2);
+/// How long a subject the server refused to let us publish to fails without a try.
+pub const DENIED_TTL: Duration = Duration::from_secs(30);
+
+/// A NATS connection and its JetStream context.
+pub struct NatsSink {
+    client: async_nats::Client,
+    js: async_nats::jetstream::Context,
+    /// Strings that must never reach a log line: passwords and tokens from the URLs.
+    secrets: Vec<String>,
+    /// Subjects looked up after "no responders": whether some stream captures each.
+    captured: Mutex<HashMap<String, (Instant, bool)>>,
+    /// Subjects the server refused a publish to, and when (from the connection's events).
+    denied: Arc<Mutex<HashMap<String, Instant>>>,
+    /// False from the moment the connection is lost until it is back.
+    connected: tokio::sync::watch::Receiver<bool>,
+}
+
+impl NatsSink {
+    /// Connects to the servers; fails (transient) if none answers within `timeout`.
+    pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
+        let (addrs, mut secrets) = parse_servers(config)?;
+        let options = connect_options(config, &addrs, &mut secrets).await?;
+        let denied: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+        let (connected_tx, connected) = tokio::sync::watch::channel(true);
+        let client = options
+            .name("outbox-relay")
+            .connection_timeout(timeout)
+            .max_reconnects(None)
+            .event_callback(on_event(denied.clone(), connected_tx))
+            .connect(addrs)
+            .await
+            .map_err(|e| connect_error(config, &e, &secrets))?;
+        let js = ContextBuilder::new().timeout(timeout).build(client.clone());
+        Ok(NatsSink {
+            client,
+            js,
+            secrets,
+            captured: Mutex::default(),
+            denied,
+            connected,
+        })
+    }
+
+    /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
+    fn recently_denied(&self, subject: &str) -> bool {
+        let mut denied = self.denied.lock().unwrap();
+        denied.retain(|_, at| at.elapsed() < DENIED_TTL);
+        denied.contains_key(subject)
+    }
+
+    /// Whether some stream captures `subject`: `Ok(false)` only when the server said so.
+    async fn stream_captures(&self, subject: &str) -> Result<bool, String> {
+        if let Some((at, captured)) = self.captured.lock().unwrap().get(subject) {
+            if at.elapsed() < CAPTURE_TTL {
+                return Ok(*captured);
+            }
+        }
+        use async_nats::jetstream::context::GetStreamByNameErrorKind as Kind;
+        let lookup = self.js.stream_by_subject(subject);
+        let captured = match tokio::time::timeout(Duration::from_secs(2), lookup).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) if e.kind() == Kind::NotFound => false,
+            Ok(Err(e)) => return Err(scrub(&e.to_string(), &self.secrets)),
+            Err(_) => return Err("no answer within 2s".to_owned()),
+        };
+        self.captured
+            .lock()
+            .unwrap()
+            .insert(subject.to_owned(), (Instant::now(), captured));
+        Ok(captured)
+    }
+
+    /// What the server said about itself when we connected.
+    pub fn server_info(&self) -> async_nats::ServerInfo {
+        self.client.server_info()
+    }
+
+    /// Flushes what the client still buffers.
+    async fn flush(&self) -> Result<(), SinkError> {
+        match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::transient(format!(
+                "NATS flush failed: {}",
+                scrub(&e.to_string(), &self.secrets)
+            ))),
+            Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
+        }
+    }
+
+    /// The JetStream context, for `check`.
+    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
+        &self.js
+    }
+
+    async fn classify(
+        &self,
+        subject: &str,
+        e: &async_nats::jetstream::context::PublishError,
+    ) -> SinkError {
+        let text = scrub(&e.to_string(), &self.secrets);
+        let code = std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+            .map(|js| js.error_code().0);
+        match classify_publish(e.kind(), code) {
+            ErrorClass::BadRow => SinkError::bad_row(text),
+            ErrorClass::Fatal => SinkError::fatal(text),
+            ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
+                // "No responders": no stream, or a stream between leaders. Ask which.
+                match self.stream_captures(subject).await {
+                    Ok(false) => SinkError::bad_row(format!(
+                        "no JetStream stream captures subject {subject:?}: add the subject to \
+                         a stream, or fix the table's topic template \
+                         (`outbox-relay check` lists what is missing)"
+                    )),
+                    Ok(true) => SinkError::transient(format!(
+                        "the stream capturing {subject:?} did not answer (no responders: a \
+                         leader election?)"
+                    )),
+                    Err(lookup) => SinkError::transient(format!(
+                        "no responders for {subject:?}, and JetStream could not say which \
+                         stream captures it: {lookup}"
+                    )),
+                }
+            }
+            ErrorClass::Transient
+                if e.kind() == PublishErrorKind::TimedOut && self.recently_denied(subject) =>
+            {
+                denied_error(subject)
+            }
+            ErrorClass::Transient => SinkError::transient(text),
+        }
+    }
+}
+
+impl SinkService for NatsSink {
+    const NAME: &'static str = "nats";
+
+    /// JetStream gives no order promise across a reconnect, so the relay sends a key's
+    /// next message only after the previous one's ack.
+    fn keeps_order_in_flight(&self) -> bool {
+        false
+    }
+
+    fn check(&self, message: &Message) -> Result<(), SinkError> {
+        check_subject(&message.topic).map_err(SinkError::bad_row)?;
+        let mut header_bytes = "NATS/1.0\r\n\r\n".len();
+        for (name, value) in message
+            .headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain([(MSG_ID_HEADER, message.id.as_str())])
+        {
+            if !headers::is_valid_name(name) {
+                return Err(SinkError::bad_row(format!(
+                    "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
+                )));
+            }
+            if value.contains(['\r', '\n']) {
+                return Err(SinkError::bad_row(format!(
+                    "value of header {name:?} contains a line break"
+                )));
+            }
+            header_bytes += name.len() + value.len() + 4;
+        }
+        let max = self.client.max_payload();
+        let size = header_bytes + message.payload.len();
+        if max > 0 && size > max {
+            return Err(SinkError::bad_row(format!(
+                "message is {size} bytes with headers; the NATS server accepts at most {max} \
+                 (max_payload)"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
+        let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
+        let mut acks = Vec::with_capacity(messages.len());
+        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
+        for message in messages {
+            if self.recently_denied(&message.topic) {
+                acks.push(None);
+                results.push(Err(denied_error(&message.topic)));
+                continue;
+            }
+            let mut headers = HeaderMap::new();
+            for (name, value) in &message.headers {
+                headers.insert(name.as_str(), value.as_str());
+            }
+            headers.insert(MSG_ID_HEADER, message.id.as_str());
+            let publish = PublishMessage::build()
+                .payload(message.payload.clone())
+                .headers(headers);
+            match self.js.send_publish(message.topic.clone(), publish).await {
+                Ok(ack) => acks.push(Some(ack)),
+                Err(e) => {
+                    acks.push(None);
+                    results.push(Err(self.classify(&message.topic, &e).await));
+                    continue;
+                }
+            }
+            results.push(Ok(()));
+        }
+        for (i, ack) in acks.into_iter().enumerate() {
+            if let Some(ack) = ack {
+                if let Err(e) = ack.await {
+                    results[i] = Err(self.classify(&messages[i].topic, &e).await);
+                }
+            }
+        }
+        results
+    }
+
+    /// Connected, and JetStream answers a request (`$JS.API.INFO`): a full round trip
+    /// through the server, not just a socket write. The reply is not parsed: any answer
+    /// means JetStream is serving (no responders, or none in time, means it is not).
+    async fn healthcheck(&self) -> Result<(), SinkError> {
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            return Err(SinkError::transient("not connected to NATS"));
+        }
+        let request = self.client.request("$JS.API.INFO", bytes::Bytes::new());
+        match tokio::time::timeout(Duration::from_secs(2), request).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(SinkError::transient(format!(
+                "JetStream did not answer: {}",
+                scrub(&e.to_string(), &self.secrets)
+            ))),
+            Err(_) => Err(SinkError::transient("JetStream did not answer within 2s")),
+        }
+    }
+
+    /// Follows the connection: `false` from the moment it is lost until it is back.
+    fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        Some(self.connected.clone())
+    }
+
+    async fn close(&self, timeout: Duration) -> Result<(), SinkError> {
+        within(timeout, self.flush()).await
+    }
+}
+
+/// The client's options for `config`: credentials from the URLs, the nkey or `.creds`
+/// file, TLS. Secrets met on the way are added to `secrets`.
+async fn connect_options(
+    config: &NatsConfig,
+    addrs: &[ServerAddr],
+    secrets: &mut Vec<String>,
+) -> Result<async_nats::ConnectOptions, SinkError> {
+    let mut options = async_nats::ConnectOptions::new();
+    // async-nats ignores credentials in a server URL: pass them on ourselves.
+    // `nats://user:password@host` is a user, `nats://TOKEN@host` a token.
+    if let Some(addr) = addrs.iter().find(|a| a.has_user_pass()) {
+        match (addr.username(), addr.password()) {
+            (Some(user), Some(password)) => {
+                options = options.user_and_password(user.to_owned(), password.to_owned());
+            }
+            (Some(token), None) => options = options.token(token.to_owned()),
+            _ => {}
+        }
+    }
+    match &config.auth {
+        NatsAuth::None => {}
+        NatsAuth::CredentialsFile(path) => {
+            options = options.credentials_file(path).await.map_err(|e| {
+                SinkError::fatal(format!(
+                    "sink.nats.credentials_file: {} is not a usable .creds file: {e}",
+                    path.display()
+                ))
+            })?;
+        }
+        NatsAuth::NKey(seed) => {
+            secrets.push(seed.expose().to_owned());
+            options = options.nkey(seed.expose().to_owned());
+        }
+    }
+    if let Some(ca) = &config.tls_ca {
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    if let Some((cert, key)) = &config.tls_client {
+        options = options.add_client_certificate(cert.clone(), key.clone());
+    }
+    if config.urls.iter().any(|u| u.starts_with("tls://")) {
+        options = options.require_tls(true);
+    }
+    Ok(options)
+}
+
+/// Follows the connection's events: up or down into `connected`, subjects the server
+/// refused a publish to into `denied`.
+fn on_event(
+    denied: Arc<Mutex<HashMap<String, Instant>>>,
+    connected: tokio::sync::watch::Sender<bool>,
+) -> impl Fn(async_nats::Event) -> std::future::Ready<()> {
+    move |event: async_nats::Event| {
+        match &event {
+            async_nats::Event::Connected => {
+                connected.send_replace(true);
+            }
+            async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                connected.send_replace(false);
+            }
+            async_nats::Event::ServerError(async_nats::ServerError::Other(text)) => {
+                if let Some(subject) = denied_subject(text) {
+                    denied.lock().unwrap().insert(subject, Instant::now());
+                }
+            }
+            _ => {}
+        }
+        tracing::debug!(%event, "NATS connection event");
+        std::future::ready(())
+    }
+}
+
+/// A failed connect: refused credentials are fatal, anything else transient.
+fn connect_error(
+    config: &NatsConfig,
+    e: &async_nats::ConnectError,
+    secrets: &[String],
+) -> SinkError {
+    let message = format!(
+        "cannot connect to NATS at {}: {}",
+        config.redacted(),
+        scrub(&e.to_string(), secrets)
+    );
+    match e.kind() {
+        async_nats::ConnectErrorKind::AuthorizationViolation
+        | async_nats::ConnectErrorKind::Authentication => SinkError::fatal(format!(
+            "{message}: the server refused these credentials; fix the user, password, token, \
+             nkey or .creds in [sink.nats]"
+        )),
+        _ => SinkError::transient(message),
+    }
+}
+
+/// Parses the configured URLs, collecting any passwords or tokens they carry.
+fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), SinkError> {
+    let mut addrs = Vec::new();
+    let mut secrets = Vec::new();
+    for url in &config.urls {
+        let addr: ServerAddr = url.parse().map_err(|_| {
+            SinkError::fatal(format!(
+                "sink.nats.url: {} is not a NATS URL (write nats://host:4222)",
+                crate::config::redact_userinfo(url)
+            ))
+        })?;
+        if let Some(password) = addr.password() {
+            secrets.push(password.to_owned());
+        }
+        if let Some(user) = addr.username() {
+            // A bare token is written as the user part: nats://TOKEN@host.
+            secrets.push(user.to_owned());
+        }
+        addrs.push(addr);
+    }
+    Ok((addrs, secrets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_scrubbed() {
+        assert_eq!(
+            scrub("auth failed for s3cret", &["s3cret".to_owned()]),
+            "auth failed for <redacted>"
+        );
+    }
+}
