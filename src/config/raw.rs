@@ -462,6 +462,15 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// `"2min"` or `"3days"`). White space around the text is ignored; a bare number is not a
 /// duration.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    // humantime reads a bare `M` as months: "5M" meant as five minutes would wait five
+    // months. Ask for the unambiguous spelling instead.
+    let units = text.split(|c: char| !c.is_ascii_alphabetic());
+    if units.into_iter().any(|unit| unit == "M") {
+        return Err(format!(
+            "invalid duration {text:?}: \"M\" is ambiguous: write \"m\" for minutes or \
+             \"months\" for months"
+        ));
+    }
     humantime::parse_duration(text.trim()).map_err(|why| {
         format!(
             "invalid duration {text:?} ({why}): write a number followed by ms, s, m, h or d, \
@@ -563,5 +572,18 @@ mod tests {
             let err = parse_duration(bad).unwrap_err();
             assert!(err.contains("e.g. \"250ms\""), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_capital_m_is_refused_rather_than_read_as_months() {
+        for text in ["5M", "1h 5M"] {
+            let err = parse_duration(text).unwrap_err();
+            assert!(err.contains("\"m\" for minutes"), "{text}: {err}");
+        }
+        // humantime's month is 30.44 days.
+        assert_eq!(
+            parse_duration("2months"),
+            Ok(Duration::from_secs(5_260_032))
+        );
     }
 }
