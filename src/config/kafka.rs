@@ -19,13 +19,29 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use super::raw::RawKafka;
+use serde::Deserialize;
+
+use super::raw::PropertyValue;
 use super::{ConfigError, Secret};
 
 mod check;
 
 use check::check;
 pub use check::{max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES};
+
+/// `[sink.kafka]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKafka {
+    /// `bootstrap.servers`. Required when `sink.kind = "kafka"`.
+    pub brokers: String,
+    /// Passed through to librdkafka.
+    #[serde(default)]
+    pub properties: BTreeMap<String, PropertyValue>,
+    /// librdkafka properties whose values are read from files (e.g. `sasl.password`).
+    #[serde(default)]
+    pub property_files: BTreeMap<String, std::path::PathBuf>,
+}
 
 /// `[sink.kafka]`, checked.
 #[derive(Clone)]

@@ -5,8 +5,50 @@
 
 use std::path::PathBuf;
 
-use super::raw::RawNats;
+use serde::Deserialize;
+
 use super::{pem, redact_userinfo, secret, ConfigError, Secret};
+
+/// `[sink.nats]` as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNats {
+    /// Server URL(s), comma separated. Default `nats://127.0.0.1:4222`.
+    #[serde(default = "default_url")]
+    pub url: String,
+    /// A `.creds` file (user JWT and nkey seed).
+    #[serde(default)]
+    pub credentials_file: Option<std::path::PathBuf>,
+    /// A file holding a user nkey seed (`SU...`).
+    #[serde(default)]
+    pub nkey_file: Option<std::path::PathBuf>,
+    /// CA certificates (PEM) to verify the server with; implies TLS.
+    #[serde(default)]
+    pub tls_ca_file: Option<std::path::PathBuf>,
+    /// Client certificate and key (PEM) for servers that verify clients.
+    #[serde(default)]
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    #[serde(default)]
+    pub tls_key_file: Option<std::path::PathBuf>,
+}
+
+impl Default for RawNats {
+    fn default() -> Self {
+        RawNats {
+            url: default_url(),
+            credentials_file: None,
+            nkey_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
+    }
+}
+
+/// `sink.nats.url`'s default.
+fn default_url() -> String {
+    "nats://127.0.0.1:4222".to_owned()
+}
 
 /// `[sink.nats]`, checked.
 #[derive(Clone)]

@@ -8,6 +8,9 @@ use std::time::Duration;
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
 
+pub use super::kafka::RawKafka;
+pub use super::nats::RawNats;
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
@@ -221,54 +224,6 @@ pub struct RawSink {
     pub publish_timeout: DurationValue,
     pub kafka: Option<RawKafka>,
     pub nats: Option<RawNats>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawKafka {
-    /// `bootstrap.servers`. Required when `sink.kind = "kafka"`.
-    pub brokers: String,
-    /// Passed through to librdkafka.
-    #[serde(default)]
-    pub properties: BTreeMap<String, PropertyValue>,
-    /// librdkafka properties whose values are read from files (e.g. `sasl.password`).
-    #[serde(default)]
-    pub property_files: BTreeMap<String, std::path::PathBuf>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RawNats {
-    /// Server URL(s), comma separated. Default `nats://127.0.0.1:4222`.
-    #[serde(default = "defaults::nats_url")]
-    pub url: String,
-    /// A `.creds` file (user JWT and nkey seed).
-    #[serde(default)]
-    pub credentials_file: Option<std::path::PathBuf>,
-    /// A file holding a user nkey seed (`SU...`).
-    #[serde(default)]
-    pub nkey_file: Option<std::path::PathBuf>,
-    /// CA certificates (PEM) to verify the server with; implies TLS.
-    #[serde(default)]
-    pub tls_ca_file: Option<std::path::PathBuf>,
-    /// Client certificate and key (PEM) for servers that verify clients.
-    #[serde(default)]
-    pub tls_cert_file: Option<std::path::PathBuf>,
-    #[serde(default)]
-    pub tls_key_file: Option<std::path::PathBuf>,
-}
-
-impl Default for RawNats {
-    fn default() -> Self {
-        RawNats {
-            url: defaults::nats_url(),
-            credentials_file: None,
-            nkey_file: None,
-            tls_ca_file: None,
-            tls_cert_file: None,
-            tls_key_file: None,
-        }
-    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -519,9 +474,6 @@ mod defaults {
     }
     pub fn publish_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(10))
-    }
-    pub fn nats_url() -> String {
-        "nats://127.0.0.1:4222".to_owned()
     }
     pub fn topic() -> String {
         "{topic}".to_owned()
