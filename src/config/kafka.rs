@@ -365,7 +365,8 @@ pub(super) fn join_dotted_names(root: &mut toml::Table) -> Result<(), ConfigErro
 mod tests {
     use super::*;
 
-    fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    /// A property map from pairs (shared with `check`'s tests).
+    pub(super) fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -186,14 +186,8 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::props;
     use super::*;
-
-    fn props(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    }
 
     fn check_props(pairs: &[(&str, &str)]) -> Result<(), String> {
         check(
