@@ -117,7 +117,7 @@ pub enum AdminError {
 }
 
 async fn connect(config: &Config) -> Result<(Source, Vec<TablePlan>), AdminError> {
-    let source = Source::new(&config.postgres, SessionLimits::one_shot(&config.postgres))?;
+    let source = Source::open(&config.postgres, SessionLimits::one_shot(&config.postgres)).await?;
     let tables = table::prepare(&source, config).await?;
     Ok((source, tables))
 }
@@ -125,15 +125,12 @@ async fn connect(config: &Config) -> Result<(Source, Vec<TablePlan>), AdminError
 /// Every configured table's state.
 pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
     let (source, tables) = connect(config).await?;
-    let session = source.bounded(source.session()).await?;
     let mut out = Vec::new();
     for table in &tables {
         let (counts, held) = source
-            .bounded(async {
-                let counts = session.query_one(&table.sql.status, &[]).await?;
-                let held = session
-                    .query(&table.sql.held_rows, &[&HELD_ROWS_SHOWN])
-                    .await?;
+            .in_transaction(async |tx| {
+                let counts = tx.query_one(&table.sql.status, &[]).await?;
+                let held = tx.query(&table.sql.held_rows, &[&HELD_ROWS_SHOWN]).await?;
                 Ok((counts, held))
             })
             .await?;
@@ -220,10 +217,8 @@ pub async fn requeue(
     };
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
-    let mut session = source.bounded(source.session()).await?;
     let requeued: Vec<i64> = source
-        .bounded(async {
-            let tx = session.transaction().await?;
+        .in_transaction(async |tx| {
             let rows = match &which {
                 Requeue::Ids(ids) => tx.query(&table.sql.requeue_ids, &[ids]).await?,
                 Requeue::All => tx.query(&table.sql.requeue_all, &[]).await?,
@@ -234,7 +229,6 @@ pub async fn requeue(
                 &[&table.config.name.to_string()],
             )
             .await?;
-            tx.commit().await?;
             Ok(rows.iter().map(|r| r.get(0)).collect())
         })
         .await?;

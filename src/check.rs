@@ -8,7 +8,8 @@ use crate::config::kafka::refused_properties;
 use crate::config::{Config, KafkaConfig, SinkTarget, TableConfig};
 use crate::sink::kafka::{check_topic, KafkaSink};
 use crate::sink::nats::{check_subject, NatsSink};
-use crate::source::{describe, schema, session_config, SessionLimits};
+use crate::source::{describe, schema, session, SessionLimits, SessionMode, SourceError};
+use tokio_postgres::GenericClient;
 
 /// JetStream de-duplicates re-sent messages only inside this window; shorter windows let
 /// duplicates through after a crash between publish and commit.
@@ -88,16 +89,15 @@ pub async fn check(config: &Config) -> Vec<Finding> {
 async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTreeSet<String>)> {
     let target = format!("postgres {}", config.postgres.redacted());
     let limits = SessionLimits::one_shot(&config.postgres);
-    let pg = session_config(&config.postgres, limits);
     let connected = tokio::time::timeout(
         crate::source::connect_timeout(&config.postgres),
-        crate::source::connect(&config.postgres, &pg),
+        session::open(&config.postgres, limits),
     )
     .await;
-    let client = match connected {
-        Ok(Ok((client, connection))) => {
+    let (mut client, mode) = match connected {
+        Ok(Ok((client, connection, mode))) => {
             tokio::spawn(connection);
-            client
+            (client, mode)
         }
         Ok(Err(e)) => {
             out.push(Level::Fail, target, format!("cannot connect: {e}"));
@@ -108,21 +108,45 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
             return Vec::new();
         }
     };
-    match client.query_one("SHOW server_version", &[]).await {
-        Ok(row) => out.push(
-            Level::Ok,
-            target,
-            format!("reachable (PostgreSQL {})", row.get::<_, String>(0)),
-        ),
-        Err(e) => out.push(Level::Fail, target, describe(&e)),
+    match client.simple_query("SHOW server_version").await {
+        Ok(messages) => {
+            let version = messages.iter().find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                _ => None,
+            });
+            out.push(
+                Level::Ok,
+                target.clone(),
+                format!("reachable (PostgreSQL {})", version.unwrap_or_default()),
+            )
+        }
+        Err(e) => out.push(Level::Fail, target.clone(), describe(&e)),
+    }
+    if mode == SessionMode::Pooled {
+        pooler_findings(config, &target, out);
     }
     let mut subjects = Vec::new();
     for table in &config.tables {
         let subject = format!("table {}", table.name);
-        match schema::inspect(&client, table, &config.relay).await {
-            Ok(Ok(_)) => {
+        // Each table's reads in a transaction of their own: behind a pooler in transaction
+        // mode that is what keeps them on one server session, with the deadlines set there.
+        let inspected = async {
+            let tx = client.transaction().await?;
+            if mode == SessionMode::Pooled {
+                tx.batch_execute(&session::set_local(limits)).await?;
+            }
+            let shape = schema::inspect(&tx, table, &config.relay).await?;
+            let found = match shape {
+                Ok(_) => Ok(table_subjects(&tx, table).await),
+                Err(problems) => Err(problems),
+            };
+            tx.commit().await?;
+            Ok::<_, SourceError>(found)
+        };
+        match inspected.await {
+            Ok(Ok(found)) => {
                 out.push(Level::Ok, subject, "columns, types and privileges usable");
-                subjects.push((table.name.to_string(), table_subjects(&client, table).await));
+                subjects.push((table.name.to_string(), found));
             }
             Ok(Err(problems)) => {
                 for p in problems {
@@ -135,9 +159,40 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
     subjects
 }
 
+/// What the relay needs behind a pooler in transaction mode (PgBouncer), and whether the
+/// configuration gives it.
+fn pooler_findings(config: &Config, target: &str, out: &mut Findings) {
+    out.push(
+        Level::Warn,
+        target.to_owned(),
+        "reached through a pooler in transaction mode (start-up options refused, as \
+         PgBouncer does): session deadlines are set per transaction; `migrate` needs a \
+         direct connection",
+    );
+    if config.postgres.prepared_statements {
+        out.push(
+            Level::Fail,
+            target.to_owned(),
+            "postgres.prepared_statements is true: a pooler in transaction mode hands each \
+             transaction another server session, where a statement prepared earlier does not \
+             exist (PgBouncer before 1.21, or max_prepared_statements = 0): set \
+             postgres.prepared_statements = false",
+        );
+    }
+    if config.postgres.listen.is_none() {
+        out.push(
+            Level::Warn,
+            target.to_owned(),
+            "LISTEN cannot work through the pooler: idle workers poll every \
+             relay.poll_interval; set postgres.listen_url to a direct connection for NOTIFY \
+             wake-ups",
+        );
+    }
+}
+
 /// The subjects a table's rows go to: the template itself if it is literal, else the
 /// subjects of up to 100 distinct pending rows.
-async fn table_subjects(client: &tokio_postgres::Client, table: &TableConfig) -> BTreeSet<String> {
+async fn table_subjects(client: &impl GenericClient, table: &TableConfig) -> BTreeSet<String> {
     if let Some(literal) = table.topic.literal() {
         return BTreeSet::from([literal.to_owned()]);
     }

@@ -8,7 +8,7 @@ use outbox_relay::cli::{Cli, Command, LogFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
-use outbox_relay::source::{migrate, session_config, SessionLimits};
+use outbox_relay::source::{migrate, SessionLimits, SessionMode};
 use outbox_relay::{admin, check};
 
 /// Exit codes, fixed by the contract.
@@ -237,16 +237,25 @@ fn print_summary(config: &Config, report: &Report) {
 
 async fn run_migrate(config: &Config, notify: bool) -> u8 {
     let limits = SessionLimits::migrate(&config.postgres);
-    let pg = session_config(&config.postgres, limits);
     // The whole connect, TLS and start-up included: a server that accepts TCP and never
     // answers must not hang a deploy job.
     let connect_timeout = outbox_relay::source::connect_timeout(&config.postgres);
     let connect = tokio::time::timeout(
         connect_timeout,
-        outbox_relay::source::connect(&config.postgres, &pg),
+        outbox_relay::source::session::open(&config.postgres, limits),
     );
     let (mut client, connection) = match connect.await {
-        Ok(Ok(pair)) => pair,
+        Ok(Ok((client, connection, SessionMode::Direct))) => (client, connection),
+        Ok(Ok((_, _, SessionMode::Pooled))) => {
+            fail(&format!(
+                "{} is a pooler in transaction mode (it refused start-up options, as PgBouncer \
+                 does): migrate needs a session of its own (locks, CREATE INDEX \
+                 CONCURRENTLY): run it against the database directly, e.g. with \
+                 OUTBOX_RELAY__POSTGRES__URL set to postgres.listen_url",
+                config.postgres.redacted(),
+            ));
+            return EXIT_FAILURE;
+        }
         Ok(Err(e)) => {
             fail(&format!(
                 "cannot connect to {}: {e}",

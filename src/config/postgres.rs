@@ -30,6 +30,28 @@ pub struct PostgresConfig {
     pub prepared_statements: bool,
     /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
     pub tls: TlsSettings,
+    /// `listen_url`: where LISTEN connects instead of `url` (a pooler in transaction mode
+    /// cannot keep a LISTEN).
+    pub listen: Option<ListenTarget>,
+}
+
+/// A connection target for LISTEN (`postgres.listen_url`).
+#[derive(Clone)]
+pub struct ListenTarget {
+    pub connection: tokio_postgres::Config,
+    pub tls: TlsSettings,
+}
+
+impl PostgresConfig {
+    /// The settings LISTEN connects with: `listen_url`'s when given, else `url`'s.
+    pub fn for_listen(&self) -> PostgresConfig {
+        let mut pg = self.clone();
+        if let Some(listen) = &self.listen {
+            pg.connection = listen.connection.clone();
+            pg.tls = listen.tls.clone();
+        }
+        pg
+    }
 }
 
 impl PostgresConfig {
@@ -63,6 +85,7 @@ impl std::fmt::Debug for PostgresConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("prepared_statements", &self.prepared_statements)
             .field("tls", &self.tls)
+            .field("listen_url", &self.listen.is_some())
             .finish()
     }
 }
@@ -72,8 +95,20 @@ impl std::fmt::Debug for PostgresConfig {
 pub(super) fn connection(
     raw: &RawPostgres,
 ) -> Result<(tokio_postgres::Config, TlsSettings), ConfigError> {
-    let at_url = |e: String| ConfigError::new("postgres.url", e);
-    let (url, tls) = split_tls_params(&raw.url).map_err(at_url)?;
+    target("postgres.url", &raw.url, raw.password_file.as_deref(), true)
+}
+
+/// One connection target: `url` (under config key `key`) with its TLS parameters taken out
+/// and checked, and the password from `password_file` when given (`strict`: the URL must
+/// not hold one too; otherwise the URL's wins).
+fn target(
+    key: &str,
+    url: &str,
+    password_file: Option<&std::path::Path>,
+    strict: bool,
+) -> Result<(tokio_postgres::Config, TlsSettings), ConfigError> {
+    let at_url = |e: String| ConfigError::new(key, e);
+    let (url, tls) = split_tls_params(url).map_err(at_url)?;
     // Certificate files are read now: a missing one is a config error, not a runtime one.
     tls.check_files().map_err(at_url)?;
     let mut connection = tokio_postgres::Config::from_str(&url).map_err(|e| {
@@ -81,16 +116,18 @@ pub(super) fn connection(
         at_url(format!("not a valid PostgreSQL connection URL ({e})"))
     })?;
     connection.ssl_mode(tls.ssl_mode());
-    if let Some(path) = &raw.password_file {
-        let key = "postgres.password_file";
-        if connection.get_password().is_some() {
+    if let Some(path) = password_file {
+        let file_key = "postgres.password_file";
+        if connection.get_password().is_some() && strict {
             return Err(ConfigError::new(
-                key,
+                file_key,
                 "is set and postgres.url has a password too: keep one",
             ));
         }
-        let password = Secret::from_file(key, path)?;
-        connection.password(password.expose());
+        if connection.get_password().is_none() {
+            let password = Secret::from_file(file_key, path)?;
+            connection.password(password.expose());
+        }
     }
     if connection.get_hosts().is_empty() {
         return Err(at_url(
@@ -117,8 +154,21 @@ pub(super) fn validate(
             ),
         ));
     }
+    let listen = match &raw.listen_url {
+        None => None,
+        Some(url) => {
+            let (connection, tls) = target(
+                "postgres.listen_url",
+                url,
+                raw.password_file.as_deref(),
+                false,
+            )?;
+            Some(ListenTarget { connection, tls })
+        }
+    };
     Ok(PostgresConfig {
         connection,
+        listen,
         pool_size: raw.pool_size,
         statement_timeout: positive("postgres.statement_timeout", raw.statement_timeout)?,
         connect_timeout: positive("postgres.connect_timeout", raw.connect_timeout)?,

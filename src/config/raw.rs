@@ -53,6 +53,10 @@ pub struct RawPostgres {
     /// of the URL.
     #[serde(default)]
     pub password_file: Option<std::path::PathBuf>,
+    /// A direct connection (not through a pooler in transaction mode) for LISTEN, when
+    /// `url` goes through PgBouncer. Default: LISTEN on `url`.
+    #[serde(default)]
+    pub listen_url: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -85,11 +85,9 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
         };
         let view = table.floor.view();
         let stragglers: &[i64] = &view.stragglers;
-        let read = source.bounded(async {
-            let session = source.session().await?;
-            Ok(session
-                .query_one(&table.sql.backlog, &[&view.value, &stragglers])
-                .await?)
+        let read = source.in_transaction(async |tx| {
+            tx.query_one(&table.sql.backlog, &[&view.value, &stragglers])
+                .await
         });
         match read.await {
             Ok(row) => {
@@ -107,14 +105,13 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
 /// Dead tuples per table and the oldest snapshot holding back VACUUM.
 async fn refresh_vacuum(ops: &Ops, probed: &Probed<'_>, watch: &mut vacuum::Watch) {
     let source = probed.source;
-    let read = source.bounded(async {
-        let session = source.session().await?;
+    let read = source.in_transaction(async |tx| {
         let mut dead = Vec::new();
         for table in probed.tables {
             let quoted = table.config.name.quoted();
-            dead.push(vacuum::dead_tuples(&**session, &quoted).await?);
+            dead.push(vacuum::dead_tuples(tx.client(), &quoted).await?);
         }
-        Ok((dead, vacuum::horizon(&**session).await?))
+        Ok((dead, vacuum::horizon(tx.client()).await?))
     });
     match read.await {
         Ok((dead, horizon)) => {

@@ -2,7 +2,7 @@
 //! any relay could publish now; rows that wait for a retry are reported, not waited for.
 
 use super::Shared;
-use crate::source::{Source, SourceError};
+use crate::source::SourceError;
 
 impl Shared {
     /// True when no worker is inside a batch and no table has a row a relay could publish.
@@ -10,25 +10,15 @@ impl Shared {
         if !self.state.idle() {
             return false;
         }
-        let check = async {
-            let session = self.source.bounded(self.source.session()).await?;
-            let result = self
-                .source
-                .bounded(async {
-                    for table in &self.tables {
-                        let row = session
-                            .query_one(&table.sql.publishable_exists, &[])
-                            .await?;
-                        if row.get::<_, bool>(0) {
-                            return Ok(false);
-                        }
-                    }
-                    Ok(self.state.idle())
-                })
-                .await;
-            Source::release(session, result.as_ref().err());
-            result
-        };
+        let check = self.source.in_transaction(async |tx| {
+            for table in &self.tables {
+                let row = tx.query_one(&table.sql.publishable_exists, &[]).await?;
+                if row.get::<_, bool>(0) {
+                    return Ok(false);
+                }
+            }
+            Ok(self.state.idle())
+        });
         match check.await {
             Ok(done) => done,
             Err(e) => {
@@ -42,12 +32,11 @@ impl Shared {
     /// (as PostgreSQL prints an interval from now); `None` when there are none or the
     /// database does not answer.
     pub(super) async fn waiting(&self) -> Option<(i64, String)> {
-        let read = self.source.bounded(async {
-            let session = self.source.session().await?;
+        let read = self.source.in_transaction(async |tx| {
             let mut total = 0;
             let mut next: Option<(f64, String)> = None;
             for table in &self.tables {
-                let row = session.query_one(&table.sql.waiting, &[]).await?;
+                let row = tx.query_one(&table.sql.waiting, &[]).await?;
                 total += row.get::<_, i64>(0);
                 if let (Some(text), Some(secs)) = (
                     row.get::<_, Option<String>>(1),

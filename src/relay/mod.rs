@@ -27,7 +27,7 @@ use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
 use crate::source::table::TablePlan;
 use crate::source::{floor, retention};
-use crate::source::{session_config, SessionLimits, Source, SourceError};
+use crate::source::{SessionLimits, Source, SourceError};
 
 use start::Endpoints;
 use start::{connect_sink, prepare_tables};
@@ -125,8 +125,7 @@ async fn relay(
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let source = Source::new(&config.postgres, limits)?;
-    let tables = prepare_tables(&source, config, &shutdown, &endpoints.ops).await?;
+    let (source, tables) = prepare_tables(config, limits, &shutdown, &endpoints.ops).await?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
     let shared = Arc::new(Shared {
         source,
@@ -153,8 +152,8 @@ async fn relay(
 
     let tracker = TaskTracker::new();
     tracker.spawn(crate::source::listen::listen(
-        config.postgres.clone(),
-        session_config(&config.postgres, limits),
+        config.postgres.for_listen(),
+        limits,
         shared.wake.clone(),
         shutdown.stop_token().clone(),
     ));

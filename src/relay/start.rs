@@ -16,7 +16,7 @@ use crate::retry::Backoff;
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
 use crate::source::table::{self, TablePlan};
-use crate::source::{Source, SourceError};
+use crate::source::{SessionLimits, Source, SourceError};
 
 /// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait (during
 /// an attempt too); failures `class` calls transient are retried with backoff. `reached`
@@ -66,19 +66,24 @@ where
     }
 }
 
-/// Checks every table and returns its statements, waiting out transient failures.
+/// Opens the pool (learning how sessions get their settings) and checks every table,
+/// waiting out transient failures.
 pub async fn prepare_tables(
-    source: &Source,
     config: &Config,
+    limits: SessionLimits,
     shutdown: &Shutdown,
     ops: &Ops,
-) -> Result<Vec<TablePlan>, RelayError> {
+) -> Result<(Source, Vec<TablePlan>), RelayError> {
     retry_transient(
         "PostgreSQL",
         shutdown,
         SourceError::class,
         |up| ops.postgres_reachable(up),
-        || table::prepare(source, config),
+        || async {
+            let source = Source::open(&config.postgres, limits).await?;
+            let tables = table::prepare(&source, config).await?;
+            Ok::<_, SourceError>((source, tables))
+        },
     )
     .await
 }

@@ -13,6 +13,7 @@ const FATAL_SQLSTATES: &[&str] = &[
     "28000", // invalid_authorization_specification
     "28P01", // invalid_password
     "3D000", // invalid_catalog_name (database does not exist)
+    "26000", // invalid_sql_statement_name: a prepared statement a pooler lost (PgBouncer)
     "3F000", // invalid_schema_name
     "42501", // insufficient_privilege
     "42P01", // undefined_table

@@ -405,45 +405,43 @@ async fn tick(
     floor: &mut Floor,
     claimed_past: Option<i64>,
 ) -> Result<(), SourceError> {
-    let session = source.session().await?;
-    let result = async {
-        let stragglers = floor.stragglers().to_vec();
-        let row = session
-            .query_one(&sql.advance, &[&floor.value(), &(WALK as i64), &stragglers])
-            .await?;
-        let candidate: Option<i64> = row.get(3);
-        let held: Vec<i64> = row.get(4);
-        // Rows beyond a cut-short list of held rows were not seen: no candidate then.
-        let candidate = candidate.filter(|_| held.len() < WALK);
-        let walk = held
-            .into_iter()
-            .map(|id| (id, true))
-            .chain(candidate.map(|id| (id, false)))
-            .collect();
-        floor.observe(Observation {
-            xmin: row.get(0),
-            xmax: row.get(1),
-            retrying: row.get(2),
-            walk,
-            kept: row.get(5),
-            claimed_past,
-        });
-        if let Some((lo, hi)) = floor.sweep_due(Instant::now()) {
-            let started = Instant::now();
+    source
+        .in_transaction(async |tx| {
             let stragglers = floor.stragglers().to_vec();
-            let found: Vec<(i64, bool)> = session
-                .query(&sql.sweep, &[&lo, &hi, &stragglers, &(WALK as i64)])
-                .await?
-                .iter()
-                .map(|r| (r.get(0), r.get(1)))
+            let row = tx
+                .query_one(&sql.advance, &[&floor.value(), &(WALK as i64), &stragglers])
+                .await?;
+            let candidate: Option<i64> = row.get(3);
+            let held: Vec<i64> = row.get(4);
+            // Rows beyond a cut-short list of held rows were not seen: no candidate then.
+            let candidate = candidate.filter(|_| held.len() < WALK);
+            let walk = held
+                .into_iter()
+                .map(|id| (id, true))
+                .chain(candidate.map(|id| (id, false)))
                 .collect();
-            floor.swept(hi, &found, started.elapsed(), Instant::now());
-        }
-        Ok::<_, SourceError>(())
-    }
-    .await;
-    Source::release(session, result.as_ref().err());
-    result
+            floor.observe(Observation {
+                xmin: row.get(0),
+                xmax: row.get(1),
+                retrying: row.get(2),
+                walk,
+                kept: row.get(5),
+                claimed_past,
+            });
+            if let Some((lo, hi)) = floor.sweep_due(Instant::now()) {
+                let started = Instant::now();
+                let stragglers = floor.stragglers().to_vec();
+                let found: Vec<(i64, bool)> = tx
+                    .query(&sql.sweep, &[&lo, &hi, &stragglers, &(WALK as i64)])
+                    .await?
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1)))
+                    .collect();
+                floor.swept(hi, &found, started.elapsed(), Instant::now());
+            }
+            Ok(())
+        })
+        .await
 }
 
 #[cfg(test)]

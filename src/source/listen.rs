@@ -13,26 +13,37 @@ use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
 use super::describe;
+use super::session::{self, SessionLimits, SessionMode};
 use crate::config::PostgresConfig;
 use crate::retry::Backoff;
 
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
 
-/// Listens until `stop` is cancelled, reconnecting with a capped backoff; each burst of
-/// notifications calls `wake.notify_waiters()` once.
+/// Listens on `pg` (the relay's [`PostgresConfig::for_listen`]) until `stop` is
+/// cancelled, reconnecting with a capped backoff; each burst of notifications calls
+/// `wake.notify_waiters()` once. Gives up, saying so once, when `pg` turns out to be a
+/// pooler in transaction mode, which cannot keep a LISTEN: the workers poll.
 pub async fn listen(
     pg: PostgresConfig,
-    config: tokio_postgres::Config,
+    limits: SessionLimits,
     wake: Arc<Notify>,
     stop: CancellationToken,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     while !stop.is_cancelled() {
         let pause = backoff.next_pause();
-        match listen_once(&pg, &config, &wake, &stop).await {
+        match listen_once(&pg, limits, &wake, &stop).await {
             Ok(()) => return,
-            Err(e) => {
+            Err(Stop::Pooled) => {
+                tracing::warn!(
+                    "PostgreSQL is reached through a pooler in transaction mode, which cannot \
+                     keep a LISTEN: idle workers poll every relay.poll_interval; set \
+                     postgres.listen_url to a direct connection for NOTIFY wake-ups"
+                );
+                return;
+            }
+            Err(Stop::Failed(e)) => {
                 tracing::warn!(error = %e, retry_in = ?pause, "LISTEN connection lost; polling meanwhile");
             }
         }
@@ -43,14 +54,34 @@ pub async fn listen(
     }
 }
 
+/// Why a LISTEN connection ended.
+enum Stop {
+    /// The connection goes through a pooler in transaction mode: listening cannot work.
+    Pooled,
+    /// It failed; another may work.
+    Failed(String),
+}
+
+impl From<String> for Stop {
+    fn from(e: String) -> Self {
+        Stop::Failed(e)
+    }
+}
+
 /// One connection's life: returns `Ok` when stopped, `Err` when the connection failed.
 async fn listen_once(
     pg: &PostgresConfig,
-    config: &tokio_postgres::Config,
+    limits: SessionLimits,
     wake: &Notify,
     stop: &CancellationToken,
-) -> Result<(), String> {
-    let (client, mut connection) = super::connect(pg, config).await?;
+) -> Result<(), Stop> {
+    let open = tokio::time::timeout(super::connect_timeout(pg), session::open(pg, limits));
+    let (client, mut connection) = match open.await {
+        Ok(Ok((client, connection, SessionMode::Direct))) => (client, connection),
+        Ok(Ok((_, _, SessionMode::Pooled))) => return Err(Stop::Pooled),
+        Ok(Err(e)) => return Err(Stop::Failed(e.to_string())),
+        Err(_) => return Err(Stop::Failed("connection timed out".to_owned())),
+    };
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
     let statement = format!("LISTEN {CHANNEL}");
     let subscribe = client.batch_execute(&statement);
@@ -75,8 +106,8 @@ async fn listen_once(
                     match message {
                         Some(Ok(AsyncMessage::Notification(_))) => committed += 1,
                         Some(Ok(_)) => {}
-                        Some(Err(e)) => return Err(describe(&e)),
-                        None => return Err("connection closed".to_owned()),
+                        Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
+                        None => return Err(Stop::Failed("connection closed".to_owned())),
                     }
                     match messages.next().now_or_never() {
                         Some(next) => message = next,

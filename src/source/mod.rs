@@ -26,7 +26,9 @@ use crate::config::PostgresConfig;
 use crate::error::ErrorClass;
 use tls::Connector as _;
 
-pub use session::{connect, connect_timeout, session_config, Connection, SessionLimits};
+pub use session::{
+    connect, connect_timeout, session_config, Connection, SessionLimits, SessionMode,
+};
 
 /// A PostgreSQL failure, with the class that says what to do about it.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +42,9 @@ pub enum SourceError {
     /// The table is missing, lacks a column or has one of an unusable type.
     #[error("{0}")]
     Schema(String),
+    /// TLS could not be set up (a certificate or key file unreadable since start-up).
+    #[error("PostgreSQL TLS: {0}")]
+    Tls(String),
 }
 
 impl SourceError {
@@ -49,7 +54,7 @@ impl SourceError {
         match self {
             SourceError::Timeout(_) => true,
             SourceError::Db(e) => e.code().is_none(),
-            SourceError::Pool(_) | SourceError::Schema(_) => false,
+            SourceError::Pool(_) | SourceError::Schema(_) | SourceError::Tls(_) => false,
         }
     }
 
@@ -57,7 +62,7 @@ impl SourceError {
         match self {
             SourceError::Db(e) => class::classify(e),
             SourceError::Pool(_) | SourceError::Timeout(_) => ErrorClass::Transient,
-            SourceError::Schema(_) => ErrorClass::Fatal,
+            SourceError::Schema(_) | SourceError::Tls(_) => ErrorClass::Fatal,
         }
     }
 }
@@ -82,6 +87,12 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
         );
         if let Some(hint) = db.hint() {
             s.push_str(&format!("; hint: {hint}"));
+        }
+        if db.code() == &tokio_postgres::error::SqlState::INVALID_SQL_STATEMENT_NAME {
+            s.push_str(
+                "; behind a pooler in transaction mode (PgBouncer before 1.21) statements \
+                 cannot stay prepared: set postgres.prepared_statements = false",
+            );
         }
         return s;
     }
@@ -118,11 +129,18 @@ impl<'a> Tx<'a> {
     async fn begin(
         session: &'a mut deadpool_postgres::Object,
         cached: bool,
+        set_local: Option<&str>,
     ) -> Result<Tx<'a>, SourceError> {
-        Ok(Tx {
-            tx: session.transaction().await?,
-            cached,
-        })
+        let tx = session.transaction().await?;
+        if let Some(settings) = set_local {
+            tx.batch_execute(settings).await?;
+        }
+        Ok(Tx { tx, cached })
+    }
+
+    /// The transaction as a plain client, for code that takes any client (catalog reads).
+    pub fn client(&self) -> &tokio_postgres::Transaction<'a> {
+        &self.tx
     }
 
     async fn statement(&self, sql: &str) -> Result<tokio_postgres::Statement, SourceError> {
@@ -140,6 +158,15 @@ impl<'a> Tx<'a> {
     ) -> Result<Vec<tokio_postgres::Row>, SourceError> {
         let statement = self.statement(sql).await?;
         Ok(self.tx.query(&statement, params).await?)
+    }
+
+    pub async fn query_one(
+        &self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<tokio_postgres::Row, SourceError> {
+        let statement = self.statement(sql).await?;
+        Ok(self.tx.query_one(&statement, params).await?)
     }
 
     pub async fn execute(
@@ -166,14 +193,37 @@ pub struct Source {
     pool: Pool,
     statement_timeout: Duration,
     prepared_statements: bool,
+    mode: SessionMode,
+    /// What each transaction runs first in [`SessionMode::Pooled`].
+    set_local: Option<String>,
 }
 
 impl Source {
-    /// Builds the pool. Connections are opened lazily, on first use.
-    pub fn new(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
+    /// Opens one connection to learn the [`SessionMode`] (closed again), then builds the
+    /// pool; its connections are opened on first use.
+    pub async fn open(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
+        let connect = session::open(pg, limits);
+        let (_client, _connection, mode) = tokio::time::timeout(connect_timeout(pg), connect)
+            .await
+            .map_err(|_| SourceError::Timeout(connect_timeout(pg)))??;
+        if mode == SessionMode::Pooled {
+            tracing::info!(
+                "PostgreSQL is behind a pooler that refuses start-up options (PgBouncer in \
+                 transaction mode?): session settings are set per transaction"
+            );
+        }
+        Source::with_mode(pg, limits, mode)
+    }
+
+    /// Builds the pool for sessions in `mode`. Connections are opened lazily, on first use.
+    pub fn with_mode(
+        pg: &PostgresConfig,
+        limits: SessionLimits,
+        mode: SessionMode,
+    ) -> Result<Source, SourceError> {
         let manager = Manager::from_config(
-            session_config(pg, limits),
-            pg.tls.connector().map_err(SourceError::Pool)?,
+            session_config(pg, limits, mode),
+            pg.tls.connector().map_err(SourceError::Tls)?,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -190,7 +240,14 @@ impl Source {
             pool,
             statement_timeout: limits.statement_timeout,
             prepared_statements: pg.prepared_statements,
+            mode,
+            set_local: (mode == SessionMode::Pooled).then(|| session::set_local(limits)),
         })
+    }
+
+    /// How this pool's sessions get their settings.
+    pub fn mode(&self) -> SessionMode {
+        self.mode
     }
 
     /// A session from the pool.
@@ -203,7 +260,30 @@ impl Source {
         &self,
         session: &'a mut deadpool_postgres::Object,
     ) -> Result<Tx<'a>, SourceError> {
-        Tx::begin(session, self.prepared_statements).await
+        Tx::begin(session, self.prepared_statements, self.set_local.as_deref()).await
+    }
+
+    /// Runs `work` in a short transaction of its own on a pool session, under
+    /// [`Source::deadline`]; commits when it succeeds. Every statement outside a claim goes
+    /// through here, so it also works behind a pooler in transaction mode
+    /// ([`SessionMode::Pooled`]: each transaction may be a different server session).
+    pub async fn in_transaction<T>(
+        &self,
+        work: impl AsyncFnOnce(&Tx<'_>) -> Result<T, SourceError>,
+    ) -> Result<T, SourceError> {
+        self.bounded(async {
+            let mut session = self.session().await?;
+            let result = async {
+                let tx = self.begin(&mut session).await?;
+                let value = work(&tx).await?;
+                tx.commit().await?;
+                Ok(value)
+            }
+            .await;
+            Source::release(session, result.as_ref().err());
+            result
+        })
+        .await
     }
 
     /// Returns `session` to the pool, or discards it when `error` says the connection may

@@ -179,14 +179,8 @@ async fn retire_chunk(
     seconds: f64,
 ) -> Result<Chunk, SourceError> {
     source
-        .bounded(async {
-            let session = source.session().await?;
-            let result = session
-                .query_one(retire, &[&after, &CHUNK, &seconds])
-                .await
-                .map_err(SourceError::from);
-            Source::release(session, result.as_ref().err());
-            let row = result?;
+        .in_transaction(async |tx| {
+            let row = tx.query_one(retire, &[&after, &CHUNK, &seconds]).await?;
             Ok(Chunk {
                 last: row.get(0),
                 rows: row.get(1),

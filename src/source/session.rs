@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use super::describe;
 use super::tls::Connector as _;
+use super::{describe, SourceError};
 use crate::config::PostgresConfig;
 
 /// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.
@@ -14,14 +14,59 @@ pub type Connection = tokio_postgres::Connection<
     postgres_openssl::TlsStream<tokio_postgres::Socket>,
 >;
 
+/// How a session's settings (its deadlines and the rest of [`settings`]) reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionMode {
+    /// In the start-up packet (`options`): every statement of the session carries them.
+    Direct,
+    /// A connection pooler in transaction mode is in front (PgBouncer): it refuses
+    /// `options` in the start-up packet, and each transaction may run on another server
+    /// session, so a session-level `SET` would neither last nor stay ours. The settings
+    /// are set `LOCAL` at the start of every transaction, and every statement runs inside
+    /// an explicit transaction ([`super::Tx`]), never on its own.
+    Pooled,
+}
+
 /// Opens one connection with `config` and the TLS settings of `pg`; the error is a
 /// sentence for the operator.
 pub async fn connect(
     pg: &PostgresConfig,
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), String> {
-    let tls = pg.tls.connector()?;
-    config.connect(tls).await.map_err(|e| describe(&e))
+    match connect_raw(pg, config).await {
+        Ok(connected) => Ok(connected),
+        Err(SourceError::Db(e)) => Err(describe(&e)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+async fn connect_raw(
+    pg: &PostgresConfig,
+    config: &tokio_postgres::Config,
+) -> Result<(tokio_postgres::Client, Connection), SourceError> {
+    let tls = pg.tls.connector().map_err(SourceError::Tls)?;
+    Ok(config.connect(tls).await?)
+}
+
+/// Opens one connection with `limits`, finding out which [`SessionMode`] the server side
+/// needs: the settings go in the start-up packet, unless the server refuses the packet's
+/// `options` as a protocol violation (SQLSTATE 08P01: PgBouncer's "unsupported startup
+/// parameter"), in which case it connects again without them.
+pub async fn open(
+    pg: &PostgresConfig,
+    limits: SessionLimits,
+) -> Result<(tokio_postgres::Client, Connection, SessionMode), SourceError> {
+    match connect_raw(pg, &session_config(pg, limits, SessionMode::Direct)).await {
+        Ok((client, connection)) => Ok((client, connection, SessionMode::Direct)),
+        Err(SourceError::Db(e))
+            if e.code() == Some(&tokio_postgres::error::SqlState::PROTOCOL_VIOLATION) =>
+        {
+            let pooled = session_config(pg, limits, SessionMode::Pooled);
+            let (client, connection) = connect_raw(pg, &pooled).await?;
+            Ok((client, connection, SessionMode::Pooled))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Server-side deadlines for a session: every session the relay opens carries them, so no
@@ -78,29 +123,55 @@ impl SessionLimits {
     }
 }
 
-/// The connection settings the relay uses for every session: the operator's URL plus
-/// deadlines, keepalives and an application name.
-pub fn session_config(pg: &PostgresConfig, limits: SessionLimits) -> tokio_postgres::Config {
-    let mut cfg = pg.connection.clone();
-    let mut options = cfg.get_options().map(str::to_owned).unwrap_or_default();
-    for (name, value) in [
-        ("statement_timeout", limits.statement_timeout),
-        ("lock_timeout", limits.lock_timeout),
+/// The settings every relay session runs with, as `(name, value)`: the deadlines of
+/// `limits`, and two that suit the relay's statements.
+pub fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
+    let ms = |d: Duration| d.as_millis().to_string();
+    vec![
+        ("statement_timeout", ms(limits.statement_timeout)),
+        ("lock_timeout", ms(limits.lock_timeout)),
         (
             "idle_in_transaction_session_timeout",
-            limits.idle_in_transaction_timeout,
+            ms(limits.idle_in_transaction_timeout),
         ),
-    ] {
-        options.push_str(&format!(" -c {name}={}", value.as_millis()));
+        // NOTICEs (e.g. "trigger does not exist, skipping" from migrate) are not for
+        // operators.
+        ("client_min_messages", "warning".to_owned()),
+        // The relay's statements are short and run thousands of times a second. Their
+        // generic plans (prepared statements) cannot see `LIMIT $2`, estimate a tenth of
+        // the table and, on a large outbox, cross jit_above_cost: with a forced generic plan
+        // on 1M pending rows, psql showed 4.9 ms of JIT compilation for a 0.5 ms window
+        // scan, every call.
+        ("jit", "off".to_owned()),
+    ]
+}
+
+/// `SET LOCAL` for each of [`settings`], as one statement list: what a transaction runs
+/// first in [`SessionMode::Pooled`].
+pub fn set_local(limits: SessionLimits) -> String {
+    settings(limits)
+        .into_iter()
+        .map(|(name, value)| format!("SET LOCAL {name} = '{value}'"))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The connection settings for a session in `mode`: the operator's URL plus keepalives,
+/// an application name and, in [`SessionMode::Direct`], [`settings`] in the start-up
+/// packet.
+pub fn session_config(
+    pg: &PostgresConfig,
+    limits: SessionLimits,
+    mode: SessionMode,
+) -> tokio_postgres::Config {
+    let mut cfg = pg.connection.clone();
+    if mode == SessionMode::Direct {
+        let mut options = cfg.get_options().map(str::to_owned).unwrap_or_default();
+        for (name, value) in settings(limits) {
+            options.push_str(&format!(" -c {name}={value}"));
+        }
+        cfg.options(options.trim());
     }
-    // NOTICEs (e.g. "trigger does not exist, skipping" from migrate) are not for operators.
-    options.push_str(" -c client_min_messages=warning");
-    // The relay's statements are short and run thousands of times a second. Their generic
-    // plans (prepared statements) cannot see `LIMIT $2`, estimate a tenth of the table and,
-    // on a large outbox, cross jit_above_cost: with a forced generic plan on 1M pending
-    // rows, psql showed 4.9 ms of JIT compilation for a 0.5 ms window scan, every call.
-    options.push_str(" -c jit=off");
-    cfg.options(options.trim());
     if cfg.get_application_name().is_none() {
         cfg.application_name("outbox-relay");
     }

@@ -19,11 +19,10 @@ pub struct TablePlan {
 /// its statements; no retries. A table that cannot be relayed is a
 /// [`SourceError::Schema`] listing every problem found.
 pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
-    let session = source.bounded(source.session()).await?;
     let mut plans = Vec::new();
     for table in &config.tables {
         let shape = source
-            .bounded(async { schema::inspect(&**session, table, &config.relay).await })
+            .in_transaction(async |tx| schema::inspect(tx.client(), table, &config.relay).await)
             .await?
             .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
         plans.push(TablePlan {
