@@ -1,6 +1,6 @@
 //! Throwaway servers for tests, the demo and benchmarks: a PostgreSQL cluster made with
-//! `initdb`, a `nats-server -js` and a Kafka-protocol broker (tansu), each on a free
-//! 127.0.0.1 port in its own temp dir.
+//! `initdb`, a PgBouncer in front of it, a `nats-server -js` and a Kafka-protocol broker
+//! (tansu), each on a free 127.0.0.1 port in its own temp dir.
 //!
 //! Every server is a child process that dies with its owner: dropping the handle kills it
 //! and removes its directory, and `PR_SET_PDEATHSIG` kills it even if the owning thread
@@ -11,6 +11,8 @@
 //!
 //! - `postgres`: [`Postgres`] (`initdb` + `postgres`, optionally durable or with TLS) and
 //!   [`pg_bin`], where the server binaries are.
+//! - `pgbouncer`: [`PgBouncer`] (`pgbouncer` in transaction mode, defaults otherwise: no
+//!   `ignore_startup_parameters`) in front of a [`Postgres`], with [`PgBouncerOptions`].
 //! - `nats`: [`NatsServer`] (`nats-server -js`, open, with password users or TLS + nkey),
 //!   streams, and [`StoredMessage`] as JetStream stored it.
 //! - `kafka`: [`KafkaBroker`] (`tansu broker`, in memory), topics, and [`kafka_read_all`]
@@ -21,12 +23,14 @@
 
 mod kafka;
 mod nats;
+mod pgbouncer;
 mod postgres;
 mod process;
 mod tls;
 
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
 pub use nats::{NatsServer, StoredMessage};
+pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};
 pub use tls::TestCa;

@@ -40,8 +40,8 @@ pub fn pg_bin(name: &str) -> PathBuf {
 }
 
 /// The uid/gid to run PostgreSQL as: ourselves, or the `postgres` user when we are root
-/// (initdb and postgres refuse to run as root).
-fn pg_identity() -> Result<Option<(u32, u32)>> {
+/// (initdb and postgres refuse to run as root; so does pgbouncer).
+pub(crate) fn pg_identity() -> Result<Option<(u32, u32)>> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         return Ok(None);
