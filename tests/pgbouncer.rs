@@ -1,0 +1,228 @@
+//! Behind PgBouncer in transaction pooling, with PgBouncer's default settings (no
+//! `ignore_startup_parameters`; 1.18 keeps no prepared statement across transactions):
+//! the relay's session settings travel per transaction, and every promise still holds.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use testkit::PgBouncer;
+
+/// Points `cmd` at the bouncer, as the relay's role, with statements prepared afresh in
+/// each transaction (what PgBouncer before 1.21 needs).
+fn through(bouncer: &PgBouncer, mut cmd: Command) -> Command {
+    cmd.env(
+        "OUTBOX_RELAY__POSTGRES__URL",
+        bouncer.url("outbox_relay", "app"),
+    )
+    .env("OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS", "false");
+    cmd
+}
+
+async fn pending(client: &tokio_postgres::Client) -> i64 {
+    count(client, "SELECT count(*) FROM public.outbox").await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_leak() {
+    let env = Env::new("").await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let text = std::fs::read_to_string(&env.config).unwrap().replace(
+        &as_relay_role(&env.db_url),
+        &bouncer.url("outbox_relay", "app"),
+    );
+    let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
+    let limits =
+        outbox_relay::source::SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
+    let source = outbox_relay::source::Source::open(&config.postgres, limits)
+        .await
+        .unwrap();
+    assert_eq!(
+        source.mode(),
+        outbox_relay::source::SessionMode::Pooled,
+        "the refused start-up options were noticed"
+    );
+    let shown = source
+        .in_transaction(async |tx| {
+            let mut shown = Vec::new();
+            for name in [
+                "statement_timeout",
+                "lock_timeout",
+                "idle_in_transaction_session_timeout",
+                "jit",
+            ] {
+                let row = tx.query_one(&format!("SHOW {name}"), &[]).await?;
+                shown.push(row.get::<_, String>(0));
+            }
+            Ok(shown)
+        })
+        .await
+        .unwrap();
+    assert_eq!(shown, ["30s", "5s", "15s", "off"]);
+    // SET LOCAL ends with the transaction: the server session, which the pooler hands to
+    // other clients next, keeps its defaults.
+    let other = bouncer.connect("outbox_relay", "app").await.unwrap();
+    for _ in 0..5 {
+        let rows = other.simple_query("SHOW statement_timeout").await.unwrap();
+        let value = rows.iter().find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+            _ => None,
+        });
+        assert_eq!(value.as_deref(), Some("0"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_drains_through_pgbouncer_deliver_every_row_once_in_key_order() {
+    let env = Env::new("workers = 4\nbatch_size = 40").await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let client = env.client().await;
+    seed(&client, 6_000, 20, 11).await;
+    let inserted = ids(&client).await;
+
+    let children: Vec<Child> = (0..3)
+        .map(|_| {
+            through(&bouncer, env.command(&["drain", "--timeout", "120s"]))
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        let (code, _) = wait_exit(&mut child, Duration::from_secs(130));
+        assert_eq!(code, Some(0), "{}", bouncer.log());
+    }
+    let audit = audit(&inserted, &env.stored().await);
+    audit.assert_nothing_lost_in_order();
+    assert_eq!(pending(&client).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_through_pgbouncer_loses_nothing_and_keeps_key_order() {
+    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let client = env.client().await;
+    seed(&client, 20_000, 100, 20).await;
+    let inserted = ids(&client).await;
+
+    for _ in 0..3 {
+        let before = pending(&client).await;
+        let mut relay = through(&bouncer, env.command(&["run"]))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Killed once rows flow, however fast the relay is (no fixed sleep).
+        wait_until("rows to flow", Duration::from_secs(30), async || {
+            pending(&client).await < before
+        })
+        .await;
+        relay.kill().unwrap(); // SIGKILL: no drain, no rollback from the client side
+        relay.wait().unwrap();
+    }
+    assert!(pending(&client).await > 0, "the kills must come mid-stream");
+    let out = through(&bouncer, env.command(&["drain", "--timeout", "60s"]))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
+    assert_eq!(pending(&client).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_pgbouncer_listen_url_wakes_an_idle_relay_and_without_it_the_relay_polls() {
+    let env = Env::new("poll_interval = \"30s\"").await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let client = env.client().await;
+    let insert = async |n: i32| {
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.x', 'a', $1)",
+                &[&n.to_string().into_bytes()],
+            )
+            .await
+            .unwrap();
+    };
+
+    // With a direct connection for LISTEN, a commit wakes the idle relay at once, long
+    // before its 30 s poll.
+    let mut relay = through(&bouncer, env.command(&["run"]))
+        .env(
+            "OUTBOX_RELAY__POSTGRES__LISTEN_URL",
+            as_relay_role(&env.db_url),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Idle and listening: the first row goes out on start-up's own look.
+    insert(1).await;
+    wait_for_empty_outbox(&client, "the first row", 10).await;
+    insert(2).await;
+    let inserted = Instant::now();
+    wait_for_empty_outbox(&client, "a NOTIFY to wake the relay", 5).await;
+    assert!(inserted.elapsed() < Duration::from_secs(5));
+    terminate_cleanly(&mut relay);
+
+    // Without it the relay says, once, that it polls, and it does.
+    env.write_config("poll_interval = \"200ms\"", "");
+    let log = env.config.with_file_name("relay.stderr");
+    let mut relay = through(&bouncer, env.command(&["run"]))
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    insert(3).await;
+    wait_for_empty_outbox(&client, "the poll to find the row", 10).await;
+    terminate_cleanly(&mut relay);
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        log.matches("cannot keep a LISTEN").count(),
+        1,
+        "said once: {log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses_it() {
+    let env = Env::new("").await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+
+    let out = through(&bouncer, env.command(&["check"])).output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("pooler in transaction mode"),
+        "{}",
+        text(&out)
+    );
+    assert!(text(&out).contains("postgres.listen_url"), "{}", text(&out));
+
+    let out = through(&bouncer, env.command(&["check"]))
+        .env("OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS", "true")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("set postgres.prepared_statements = false"),
+        "{}",
+        text(&out)
+    );
+
+    let out = env
+        .command(&["migrate"])
+        .env(
+            "OUTBOX_RELAY__POSTGRES__URL",
+            bouncer.url("postgres", "app"),
+        )
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("migrate needs a session of its own"),
+        "{}",
+        text(&out)
+    );
+}
