@@ -126,7 +126,6 @@ pub(super) async fn relay_batch(
     table: &TablePlan,
 ) -> Result<Batch, BatchError> {
     let stop = shared.shutdown.stop_token();
-    let _active = shared.state.enter_batch();
     let mut session = tokio::select! {
         biased;
         _ = stop.cancelled() => return Ok(Batch::Stopped),
@@ -169,6 +168,10 @@ async fn run_phases(
         shared.source.bounded(tx.rollback()).await?;
         return Ok(Batch::Empty);
     }
+    // Rows in flight: a drain is not done until they are settled. (An empty claim does
+    // not count: on a slow link some worker is always inside one, and a drain that waited
+    // for all of them to be idle at once never ended.)
+    let _active = shared.state.enter_batch();
     table.floor.note_claimed(rows.iter().map(|r| r.id).max());
     let started = Instant::now();
     tracing::Span::current().record("rows", rows.len());

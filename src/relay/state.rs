@@ -7,7 +7,7 @@ use std::sync::Mutex;
 /// The run's flags and counters, shared by the workers and read for the report.
 #[derive(Default)]
 pub struct RunState {
-    /// Workers inside a batch (claim to commit).
+    /// Workers with claimed rows in flight (claim returned rows, to commit or rollback).
     active: AtomicUsize,
     /// `drain` found nothing publishable left.
     drained: AtomicBool,

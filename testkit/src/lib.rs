@@ -17,6 +17,7 @@
 //!   streams, and [`StoredMessage`] as JetStream stored it.
 //! - `kafka`: [`KafkaBroker`] (`tansu broker`, in memory), topics, and [`kafka_read_all`]
 //!   returning [`KafkaRecord`]s.
+//! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
 //!   waiting for a port, and [`wait_with_usage`] for timing a relay child (peak RSS, CPU).
@@ -26,6 +27,7 @@ mod nats;
 mod pgbouncer;
 mod postgres;
 mod process;
+mod proxy;
 mod tls;
 
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
@@ -33,4 +35,5 @@ pub use nats::{NatsServer, StoredMessage};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};
+pub use proxy::{Fault, Proxy};
 pub use tls::TestCa;

@@ -1,0 +1,193 @@
+//! A TCP proxy for network faults between the relay and a server: it forwards bytes both
+//! ways and, on request, freezes every connection (bytes stop, sockets stay open, as a
+//! stalled network or a silent firewall does), drops them all (both sockets closed), or
+//! delays every chunk by a fixed latency.
+//!
+//! It runs on a thread of its own with its own Tokio runtime, so it works the same under
+//! any test runtime; dropping the [`Proxy`] stops it and closes every connection.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// What the proxy does to the bytes it forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Forward at once.
+    None,
+    /// Hold every byte until the fault changes; sockets stay open.
+    Freeze,
+    /// Forward each chunk after this delay (each direction).
+    Latency(Duration),
+}
+
+/// A running proxy to one upstream address.
+pub struct Proxy {
+    addr: SocketAddr,
+    fault: watch::Sender<Fault>,
+    /// Bumped by [`Proxy::drop_connections`]: connections of an older generation close.
+    generation: watch::Sender<u64>,
+    accepted: Arc<Mutex<u64>>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Listens on a free 127.0.0.1 port and forwards each connection to `upstream`.
+    pub fn start(upstream: SocketAddr) -> Result<Proxy> {
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").context("bind proxy")?;
+        std_listener.set_nonblocking(true)?;
+        let addr = std_listener.local_addr()?;
+        let (fault, fault_rx) = watch::channel(Fault::None);
+        let (generation, generation_rx) = watch::channel(0u64);
+        let accepted = Arc::new(Mutex::new(0));
+        let (stop, stop_rx) = tokio::sync::oneshot::channel();
+        let counter = accepted.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("proxy-{}", addr.port()))
+            .spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("proxy runtime");
+                runtime.block_on(async move {
+                    let listener = TcpListener::from_std(std_listener).expect("proxy listener");
+                    let accept = accept_loop(listener, upstream, fault_rx, generation_rx, counter);
+                    tokio::select! {
+                        _ = accept => {}
+                        _ = stop_rx => {}
+                    }
+                });
+            })?;
+        Ok(Proxy {
+            addr,
+            fault,
+            generation,
+            accepted,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Where clients connect.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Sets the fault for every connection, present and future.
+    pub fn set(&self, fault: Fault) {
+        self.fault.send_replace(fault);
+    }
+
+    /// Closes every connection open now (new ones are accepted as before).
+    pub fn drop_connections(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// Connections accepted since start.
+    pub fn accepted(&self) -> u64 {
+        *self.accepted.lock().unwrap()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.set(Fault::None);
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    upstream: SocketAddr,
+    fault: watch::Receiver<Fault>,
+    generation: watch::Receiver<u64>,
+    accepted: Arc<Mutex<u64>>,
+) {
+    while let Ok((client, _)) = listener.accept().await {
+        *accepted.lock().unwrap() += 1;
+        let (fault, generation) = (fault.clone(), generation.clone());
+        tokio::spawn(async move {
+            let Ok(server) = TcpStream::connect(upstream).await else {
+                return; // the client sees its connection closed, as with a dead server
+            };
+            let _ = client.set_nodelay(true);
+            let _ = server.set_nodelay(true);
+            let born = *generation.borrow();
+            let (client_read, client_write) = client.into_split();
+            let (server_read, server_write) = server.into_split();
+            let up = pump(client_read, server_write, fault.clone());
+            let down = pump(server_read, client_write, fault);
+            let mut generation = generation;
+            // Either direction ending (EOF, error) or a newer generation closes both.
+            tokio::select! {
+                _ = up => {}
+                _ = down => {}
+                _ = generation.wait_for(|g| *g != born) => {}
+            }
+        });
+    }
+}
+
+/// Copies `from` to `to`, applying the fault: a chunk read at time t is written at
+/// t + latency (chunks keep their order and overlap their waits, as on a long link), and
+/// nothing is written while frozen.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut fault: watch::Receiver<Fault>,
+) {
+    // Bounded: a frozen or slow writer pushes back on the reader, as TCP would.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Vec<u8>)>(64);
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let chunk = (tokio::time::Instant::now(), buf[..n].to_vec());
+            if tx.send(chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((read_at, chunk)) = rx.recv().await {
+            loop {
+                let now = *fault.borrow_and_update();
+                match now {
+                    Fault::None => break,
+                    Fault::Latency(d) => {
+                        tokio::time::sleep_until(read_at + d).await;
+                        break;
+                    }
+                    Fault::Freeze => {
+                        if fault.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            if to.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    // Reading ended (EOF): what was read is still written, then the pump ends.
+    tokio::join!(read, write);
+}
