@@ -11,6 +11,9 @@
 //!
 //! - `postgres`: [`Postgres`] (`initdb` + `postgres`, optionally durable or with TLS) and
 //!   [`pg_bin`], where the server binaries are.
+//! - `standby`: [`Standby`], a synchronous streaming standby of a [`Postgres`] (taken
+//!   with `pg_basebackup -R`) that a test promotes, and [`failover_url`], one URL naming
+//!   both servers with `target_session_attrs=read-write`.
 //! - `pgbouncer`: [`PgBouncer`] (`pgbouncer` in transaction mode, defaults otherwise: no
 //!   `ignore_startup_parameters`) in front of a [`Postgres`], with [`PgBouncerOptions`].
 //! - `nats`: [`NatsServer`] (`nats-server -js`, open, with password users or TLS + nkey),
@@ -26,6 +29,7 @@ mod nats;
 mod pgbouncer;
 mod postgres;
 mod process;
+mod standby;
 mod tls;
 
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
@@ -33,4 +37,5 @@ pub use nats::{NatsServer, StoredMessage};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};
+pub use standby::{failover_url, Standby};
 pub use tls::TestCa;
