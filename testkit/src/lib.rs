@@ -11,6 +11,9 @@
 //!
 //! - `postgres`: [`Postgres`] (`initdb` + `postgres`, optionally durable or with TLS) and
 //!   [`pg_bin`], where the server binaries are.
+//! - `standby`: [`Standby`], a synchronous streaming standby of a [`Postgres`] (taken
+//!   with `pg_basebackup -R`) that a test promotes, and [`failover_url`], one URL naming
+//!   both servers with `target_session_attrs=read-write`.
 //! - `pgbouncer`: [`PgBouncer`] (`pgbouncer` in transaction mode, defaults otherwise: no
 //!   `ignore_startup_parameters`) in front of a [`Postgres`], with [`PgBouncerOptions`].
 //! - `nats`: [`NatsServer`] (`nats-server -js`, open, with password users or TLS + nkey),
@@ -28,6 +31,7 @@ mod pgbouncer;
 mod postgres;
 mod process;
 mod proxy;
+mod standby;
 mod tls;
 
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
@@ -36,4 +40,5 @@ pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};
 pub use proxy::{Fault, Proxy};
+pub use standby::{failover_url, Standby};
 pub use tls::TestCa;

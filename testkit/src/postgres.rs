@@ -156,6 +156,24 @@ impl Postgres {
         Ok(pg)
     }
 
+    /// A cluster on the data directory `dir/data` another harness made (a base backup),
+    /// owned by `identity`, started on a free port; removed with `dir` when dropped.
+    pub(crate) fn start_on(dir: PathBuf, identity: Option<(u32, u32)>) -> Result<Postgres> {
+        let mut pg = Postgres {
+            dir,
+            port: free_port(),
+            child: None,
+            identity,
+        };
+        pg.spawn()?;
+        Ok(pg)
+    }
+
+    /// The server log, for error messages.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("postgres.log")).unwrap_or_default()
+    }
+
     fn spawn(&mut self) -> Result<()> {
         let log = self.dir.join("postgres.log");
         let log_file = std::fs::File::create(&log)?;
