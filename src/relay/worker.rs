@@ -60,7 +60,7 @@ impl Worker {
                         continue; // the breaker's prober decides when to try again
                     }
                     let pause = backoff.next_pause();
-                    tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Publishing failed; backing off");
+                    tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Batch failed; backing off");
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = tokio::time::sleep(pause) => {}
