@@ -1,0 +1,377 @@
+//! Kafka leader changes (issue 16, topology 4) on librdkafka's mock cluster: three
+//! brokers, every partition replicated three times, partition leaders moved and a broker
+//! taken down while the relay drains tens of thousands of rows. The idempotent producer
+//! keeps each partition in order through the retries, no row is lost, and the relay
+//! deletes a row only once its delivery report is in.
+//!
+//! The relay runs in-process (the mock cluster lives in this process) against a real
+//! throwaway PostgreSQL. Kept apart from `kafka_mock.rs` so these long streams do not
+//! share two cores with that file's tests.
+
+mod common;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_relay::config;
+use outbox_relay::relay::{self, Mode, Report};
+use outbox_relay::shutdown::Shutdown;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+use testkit::{KafkaRecord, Postgres};
+
+const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
+const PARTITIONS: i32 = 4;
+const BROKERS: i32 = 3;
+/// Each test's whole stream, seeded to drained, ends within this.
+const LIMIT: Duration = Duration::from_secs(60);
+
+type Mock = MockCluster<'static, DefaultProducerContext>;
+
+struct Mocked {
+    _pg: Postgres,
+    client: tokio_postgres::Client,
+    config: config::Config,
+}
+
+/// Three brokers; partition `p` of every topic led by broker `p % 3 + 1`.
+fn cluster() -> Mock {
+    let mock = MockCluster::new(BROKERS).unwrap();
+    for topic in TOPICS {
+        mock.create_topic(topic, PARTITIONS, BROKERS).unwrap();
+        for p in 0..PARTITIONS {
+            mock.partition_leader(topic, p, Some(leader(p, 0))).unwrap();
+        }
+    }
+    mock
+}
+
+/// The broker that leads partition `p` in round `round` of the moves: a different one
+/// each round.
+fn leader(p: i32, round: i32) -> i32 {
+    (p + round) % BROKERS + 1
+}
+
+/// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`.
+async fn setup(brokers: &str) -> Mocked {
+    let pg = Postgres::start().unwrap();
+    let url = pg.create_database("app").await.unwrap();
+    let text = format!(
+        r#"
+[postgres]
+url = "{url}"
+[relay]
+poll_interval = "50ms"
+workers = 4
+batch_size = 100
+[sink]
+kind = "kafka"
+publish_timeout = "3s"
+[sink.kafka]
+brokers = "{brokers}"
+[sink.kafka.properties]
+"linger.ms" = 5
+[[tables]]
+name = "public.outbox"
+[shutdown]
+drain_timeout = "10s"
+"#
+    );
+    let config = config::from_str(&text, |_| None, Vec::new()).unwrap();
+    let mut client = pg.connect("app").await.unwrap();
+    outbox_relay::source::migrate::migrate_table(
+        &mut client,
+        &config.tables[0],
+        true,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    Mocked {
+        _pg: pg,
+        client,
+        config,
+    }
+}
+
+/// `relay drain` in the background, bounded by [`LIMIT`].
+fn spawn_drain(config: &config::Config) -> tokio::task::JoinHandle<Report> {
+    let config = config.clone();
+    tokio::spawn(async move {
+        tokio::time::timeout(LIMIT, relay::run(&config, Mode::Drain, Shutdown::new()))
+            .await
+            .expect("drain finished in time")
+            .expect("drain succeeded")
+    })
+}
+
+fn read_all(mock: &Mock) -> Vec<KafkaRecord> {
+    testkit::kafka_read_all(&mock.bootstrap_servers(), &TOPICS, Duration::from_secs(3)).unwrap()
+}
+
+async fn left(client: &tokio_postgres::Client) -> i64 {
+    client
+        .query_one("SELECT count(*) FROM public.outbox", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+async fn pending_ids(client: &tokio_postgres::Client) -> BTreeSet<i64> {
+    client
+        .query("SELECT id FROM public.outbox", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// Waits until fewer than `below` rows are left (or none), at most `limit`; returns how
+/// long it took, `None` if the rows did not move in time.
+async fn until_left_below(
+    client: &tokio_postgres::Client,
+    below: i64,
+    limit: Duration,
+) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let n = left(client).await;
+        if n < below || n == 0 {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+/// Row id -> (topic, partition) where it was first stored.
+fn placement(records: &[KafkaRecord]) -> HashMap<i64, (String, i32)> {
+    let mut at = HashMap::new();
+    for r in records {
+        let id: i64 = r
+            .header("outbox-id")
+            .and_then(|h| h.rsplit(':').next())
+            .and_then(|n| n.parse().ok())
+            .expect("every record has outbox-id");
+        at.entry(id).or_insert((r.topic.clone(), r.partition));
+    }
+    at
+}
+
+/// Every seeded id stored, each key on one partition in id order, the table empty.
+async fn assert_all_delivered_in_key_order(m: &Mocked, records: &[KafkaRecord], rows: i64) {
+    assert_eq!(left(&m.client).await, 0, "table drained");
+    let delivery = analyse_kafka(records);
+    let stored: HashSet<i64> = placement(records).into_keys().collect();
+    let lost: Vec<i64> = (1..=rows).filter(|id| !stored.contains(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} rows lost: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(20)]
+    );
+    assert_eq!(
+        delivery.counts.len() as i64,
+        rows,
+        "nothing but the seeded rows"
+    );
+    assert!(
+        delivery.order_violations().is_empty(),
+        "{:?}",
+        delivery.order_violations()
+    );
+}
+
+fn duplicates(records: &[KafkaRecord]) -> usize {
+    analyse_kafka(records).counts.values().map(|c| c - 1).sum()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_partition_leaders_moved_mid_stream_lose_nothing_and_keep_key_order() {
+    const ROWS: i64 = 30_000;
+    /// Rows the relay must deliver after a move before the next one.
+    const STEP: i64 = 1_500;
+    let mock = cluster();
+    let m = setup(&mock.bootstrap_servers()).await;
+    seed(&m.client, ROWS, 300, 0).await;
+    let started = Instant::now();
+    let relay = spawn_drain(&m.config);
+
+    // Every round moves every partition's leader to another broker, then waits for the
+    // relay to get STEP rows further: the moves land while records are in flight.
+    let mut stalls = Vec::new();
+    let mut round = 0;
+    let mut at = ROWS;
+    while at > STEP && started.elapsed() < LIMIT {
+        round += 1;
+        for topic in TOPICS {
+            for p in 0..PARTITIONS {
+                mock.partition_leader(topic, p, Some(leader(p, round)))
+                    .unwrap();
+            }
+        }
+        let stall = until_left_below(&m.client, at, Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|| panic!("no row delivered within 20s of leader move {round}"));
+        stalls.push(stall);
+        until_left_below(&m.client, at - STEP + 1, Duration::from_secs(20))
+            .await
+            .unwrap_or_else(|| panic!("relay stalled after leader move {round}"));
+        at = left(&m.client).await;
+    }
+    let report = relay.await.unwrap();
+    let elapsed = started.elapsed();
+    assert!(report.drained, "{report:?}");
+    assert!(round >= 6, "only {round} leader moves landed mid-stream");
+
+    let records = read_all(&mock);
+    assert_all_delivered_in_key_order(&m, &records, ROWS).await;
+    stalls.sort();
+    eprintln!(
+        "leaders moved {round} times over {} partitions; {ROWS} rows in {elapsed:?}; \
+         first row deleted after a move: median {:?}, max {:?}; {} records stored, {} duplicates",
+        TOPICS.len() as i32 * PARTITIONS,
+        stalls[stalls.len() / 2],
+        stalls.last().unwrap(),
+        records.len(),
+        duplicates(&records),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_broker_down_mid_stream_loses_nothing() {
+    const ROWS: i64 = 20_000;
+    /// Broker 1 leads partitions 0 and 3 of every topic (see [`cluster`]).
+    const DOWN: i32 = 1;
+    let publish_timeout = Duration::from_secs(3);
+    let mock = cluster();
+    let m = setup(&mock.bootstrap_servers()).await;
+    seed(&m.client, ROWS, 200, 0).await;
+    let started = Instant::now();
+    let relay = spawn_drain(&m.config);
+    until_left_below(&m.client, ROWS - 2_000, LIMIT)
+        .await
+        .expect("the relay started");
+
+    // Leaders stay where they are: the down broker's partitions cannot take records.
+    mock.broker_down(DOWN).unwrap();
+    let down_at = Instant::now();
+    // Any delivery report for a record sent before the outage is in (or timed out) once a
+    // publish timeout has passed, and its batch committed soon after.
+    tokio::time::sleep(publish_timeout + Duration::from_secs(1)).await;
+    let before = pending_ids(&m.client).await;
+    // The other partitions get further while it stays down, though slowly: a claim
+    // takes each key's oldest rows, mostly the down partitions' stuck ones, and batches
+    // that get no ack open the circuit breaker (measured: no row moved for up to 19 s).
+    let moved = until_left_below(
+        &m.client,
+        before.len() as i64 - 100,
+        Duration::from_secs(30),
+    )
+    .await;
+    let during = pending_ids(&m.client).await;
+    mock.broker_up(DOWN).unwrap();
+    let downtime = down_at.elapsed();
+    let up_at = Instant::now();
+
+    let report = relay.await.unwrap();
+    let (elapsed, after_up) = (started.elapsed(), up_at.elapsed());
+    assert!(report.drained, "{report:?}");
+    let records = read_all(&mock);
+    assert_all_delivered_in_key_order(&m, &records, ROWS).await;
+
+    // Rows deleted while the broker was down went to partitions it does not lead: no row
+    // was deleted without its delivery report.
+    let placed = placement(&records);
+    let on_down = |id: &i64| leader(placed[id].1, 0) == DOWN;
+    let deleted_while_down: Vec<i64> = before.difference(&during).copied().collect();
+    let wrongly: Vec<&i64> = deleted_while_down.iter().filter(|id| on_down(id)).collect();
+    assert!(
+        wrongly.is_empty(),
+        "{} rows of the down broker's partitions deleted while it was down: {:?}",
+        wrongly.len(),
+        &wrongly[..wrongly.len().min(20)]
+    );
+    let held = during.iter().filter(|id| on_down(id)).count();
+    assert!(
+        held > 0,
+        "the outage held back none of its partitions' rows"
+    );
+    assert!(
+        moved.is_some() && !deleted_while_down.is_empty(),
+        "the other brokers' partitions kept moving"
+    );
+    eprintln!(
+        "{ROWS} rows in {elapsed:?}; broker {DOWN} down {downtime:?}; while down {} rows \
+         delivered on the other partitions (the first 100 after {:?}), {held} of its own \
+         held; drained {:?} after it came back; {} records stored, {} duplicates",
+        deleted_while_down.len(),
+        moved.unwrap(),
+        after_up,
+        records.len(),
+        duplicates(&records),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_leaders_moved_off_a_down_broker_drain_everything_while_it_stays_down() {
+    const ROWS: i64 = 20_000;
+    /// Broker 1 leads partitions 0 and 3 of every topic (see [`cluster`]).
+    const DOWN: i32 = 1;
+    let mock = cluster();
+    let m = setup(&mock.bootstrap_servers()).await;
+    seed(&m.client, ROWS, 200, 0).await;
+    let started = Instant::now();
+    let relay = spawn_drain(&m.config);
+    until_left_below(&m.client, ROWS - 2_000, LIMIT)
+        .await
+        .expect("the relay started");
+
+    // The broker goes down with its leaderships, as a crashed Kafka broker does until
+    // the controller notices; then its partitions fail over to the others.
+    mock.broker_down(DOWN).unwrap();
+    let down_at = Instant::now();
+    // Longer than the publish timeout (3 s): records to it time out in the producer and
+    // their rows must stay pending, to go again once their partitions have moved.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut failed_over = Vec::new();
+    for topic in TOPICS {
+        for p in (0..PARTITIONS).filter(|p| leader(*p, 0) == DOWN) {
+            // The next round's leader: never the one it had.
+            let to = leader(p, 1);
+            mock.partition_leader(topic, p, Some(to)).unwrap();
+            failed_over.push((topic, p));
+        }
+    }
+    let at_failover = left(&m.client).await;
+
+    // Everything drains with the broker still down.
+    let report = relay.await.unwrap();
+    let elapsed = started.elapsed();
+    let drained_after_down = down_at.elapsed();
+    assert!(report.drained, "{report:?}");
+    assert_eq!(left(&m.client).await, 0, "drained with the broker down");
+    // Up again for the reader only: it bootstraps from every broker.
+    mock.broker_up(DOWN).unwrap();
+    let records = read_all(&mock);
+    assert_all_delivered_in_key_order(&m, &records, ROWS).await;
+    let on_failed_over = records
+        .iter()
+        .filter(|r| failed_over.contains(&(r.topic.as_str(), r.partition)))
+        .count();
+    assert!(
+        on_failed_over > 0,
+        "records reached the failed-over partitions"
+    );
+    mock.broker_up(DOWN).unwrap();
+    eprintln!(
+        "{ROWS} rows in {elapsed:?}; broker {DOWN} down and {} partitions failed over with \
+         {at_failover} rows left; drained {drained_after_down:?} after it went down; \
+         {} records stored, {} duplicates",
+        failed_over.len(),
+        records.len(),
+        duplicates(&records),
+    );
+}
