@@ -2,7 +2,7 @@
 //! the relay is given all three URLs, a server dies mid-drain, and still no row is lost,
 //! no phantom appears, duplicates are dropped by `Nats-Msg-Id` and each key keeps its id
 //! order. Each test prints the stall it saw: the longest time in which no row left the
-//! outbox after the kill.
+//! outbox after the kill, and how long the cluster took to name a live stream leader.
 //!
 //! The tests run one at a time (they share two cores; the stall they measure would
 //! otherwise be the other test's load).
@@ -45,6 +45,8 @@ struct Crash {
     stall: Duration,
     /// From the kill to an empty outbox.
     drain_after_kill: Duration,
+    /// From the kill until the cluster names a live stream leader.
+    election: Duration,
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -105,7 +107,14 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
     let pending_at_kill = pending(&client).await;
     let killed_at = Instant::now();
     cluster.kill(killed);
-    let stall = wait_for_drain(&client, &mut relay, &log).await;
+    let new_leader = async {
+        // Only to tell the cluster's share of the stall from the relay's.
+        while !matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        killed_at.elapsed()
+    };
+    let (stall, election) = tokio::join!(wait_for_drain(&client, &mut relay, &log), new_leader);
     let drain_after_kill = killed_at.elapsed();
     terminate_cleanly(&mut relay);
 
@@ -123,10 +132,12 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         pending_at_kill,
         stall,
         drain_after_kill,
+        election,
     };
     eprintln!(
-        "{victim:?}: killed n{} with {} rows pending; longest stall {:?}, empty {:?} after the kill",
-        crash.killed, crash.pending_at_kill, crash.stall, crash.drain_after_kill
+        "{victim:?}: killed n{} with {} rows pending; a live stream leader after {:?}; \
+         longest stall {:?}; outbox empty {:?} after the kill",
+        crash.killed, crash.pending_at_kill, crash.election, crash.stall, crash.drain_after_kill
     );
     crash
 }

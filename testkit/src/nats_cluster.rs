@@ -209,7 +209,11 @@ impl NatsCluster {
         &self,
         stream: &str,
     ) -> Result<Option<async_nats::jetstream::stream::ClusterInfo>> {
-        let js = async_nats::jetstream::new(self.client().await?);
+        // Only a stream's leader answers for it: without one, the request times out. A
+        // short timeout keeps the callers' polling (and a measured election) fine-grained.
+        let js = async_nats::jetstream::ContextBuilder::new()
+            .timeout(Duration::from_millis(250))
+            .build(self.client().await?);
         let mut s = js
             .get_stream(stream)
             .await
