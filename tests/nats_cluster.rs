@@ -47,6 +47,8 @@ struct Crash {
     drain_after_kill: Duration,
     /// From the kill until the cluster names a live stream leader.
     election: Duration,
+    /// Whether the victim also led JetStream's meta group (which answers `$JS.API.INFO`).
+    was_meta_leader: bool,
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -104,6 +106,7 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         Victim::StreamLeader => leader,
         Victim::RelaysServer => relays,
     };
+    let meta_leader = cluster.meta_leader();
     let pending_at_kill = pending(&client).await;
     let killed_at = Instant::now();
     cluster.kill(killed);
@@ -133,11 +136,17 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         stall,
         drain_after_kill,
         election,
+        was_meta_leader: meta_leader == Some(killed),
     };
     eprintln!(
-        "{victim:?}: killed n{} with {} rows pending; a live stream leader after {:?}; \
-         longest stall {:?}; outbox empty {:?} after the kill",
-        crash.killed, crash.pending_at_kill, crash.election, crash.stall, crash.drain_after_kill
+        "{victim:?}: killed n{} (meta leader: {}) with {} rows pending; a live stream leader \
+         after {:?}; longest stall {:?}; outbox empty {:?} after the kill",
+        crash.killed,
+        crash.was_meta_leader,
+        crash.pending_at_kill,
+        crash.election,
+        crash.stall,
+        crash.drain_after_kill
     );
     crash
 }

@@ -1,8 +1,8 @@
 //! A throwaway NATS cluster ([`NatsCluster`]): `n` `nats-server` processes with JetStream,
 //! routed to each other in one cluster, each with its own client, route and monitoring
 //! port on 127.0.0.1 and its own JetStream store, all in one scratch directory. Helpers
-//! create replicated streams, say which server leads a stream (and make it step down) and
-//! which servers hold a named client connection, and read a stream back from any server
+//! create replicated streams, say which server leads a stream (and make it step down),
+//! which leads JetStream's meta group and which hold a named client connection, and read a stream back from any server
 //! still alive.
 //!
 //! [`NatsCluster::start`] returns once every server listens and the cluster has elected a
@@ -123,6 +123,18 @@ impl NatsCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
         bail!("the NATS cluster elected no JetStream meta leader within {ELECTION_LIMIT:?}")
+    }
+
+    /// The index of the JetStream meta leader, as the first live server's `/jsz` names it
+    /// (`None` while there is none, or no server answers).
+    pub fn meta_leader(&self) -> Option<usize> {
+        self.alive().into_iter().find_map(|i| {
+            let body = self.monitor(i, "/jsz").ok()?;
+            let (_, meta) = body.split_once("\"meta_cluster\"")?;
+            let (_, rest) = meta.split_once("\"leader\": \"")?;
+            let name = rest.split('"').next()?;
+            self.nodes.iter().position(|n| n.name == name)
+        })
     }
 
     /// Indices of the servers running now.
