@@ -1,6 +1,6 @@
 //! Throwaway servers for tests, the demo and benchmarks: a PostgreSQL cluster made with
-//! `initdb`, a PgBouncer in front of it, a `nats-server -js` and a Kafka-protocol broker
-//! (tansu), each on a free 127.0.0.1 port in its own temp dir.
+//! `initdb`, a PgBouncer in front of it, a `nats-server -js` (alone or three in a cluster)
+//! and a Kafka-protocol broker (tansu), each on a free 127.0.0.1 port in its own temp dir.
 //!
 //! Every server is a child process that dies with its owner: dropping the handle kills it
 //! and removes its directory, and `PR_SET_PDEATHSIG` kills it even if the owning thread
@@ -18,6 +18,8 @@
 //!   `ignore_startup_parameters`) in front of a [`Postgres`], with [`PgBouncerOptions`].
 //! - `nats`: [`NatsServer`] (`nats-server -js`, open, with password users or TLS + nkey),
 //!   streams, and [`StoredMessage`] as JetStream stored it.
+//! - `nats_cluster`: [`NatsCluster`] (`n` routed `nats-server`s with JetStream), replicated
+//!   streams, their leader, which server holds a named client, killing and restarting one.
 //! - `kafka`: [`KafkaBroker`] (`tansu broker`, in memory), topics, and [`kafka_read_all`]
 //!   returning [`KafkaRecord`]s.
 //! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
@@ -27,6 +29,7 @@
 
 mod kafka;
 mod nats;
+mod nats_cluster;
 mod pgbouncer;
 mod postgres;
 mod process;
@@ -36,6 +39,7 @@ mod tls;
 
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
 pub use nats::{NatsServer, StoredMessage};
+pub use nats_cluster::NatsCluster;
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};

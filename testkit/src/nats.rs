@@ -226,51 +226,64 @@ impl NatsServer {
 
     /// Every message stored in `stream`, in stream order, read by an ordered consumer.
     pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
-        use futures_util::StreamExt;
-        let client = self.client().await?;
-        let js = async_nats::jetstream::new(client);
-        let (total, _) = self.stream_state(stream).await?;
-        let s = js
-            .get_stream(stream)
-            .await
-            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-        let mut out = Vec::with_capacity(total as usize);
-        if total == 0 {
-            return Ok(out);
-        }
-        let consumer = s
-            .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
-            .await
-            .map_err(|e| anyhow::anyhow!("create consumer: {e}"))?;
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| anyhow::anyhow!("consume: {e}"))?;
-        while (out.len() as u64) < total {
-            let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
-                .await
-                .context("timed out reading the stream")?;
-            let m = match next {
-                Some(Ok(m)) => m,
-                Some(Err(e)) => bail!("reading the stream: {e}"),
-                None => break,
-            };
-            let headers: Vec<(String, String)> = m
-                .headers
-                .iter()
-                .flat_map(|h| {
-                    h.iter()
-                        .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
-                })
-                .collect();
-            out.push(StoredMessage {
-                subject: m.subject.to_string(),
-                headers,
-                payload: m.payload.to_vec(),
-            });
-        }
-        Ok(out)
+        read_stream_with(self.client().await?, stream).await
     }
+}
+
+/// Every message stored in `stream`, in stream order, read through `client` by an ordered
+/// consumer (shared with [`crate::NatsCluster`]).
+pub(crate) async fn read_stream_with(
+    client: async_nats::Client,
+    stream: &str,
+) -> Result<Vec<StoredMessage>> {
+    use futures_util::StreamExt;
+    let js = async_nats::jetstream::new(client);
+    let mut s = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+    let total = s
+        .info()
+        .await
+        .map_err(|e| anyhow::anyhow!("stream info: {e}"))?
+        .state
+        .messages;
+    let mut out = Vec::with_capacity(total as usize);
+    if total == 0 {
+        return Ok(out);
+    }
+    let consumer = s
+        .create_consumer(async_nats::jetstream::consumer::pull::OrderedConfig::default())
+        .await
+        .map_err(|e| anyhow::anyhow!("create consumer: {e}"))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| anyhow::anyhow!("consume: {e}"))?;
+    while (out.len() as u64) < total {
+        let next = tokio::time::timeout(Duration::from_secs(10), messages.next())
+            .await
+            .context("timed out reading the stream")?;
+        let m = match next {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => bail!("reading the stream: {e}"),
+            None => break,
+        };
+        let headers: Vec<(String, String)> = m
+            .headers
+            .iter()
+            .flat_map(|h| {
+                h.iter()
+                    .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+            })
+            .collect();
+        out.push(StoredMessage {
+            subject: m.subject.to_string(),
+            headers,
+            payload: m.payload.to_vec(),
+        });
+    }
+    Ok(out)
 }
 
 impl Drop for NatsServer {

@@ -1,0 +1,366 @@
+//! A throwaway NATS cluster ([`NatsCluster`]): `n` `nats-server` processes with JetStream,
+//! routed to each other in one cluster, each with its own client, route and monitoring
+//! port on 127.0.0.1 and its own JetStream store, all in one scratch directory. Helpers
+//! create replicated streams, say which server leads a stream (and make it step down),
+//! which leads JetStream's meta group and which hold a named client connection, and read a stream back from any server
+//! still alive.
+//!
+//! [`NatsCluster::start`] returns once every server listens and the cluster has elected a
+//! JetStream meta leader; [`NatsCluster::create_stream`] once the stream has a leader and
+//! every replica is current. [`NatsCluster::kill`] (SIGKILL) and [`NatsCluster::restart`]
+//! (same ports, same store) play a server's crash in a test.
+//!
+//! Torn down by `Drop`: every server is killed and the directory removed; the servers
+//! also get SIGKILL if the thread that started them dies without unwinding.
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::nats::read_stream_with;
+use crate::process::{die_with_parent, free_port, scratch_dir, wait_for_port};
+use crate::StoredMessage;
+
+/// How long the cluster gets to elect a leader (meta or stream) before a helper fails.
+const ELECTION_LIMIT: Duration = Duration::from_secs(30);
+
+/// `n` routed `nats-server -js` processes in one cluster.
+pub struct NatsCluster {
+    dir: PathBuf,
+    nodes: Vec<Node>,
+}
+
+/// One server of the cluster.
+struct Node {
+    /// `server_name`, which JetStream reports as a stream's leader: `n0`, `n1`, ...
+    name: String,
+    port: u16,
+    /// The monitoring port (`/connz`).
+    http_port: u16,
+    config: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsCluster {
+    /// Starts `n` servers routed to each other and waits for a JetStream meta leader.
+    pub fn start(n: usize) -> Result<NatsCluster> {
+        let dir = scratch_dir("nats-cluster")?;
+        let routes: Vec<u16> = (0..n).map(|_| free_port()).collect();
+        let route_urls: Vec<String> = routes
+            .iter()
+            .map(|p| format!("\"nats-route://127.0.0.1:{p}\""))
+            .collect();
+        let mut nodes = Vec::with_capacity(n);
+        for (i, route_port) in routes.iter().enumerate() {
+            let name = format!("n{i}");
+            let node = Node {
+                port: free_port(),
+                http_port: free_port(),
+                config: dir.join(format!("{name}.conf")),
+                log: dir.join(format!("{name}.log")),
+                name,
+                child: None,
+            };
+            std::fs::write(
+                &node.config,
+                format!(
+                    "server_name: {name}\nlisten: \"127.0.0.1:{port}\"\n\
+                     http: \"127.0.0.1:{http}\"\n\
+                     jetstream {{\n  store_dir: \"{store}\"\n}}\n\
+                     cluster {{\n  name: outbox-test\n  listen: \"127.0.0.1:{route_port}\"\n  \
+                     routes: [{routes}]\n}}\n",
+                    name = node.name,
+                    port = node.port,
+                    http = node.http_port,
+                    store = dir.join(format!("js-{}", node.name)).display(),
+                    routes = route_urls.join(", "),
+                ),
+            )?;
+            nodes.push(node);
+        }
+        let mut cluster = NatsCluster { dir, nodes };
+        for i in 0..n {
+            cluster.spawn(i)?;
+        }
+        cluster.wait_for_meta_leader()?;
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, i: usize) -> Result<()> {
+        let node = &mut self.nodes[i];
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log)?;
+        let binary = std::env::var_os("NATS_SERVER").unwrap_or_else(|| "nats-server".into());
+        let mut cmd = Command::new(&binary);
+        cmd.arg("-c").arg(&node.config);
+        cmd.stdout(log_file.try_clone()?).stderr(log_file);
+        die_with_parent(&mut cmd);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("start {binary:?} (install the nats-server package)"))?;
+        wait_for_port(node.port, &mut child, "nats-server", &node.log)?;
+        node.child = Some(child);
+        Ok(())
+    }
+
+    /// Polls the monitoring endpoint `/jsz` of a live server until it names a meta leader.
+    fn wait_for_meta_leader(&self) -> Result<()> {
+        let deadline = Instant::now() + ELECTION_LIMIT;
+        while Instant::now() < deadline {
+            for i in self.alive() {
+                if let Ok(body) = self.monitor(i, "/jsz") {
+                    if body.contains("\"leader\": \"n") {
+                        return Ok(());
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("the NATS cluster elected no JetStream meta leader within {ELECTION_LIMIT:?}")
+    }
+
+    /// The index of the JetStream meta leader, as the first live server's `/jsz` names it
+    /// (`None` while there is none, or no server answers).
+    pub fn meta_leader(&self) -> Option<usize> {
+        self.alive().into_iter().find_map(|i| {
+            let body = self.monitor(i, "/jsz").ok()?;
+            let (_, meta) = body.split_once("\"meta_cluster\"")?;
+            let (_, rest) = meta.split_once("\"leader\": \"")?;
+            let name = rest.split('"').next()?;
+            self.nodes.iter().position(|n| n.name == name)
+        })
+    }
+
+    /// Indices of the servers running now.
+    pub fn alive(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some())
+            .collect()
+    }
+
+    /// Client URLs of every server, alive or not, in index order.
+    pub fn urls(&self) -> Vec<String> {
+        (0..self.nodes.len()).map(|i| self.url(i)).collect()
+    }
+
+    /// Client URL of server `i`.
+    pub fn url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[i].port)
+    }
+
+    /// A client of some server that is running now.
+    pub async fn client(&self) -> Result<async_nats::Client> {
+        let addrs: Vec<async_nats::ServerAddr> = self
+            .alive()
+            .into_iter()
+            .map(|i| self.url(i).parse())
+            .collect::<std::result::Result<_, _>>()?;
+        if addrs.is_empty() {
+            bail!("no server of the cluster is running");
+        }
+        Ok(async_nats::ConnectOptions::new()
+            .retry_on_initial_connect()
+            .connect(addrs)
+            .await?)
+    }
+
+    /// Creates a file-backed stream capturing `subjects` with `replicas` replicas and a
+    /// 2-minute duplicate window; returns once it has a leader and every replica is current.
+    pub async fn create_stream(
+        &self,
+        name: &str,
+        subjects: &[&str],
+        replicas: usize,
+    ) -> Result<()> {
+        let js = async_nats::jetstream::new(self.client().await?);
+        let config = async_nats::jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: subjects.iter().map(|s| s.to_string()).collect(),
+            duplicate_window: Duration::from_secs(120),
+            num_replicas: replicas,
+            ..Default::default()
+        };
+        let deadline = Instant::now() + ELECTION_LIMIT;
+        // Right after the meta leader is elected, the other servers may not have caught up
+        // with it yet: a create can fail ("insufficient resources") and succeed a moment later.
+        loop {
+            match js.create_stream(config.clone()).await {
+                Ok(_) => break,
+                Err(e) if Instant::now() > deadline => bail!("create stream {name}: {e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        self.wait_for_stream_current(name).await
+    }
+
+    /// Waits until `stream` has a leader and every replica the cluster reports is current.
+    pub async fn wait_for_stream_current(&self, stream: &str) -> Result<()> {
+        let deadline = Instant::now() + ELECTION_LIMIT;
+        loop {
+            if let Ok(Some(cluster)) = self.stream_cluster(stream).await {
+                if cluster.leader.is_some() && cluster.replicas.iter().all(|r| r.current) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "stream {stream} has no leader with current replicas after {ELECTION_LIMIT:?}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn stream_cluster(
+        &self,
+        stream: &str,
+    ) -> Result<Option<async_nats::jetstream::stream::ClusterInfo>> {
+        // Only a stream's leader answers for it: without one, the request times out. A
+        // short timeout keeps the callers' polling (and a measured election) fine-grained.
+        let js = async_nats::jetstream::ContextBuilder::new()
+            .timeout(Duration::from_millis(250))
+            .build(self.client().await?);
+        let mut s = js
+            .get_stream(stream)
+            .await
+            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+        let info = s
+            .info()
+            .await
+            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
+        Ok(info.cluster.clone())
+    }
+
+    /// The index of the server leading `stream` now (JetStream's `cluster.leader`).
+    pub async fn stream_leader(&self, stream: &str) -> Result<usize> {
+        let leader = self
+            .stream_cluster(stream)
+            .await?
+            .and_then(|c| c.leader)
+            .with_context(|| format!("stream {stream} has no leader"))?;
+        self.nodes
+            .iter()
+            .position(|n| n.name == leader)
+            .with_context(|| format!("stream leader {leader:?} is not a server of this cluster"))
+    }
+
+    /// How many messages `stream` holds, as some live server reports it.
+    pub async fn stream_messages(&self, stream: &str) -> Result<u64> {
+        let js = async_nats::jetstream::new(self.client().await?);
+        let mut s = js
+            .get_stream(stream)
+            .await
+            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+        let info = s
+            .info()
+            .await
+            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
+        Ok(info.state.messages)
+    }
+
+    /// Indices of the live servers holding a client connection named `client_name`
+    /// (from their `/connz`).
+    pub fn servers_with_client(&self, client_name: &str) -> Vec<usize> {
+        let needle = format!("\"name\": \"{client_name}\"");
+        self.alive()
+            .into_iter()
+            .filter(|&i| {
+                self.monitor(i, "/connz")
+                    .map(|body| body.contains(&needle))
+                    .unwrap_or(false)
+            })
+            .collect()
+    }
+
+    /// Every message stored in `stream`, in stream order, read from a live server. Retried
+    /// for [`ELECTION_LIMIT`]: right after a server died, creating the reading consumer can
+    /// time out until the cluster has settled who leads what.
+    pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
+        let deadline = Instant::now() + ELECTION_LIMIT;
+        loop {
+            match read_stream_with(self.client().await?, stream).await {
+                Ok(messages) => return Ok(messages),
+                Err(e) if Instant::now() > deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
+    /// Asks `stream`'s leader to step down (`$JS.API.STREAM.LEADER.STEPDOWN`) and waits for
+    /// a new leader with current replicas; returns its index.
+    pub async fn step_down(&self, stream: &str) -> Result<usize> {
+        let old = self.stream_leader(stream).await?;
+        let client = self.client().await?;
+        client
+            .request(
+                format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}"),
+                "".into(),
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("step down the leader of {stream}: {e}"))?;
+        let deadline = Instant::now() + ELECTION_LIMIT;
+        loop {
+            if let Ok(leader) = self.stream_leader(stream).await {
+                if leader != old {
+                    self.wait_for_stream_current(stream).await?;
+                    return Ok(leader);
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("{stream} kept leader n{old} for {ELECTION_LIMIT:?} after a step-down");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills server `i` (SIGKILL); its store survives for [`Self::restart`].
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts server `i` again on the same ports and store.
+    pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.kill(i);
+        self.spawn(i)
+    }
+
+    /// The last `lines` lines of server `i`'s log, for a failing test's message.
+    pub fn log_tail(&self, i: usize, lines: usize) -> String {
+        let log = std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// The body of a plain HTTP GET of `path` on server `i`'s monitoring port.
+    fn monitor(&self, i: usize, path: &str) -> std::io::Result<String> {
+        let addr = ("127.0.0.1", self.nodes[i].http_port);
+        let mut stream = std::net::TcpStream::connect(addr)?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+        write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response)?;
+        Ok(response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_owned())
+            .unwrap_or_default())
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

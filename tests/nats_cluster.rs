@@ -1,0 +1,201 @@
+//! Against a three-server NATS cluster with a three-replica stream (issue 16, topology 3):
+//! the relay is given all three URLs, a server dies mid-drain, and still no row is lost,
+//! no phantom appears, duplicates are dropped by `Nats-Msg-Id` and each key keeps its id
+//! order. Each test prints the stall it saw: the longest time in which no row left the
+//! outbox after the kill, and how long the cluster took to name a live stream leader.
+//!
+//! The tests run one at a time (they share two cores; the stall they measure would
+//! otherwise be the other test's load).
+
+mod common;
+
+use std::fs::File;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use testkit::NatsCluster;
+
+/// Rows seeded per test, over [`KEYS`] keys.
+const ROWS: i64 = 20_000;
+const KEYS: i64 = 50;
+/// How long the drain may take after the kill before the test fails.
+const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+/// The relay's NATS connection name, as the servers' `/connz` shows it.
+const CLIENT_NAME: &str = "outbox-relay";
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Which server a test kills mid-drain.
+#[derive(Debug, Clone, Copy)]
+enum Victim {
+    StreamLeader,
+    RelaysServer,
+}
+
+/// What a drain through a kill saw.
+#[derive(Debug)]
+struct Crash {
+    killed: usize,
+    was_leader: bool,
+    was_relays_server: bool,
+    /// Rows still in the outbox when the server died.
+    pending_at_kill: i64,
+    /// The longest time after the kill in which no row left the outbox.
+    stall: Duration,
+    /// From the kill to an empty outbox.
+    drain_after_kill: Duration,
+    /// From the kill until the cluster names a live stream leader.
+    election: Duration,
+    /// Whether the victim also led JetStream's meta group (which answers `$JS.API.INFO`).
+    was_meta_leader: bool,
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_leader_killed_mid_drain_loses_no_row_and_keeps_key_order() {
+    let _serial = SERIAL.lock().await;
+    let crash = drain_through_a_crash(Victim::StreamLeader).await;
+    assert!(crash.was_leader && !crash.was_relays_server);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn server_the_relay_is_connected_to_killed_mid_drain_loses_no_row_and_keeps_key_order() {
+    let _serial = SERIAL.lock().await;
+    let crash = drain_through_a_crash(Victim::RelaysServer).await;
+    assert!(crash.was_relays_server && !crash.was_leader);
+}
+
+/// Seeds [`ROWS`] rows, runs the relay against the cluster, kills `victim` once rows flow,
+/// waits for the outbox to empty, stops the relay and audits the stream as a surviving
+/// server holds it.
+async fn drain_through_a_crash(victim: Victim) -> Crash {
+    let mut cluster = NatsCluster::start(3).expect("start a NATS cluster of three");
+    cluster
+        .create_stream(STREAM, &["events.>"], 3)
+        .await
+        .expect("create a stream with three replicas");
+    // Env also starts a lone nats-server; the relay is pointed past it, at the cluster.
+    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let client = env.client().await;
+    seed(&client, ROWS, KEYS, 0).await;
+    let inserted = ids(&client).await;
+
+    let log = env.config.with_file_name("relay.log");
+    let mut relay = spawn_relay(&env, &cluster, &log);
+    wait_until("rows to flow", Duration::from_secs(30), async || {
+        pending(&client).await <= ROWS - ROWS / 10
+    })
+    .await;
+
+    let relays = cluster.servers_with_client(CLIENT_NAME);
+    assert_eq!(
+        relays.len(),
+        1,
+        "the relay holds one connection: {relays:?}"
+    );
+    let relays = relays[0];
+    // Keep the two faults apart: the victim leads the stream or holds the relay, not both.
+    let mut leader = cluster.stream_leader(STREAM).await.expect("stream leader");
+    while leader == relays {
+        leader = cluster
+            .step_down(STREAM)
+            .await
+            .expect("move the stream leader");
+    }
+    let killed = match victim {
+        Victim::StreamLeader => leader,
+        Victim::RelaysServer => relays,
+    };
+    let meta_leader = cluster.meta_leader();
+    let pending_at_kill = pending(&client).await;
+    let killed_at = Instant::now();
+    cluster.kill(killed);
+    let new_leader = async {
+        // Only to tell the cluster's share of the stall from the relay's.
+        while !matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        killed_at.elapsed()
+    };
+    let (stall, election) = tokio::join!(wait_for_drain(&client, &mut relay, &log), new_leader);
+    let drain_after_kill = killed_at.elapsed();
+    terminate_cleanly(&mut relay);
+
+    let stored = cluster.read_stream(STREAM).await.expect("read the stream");
+    let audit = audit(&inserted, &stored);
+    audit.assert_nothing_lost_in_order();
+    assert_eq!(
+        audit.duplicates, 0,
+        "re-sent messages are dropped by Nats-Msg-Id inside the duplicate window"
+    );
+    let crash = Crash {
+        killed,
+        was_leader: killed == leader,
+        was_relays_server: killed == relays,
+        pending_at_kill,
+        stall,
+        drain_after_kill,
+        election,
+        was_meta_leader: meta_leader == Some(killed),
+    };
+    eprintln!(
+        "{victim:?}: killed n{} (meta leader: {}) with {} rows pending; a live stream leader \
+         after {:?}; longest stall {:?}; outbox empty {:?} after the kill",
+        crash.killed,
+        crash.was_meta_leader,
+        crash.pending_at_kill,
+        crash.election,
+        crash.stall,
+        crash.drain_after_kill
+    );
+    crash
+}
+
+/// `outbox-relay run` with every server of `cluster` in `sink.nats.url`, logging to `log`.
+fn spawn_relay(env: &Env, cluster: &NatsCluster, log: &std::path::Path) -> Child {
+    let out = File::create(log).expect("relay log");
+    env.command(&["run"])
+        .env("OUTBOX_RELAY__SINK__NATS__URL", cluster.urls().join(","))
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .expect("start outbox-relay run")
+}
+
+async fn pending(client: &tokio_postgres::Client) -> i64 {
+    count(client, "SELECT count(*) FROM public.outbox").await
+}
+
+/// Waits (at most [`DRAIN_LIMIT`]) for the outbox to empty while the relay keeps running;
+/// returns the longest time in which no row left it.
+async fn wait_for_drain(
+    client: &tokio_postgres::Client,
+    relay: &mut Child,
+    log: &std::path::Path,
+) -> Duration {
+    let start = Instant::now();
+    let mut last = pending(client).await;
+    let mut last_progress = Instant::now();
+    let mut stall = Duration::ZERO;
+    while last > 0 {
+        let relay_log = || std::fs::read_to_string(log).unwrap_or_default();
+        assert!(
+            relay.try_wait().unwrap().is_none(),
+            "the relay exited mid-drain:\n{}",
+            relay_log()
+        );
+        assert!(
+            start.elapsed() < DRAIN_LIMIT,
+            "{last} rows still pending {DRAIN_LIMIT:?} after the kill; relay log:\n{}",
+            relay_log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let now = pending(client).await;
+        if now < last {
+            stall = stall.max(last_progress.elapsed());
+            last_progress = Instant::now();
+            last = now;
+        }
+    }
+    stall
+}
