@@ -103,13 +103,14 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
     let mut claims = 0;
     let sampling = Instant::now();
     while killed.elapsed() < Duration::from_secs(6) || sampling.elapsed() < Duration::from_secs(2) {
-        // A claim shows as a FOR UPDATE statement, then as a session idle in transaction
-        // while it publishes. (The readiness probe's SELECT 1 is neither.)
+        // A claim is a transaction holding row locks on the outbox: a FOR UPDATE takes
+        // RowShareLock on the table until the transaction ends. (The probe's and the
+        // floor keeper's short read transactions take AccessShareLock only.)
         claims += count(
             &client,
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE application_name = 'outbox-relay'
-               AND (state = 'idle in transaction' OR query ILIKE '%for update%')",
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+             WHERE a.application_name = 'outbox-relay'
+               AND l.relation = 'public.outbox'::regclass AND l.mode = 'RowShareLock'",
         )
         .await;
         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -510,12 +510,17 @@ async fn check_passes_when_ready_and_names_each_problem() {
     );
 }
 
-/// Sessions of the relay that sit in a transaction, with how long it has been open.
+/// The relay's claim transactions (holding row locks on the outbox), with how long each
+/// has been open.
 async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
     client
         .query(
-            "SELECT extract(epoch FROM now() - xact_start)::float8 FROM pg_stat_activity
-             WHERE application_name = 'outbox-relay' AND xact_start IS NOT NULL",
+            // Claim transactions: those holding row locks on the outbox (RowShareLock
+            // from FOR UPDATE); the probe's and floor keeper's short reads hold none.
+            "SELECT extract(epoch FROM now() - a.xact_start)::float8
+             FROM pg_stat_activity a JOIN pg_locks l USING (pid)
+             WHERE a.application_name = 'outbox-relay' AND a.xact_start IS NOT NULL
+               AND l.relation = 'public.outbox'::regclass AND l.mode = 'RowShareLock'",
             &[],
         )
         .await
