@@ -19,7 +19,7 @@ use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
-use testkit::{KafkaRecord, Postgres};
+use testkit::KafkaRecord;
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
 const PARTITIONS: i32 = 4;
@@ -28,12 +28,6 @@ const BROKERS: i32 = 3;
 const LIMIT: Duration = Duration::from_secs(60);
 
 type Mock = MockCluster<'static, DefaultProducerContext>;
-
-struct Mocked {
-    _pg: Postgres,
-    client: tokio_postgres::Client,
-    config: config::Config,
-}
 
 /// Three brokers; partition `p` of every topic led by broker `p % 3 + 1`.
 fn cluster() -> Mock {
@@ -51,48 +45,6 @@ fn cluster() -> Mock {
 /// each round.
 fn leader(p: i32, round: i32) -> i32 {
     (p + round) % BROKERS + 1
-}
-
-/// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`.
-async fn setup(brokers: &str) -> Mocked {
-    let pg = Postgres::start().unwrap();
-    let url = pg.create_database("app").await.unwrap();
-    let text = format!(
-        r#"
-[postgres]
-url = "{url}"
-[relay]
-poll_interval = "50ms"
-workers = 4
-batch_size = 100
-[sink]
-kind = "kafka"
-publish_timeout = "3s"
-[sink.kafka]
-brokers = "{brokers}"
-[sink.kafka.properties]
-"linger.ms" = 5
-[[tables]]
-name = "public.outbox"
-[shutdown]
-drain_timeout = "10s"
-"#
-    );
-    let config = config::from_str(&text, |_| None, Vec::new()).unwrap();
-    let mut client = pg.connect("app").await.unwrap();
-    outbox_relay::source::migrate::migrate_table(
-        &mut client,
-        &config.tables[0],
-        true,
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    Mocked {
-        _pg: pg,
-        client,
-        config,
-    }
 }
 
 /// `relay drain` in the background, bounded by [`LIMIT`].
@@ -194,7 +146,7 @@ async fn kafka_partition_leaders_moved_mid_stream_lose_nothing_and_keep_key_orde
     /// Rows the relay must deliver after a move before the next one.
     const STEP: i64 = 1_500;
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers()).await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
     seed(&m.client, ROWS, 300, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -247,7 +199,7 @@ async fn kafka_broker_down_mid_stream_loses_nothing() {
     const DOWN: i32 = 1;
     let publish_timeout = Duration::from_secs(3);
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers()).await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
     seed(&m.client, ROWS, 200, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -321,7 +273,7 @@ async fn kafka_leaders_moved_off_a_down_broker_drain_everything_while_it_stays_d
     /// Broker 1 leads partitions 0 and 3 of every topic (see [`cluster`]).
     const DOWN: i32 = 1;
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers()).await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
     seed(&m.client, ROWS, 200, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);

@@ -12,56 +12,8 @@ use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
 use rdkafka::mocking::MockCluster;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use testkit::Postgres;
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
-
-struct Mocked {
-    _pg: Postgres,
-    client: tokio_postgres::Client,
-    config: config::Config,
-}
-
-/// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`.
-async fn setup(brokers: &str, relay: &str) -> Mocked {
-    let pg = Postgres::start().unwrap();
-    let url = pg.create_database("app").await.unwrap();
-    let text = format!(
-        r#"
-[postgres]
-url = "{url}"
-[relay]
-poll_interval = "50ms"
-{relay}
-[sink]
-kind = "kafka"
-publish_timeout = "3s"
-[sink.kafka]
-brokers = "{brokers}"
-[sink.kafka.properties]
-"linger.ms" = 5
-[[tables]]
-name = "public.outbox"
-[shutdown]
-drain_timeout = "10s"
-"#
-    );
-    let config = config::from_str(&text, |_| None, Vec::new()).unwrap();
-    let mut client = pg.connect("app").await.unwrap();
-    outbox_relay::source::migrate::migrate_table(
-        &mut client,
-        &config.tables[0],
-        true,
-        std::time::Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    Mocked {
-        _pg: pg,
-        client,
-        config,
-    }
-}
 
 fn cluster() -> MockCluster<'static, rdkafka::producer::DefaultProducerContext> {
     let mock = MockCluster::new(3).unwrap();
@@ -99,7 +51,7 @@ async fn left(client: &tokio_postgres::Client) -> i64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_produce_errors_lose_nothing_and_keep_key_order() {
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
     seed(&m.client, 5_000, 50, 9).await;
     // Retriable errors on the next produce requests: the idempotent producer retries them.
     let mut errors = Vec::new();
@@ -125,7 +77,7 @@ async fn kafka_produce_errors_lose_nothing_and_keep_key_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_broker_outage_mid_stream_loses_nothing() {
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 50").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 50").await;
     seed(&m.client, 20_000, 100, 0).await;
     for broker in 1..=3 {
         mock.broker_round_trip_time(broker, Duration::from_millis(20))
@@ -167,7 +119,7 @@ async fn kafka_added_latency_still_delivers_every_row_in_key_order() {
         mock.broker_round_trip_time(broker, Duration::from_millis(100))
             .unwrap();
     }
-    let m = setup(&mock.bootstrap_servers(), "workers = 2").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 2").await;
     seed(&m.client, 3_000, 30, 7).await;
     let report = drain(&m.config).await;
     assert!(report.drained);
@@ -183,7 +135,7 @@ async fn kafka_added_latency_still_delivers_every_row_in_key_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_record_too_large_is_dead_lettered_and_holds_back_its_key() {
     let mock = cluster();
-    let m = setup(&mock.bootstrap_servers(), "max_attempts = 2").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), "max_attempts = 2").await;
     m.client
         .batch_execute(
             "INSERT INTO public.outbox (topic, key, payload) VALUES

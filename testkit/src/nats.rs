@@ -154,10 +154,7 @@ impl NatsServer {
 
     /// Kills the server (SIGKILL); JetStream data on disk survives for [`Self::start_again`].
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        crate::process::kill_child(&mut self.child);
     }
 
     /// Freezes the server (SIGSTOP): connections stay open, nothing is answered. The
@@ -172,10 +169,7 @@ impl NatsServer {
     }
 
     fn signal(&self, signal: i32) {
-        if let Some(child) = &self.child {
-            // SAFETY: sending a signal to our own child.
-            unsafe { libc::kill(child.id() as i32, signal) };
-        }
+        crate::process::signal_child(&self.child, signal);
     }
 
     /// Starts it again on the same port and store.

@@ -178,10 +178,7 @@ impl PgBouncer {
 
     /// Kills the bouncer (SIGKILL): every client and server connection drops at once.
     pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        crate::process::kill_child(&mut self.child);
     }
 
     /// Freezes the bouncer (SIGSTOP): connections stay open, nothing is answered. The
@@ -196,10 +193,7 @@ impl PgBouncer {
     }
 
     fn signal(&self, signal: i32) {
-        if let Some(child) = &self.child {
-            // SAFETY: sending a signal to our own child.
-            unsafe { libc::kill(child.id() as i32, signal) };
-        }
+        crate::process::signal_child(&self.child, signal);
     }
 
     /// Starts it again on the same port and config (after [`Self::kill`]).

@@ -80,3 +80,20 @@ pub fn wait_with_usage(pid: i32) -> std::io::Result<(i32, libc::rusage)> {
     };
     Ok((code, usage))
 }
+
+/// Kills a server's child process (SIGKILL) and reaps it; `None` afterwards.
+pub(crate) fn kill_child(child: &mut Option<std::process::Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// Sends `signal` to a server's child process, if it runs (SIGSTOP/SIGCONT: a server
+/// that stalls with its connections open, then thaws).
+pub(crate) fn signal_child(child: &Option<std::process::Child>, signal: i32) {
+    if let Some(child) = child {
+        // SAFETY: sending a signal to our own child.
+        unsafe { libc::kill(child.id() as i32, signal) };
+    }
+}

@@ -467,3 +467,53 @@ pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
         .unwrap_or_default();
     Ok((status, body))
 }
+
+/// A migrated outbox for the Kafka tests, with the PostgreSQL it lives in and a relay
+/// config aimed at the brokers.
+pub struct Mocked {
+    pub _pg: Postgres,
+    pub client: tokio_postgres::Client,
+    pub config: outbox_relay::config::Config,
+}
+
+/// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`,
+/// with `relay` added to `[relay]`.
+pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
+    let pg = Postgres::start().unwrap();
+    let url = pg.create_database("app").await.unwrap();
+    let text = format!(
+        r#"
+[postgres]
+url = "{url}"
+[relay]
+poll_interval = "50ms"
+{relay}
+[sink]
+kind = "kafka"
+publish_timeout = "3s"
+[sink.kafka]
+brokers = "{brokers}"
+[sink.kafka.properties]
+"linger.ms" = 5
+[[tables]]
+name = "public.outbox"
+[shutdown]
+drain_timeout = "10s"
+"#
+    );
+    let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
+    let mut client = pg.connect("app").await.unwrap();
+    outbox_relay::source::migrate::migrate_table(
+        &mut client,
+        &config.tables[0],
+        true,
+        std::time::Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    Mocked {
+        _pg: pg,
+        client,
+        config,
+    }
+}
