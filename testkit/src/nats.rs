@@ -271,10 +271,17 @@ pub(crate) async fn read_stream_with(
                     .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
             })
             .collect();
+        let info = m
+            .info()
+            .map_err(|e| anyhow::anyhow!("a stream message without its metadata: {e}"))?;
+        let stored_at = std::time::UNIX_EPOCH
+            + Duration::from_nanos(info.published.unix_timestamp_nanos().max(0) as u64);
         out.push(StoredMessage {
             subject: m.subject.to_string(),
             headers,
             payload: m.payload.to_vec(),
+            sequence: info.stream_sequence,
+            stored_at,
         });
     }
     Ok(out)
@@ -294,6 +301,10 @@ pub struct StoredMessage {
     pub subject: String,
     pub headers: Vec<(String, String)>,
     pub payload: Vec<u8>,
+    /// The stream sequence number.
+    pub sequence: u64,
+    /// When the server received it from the publisher.
+    pub stored_at: std::time::SystemTime,
 }
 
 impl StoredMessage {

@@ -72,7 +72,7 @@ impl NatsCluster {
                      http: \"127.0.0.1:{http}\"\n\
                      jetstream {{\n  store_dir: \"{store}\"\n}}\n\
                      cluster {{\n  name: outbox-test\n  listen: \"127.0.0.1:{route_port}\"\n  \
-                     routes: [{routes}]\n}}\n",
+                     routes: [{routes}]\n  no_advertise: true\n}}\n",
                     name = node.name,
                     port = node.port,
                     http = node.http_port,
