@@ -226,3 +226,55 @@ async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses
         text(&out)
     );
 }
+
+/// The statements every server connection of the (app, outbox_relay) pool holds: `pool`
+/// transactions opened at once through the bouncer, so each gets a server connection of
+/// its own, each listing `pg_prepared_statements`.
+async fn statements_left_on_servers(bouncer: &PgBouncer, pool: usize) -> Vec<String> {
+    let mut clients = Vec::new();
+    for _ in 0..pool {
+        let client = bouncer.connect("outbox_relay", "app").await.unwrap();
+        client.batch_execute("BEGIN").await.unwrap();
+        clients.push(client);
+    }
+    let mut names = Vec::new();
+    for client in &clients {
+        for m in client
+            .simple_query("SELECT name || ': ' || statement FROM pg_prepared_statements")
+            .await
+            .unwrap()
+        {
+            if let tokio_postgres::SimpleQueryMessage::Row(r) = m {
+                names.push(r.get(0).unwrap().to_owned());
+            }
+        }
+    }
+    for client in &clients {
+        client.batch_execute("COMMIT").await.unwrap();
+    }
+    names
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_pgbouncer_no_prepared_statement_outlives_its_transaction() {
+    // A later relay process numbers its statements from s0 again: one left on a server
+    // connection fails that process's batch with "prepared statement already exists".
+    let env = Env::new("workers = 4\nbatch_size = 50").await;
+    let pool = 4;
+    let options = testkit::PgBouncerOptions {
+        pool_size: Some(pool as u32),
+        ..Default::default()
+    };
+    let bouncer = PgBouncer::start_with(&env.pg, &options).unwrap();
+    let client = env.client().await;
+    seed(&client, 3_000, 20, 7).await;
+    let out = through(&bouncer, env.command(&["drain", "--timeout", "60s"]))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let left = statements_left_on_servers(&bouncer, pool).await;
+    assert!(
+        left.is_empty(),
+        "statements left on the pooler's server connections: {left:?}"
+    );
+}

@@ -21,6 +21,7 @@ pub mod vacuum;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
+use tokio_postgres::types::Type;
 
 use crate::config::PostgresConfig;
 use crate::error::ErrorClass;
@@ -119,7 +120,9 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
 /// path's statements (claim, lock, delete/mark, record failures) cost one round trip each
 /// after their first use on a session, and PostgreSQL may keep their plans. With
 /// `postgres.prepared_statements = false` (PgBouncer before 1.21 in transaction mode, which
-/// cannot keep a prepared statement across transactions) every call prepares afresh.
+/// cannot keep a prepared statement across transactions) every call prepares afresh to
+/// learn the parameter types, closes that statement inside the transaction, and runs the
+/// SQL as the unnamed statement (see [`Tx::typed`]).
 pub struct Tx<'a> {
     tx: deadpool_postgres::Transaction<'a>,
     cached: bool,
@@ -143,12 +146,24 @@ impl<'a> Tx<'a> {
         &self.tx
     }
 
-    async fn statement(&self, sql: &str) -> Result<tokio_postgres::Statement, SourceError> {
-        Ok(if self.cached {
-            self.tx.prepare_cached(sql).await?
-        } else {
-            self.tx.prepare(sql).await?
-        })
+    /// The session's prepared statement for `sql` (cached mode only).
+    async fn cached(&self, sql: &str) -> Result<tokio_postgres::Statement, SourceError> {
+        Ok(self.tx.prepare_cached(sql).await?)
+    }
+
+    /// `params` with their types, for the unnamed statement (uncached mode). The named
+    /// statement prepared to learn the types is dropped at once, so its Close reaches the
+    /// server inside this transaction: no statement is left on a pooler's server
+    /// connection, where a later relay process - whose statement names start again at
+    /// `s0` - would collide with it ("prepared statement already exists"). Rows hold only
+    /// the unnamed statement, so they may outlive the transaction.
+    async fn typed<'p>(
+        &self,
+        sql: &str,
+        params: &[&'p (dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<Vec<(&'p (dyn tokio_postgres::types::ToSql + Sync), Type)>, SourceError> {
+        let types = self.tx.prepare(sql).await?.params().to_vec();
+        Ok(params.iter().copied().zip(types).collect())
     }
 
     pub async fn query(
@@ -156,8 +171,13 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, SourceError> {
-        let statement = self.statement(sql).await?;
-        Ok(self.tx.query(&statement, params).await?)
+        Ok(if self.cached {
+            self.tx.query(&self.cached(sql).await?, params).await?
+        } else {
+            self.tx
+                .query_typed(sql, &self.typed(sql, params).await?)
+                .await?
+        })
     }
 
     pub async fn query_one(
@@ -165,8 +185,12 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<tokio_postgres::Row, SourceError> {
-        let statement = self.statement(sql).await?;
-        Ok(self.tx.query_one(&statement, params).await?)
+        Ok(if self.cached {
+            self.tx.query_one(&self.cached(sql).await?, params).await?
+        } else {
+            let typed = self.typed(sql, params).await?;
+            self.tx.query_typed_one(sql, &typed).await?
+        })
     }
 
     pub async fn execute(
@@ -174,8 +198,12 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, SourceError> {
-        let statement = self.statement(sql).await?;
-        Ok(self.tx.execute(&statement, params).await?)
+        Ok(if self.cached {
+            self.tx.execute(&self.cached(sql).await?, params).await?
+        } else {
+            let typed = self.typed(sql, params).await?;
+            self.tx.execute_typed(sql, &typed).await?
+        })
     }
 
     pub async fn commit(self) -> Result<(), SourceError> {
