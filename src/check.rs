@@ -90,7 +90,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
     let target = format!("postgres {}", config.postgres.redacted());
     let limits = SessionLimits::one_shot(&config.postgres);
     let connected = tokio::time::timeout(
-        crate::source::connect_timeout(&config.postgres),
+        2 * crate::source::attempt_limit(&config.postgres),
         session::open(&config.postgres, limits),
     )
     .await;

@@ -239,7 +239,7 @@ async fn run_migrate(config: &Config, notify: bool) -> u8 {
     let limits = SessionLimits::migrate(&config.postgres);
     // The whole connect, TLS and start-up included: a server that accepts TCP and never
     // answers must not hang a deploy job.
-    let connect_timeout = outbox_relay::source::connect_timeout(&config.postgres);
+    let connect_timeout = 2 * outbox_relay::source::attempt_limit(&config.postgres);
     let connect = tokio::time::timeout(
         connect_timeout,
         outbox_relay::source::session::open(&config.postgres, limits),

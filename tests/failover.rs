@@ -172,3 +172,67 @@ async fn primary_killed_and_standby_promoted_mid_stream_loses_no_row_and_keeps_k
         "{resent} rows sent twice, more than the {WORKERS} batches of {BATCH} in flight"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn hung_primary_does_not_keep_the_relay_from_the_promoted_standby() {
+    // The old primary does not die: it hangs (its link frozen: TCP accepted, no byte
+    // answered). Each host gets the whole handshake within connect_timeout, then the next
+    // host is tried; before, every attempt started again at the hung host and the relay
+    // published nothing after the promotion (150 s and counting).
+    let primary = Postgres::start().expect("start the primary");
+    let standby = Standby::start(&primary).expect("start a synchronous standby");
+    let nats = NatsServer::start().expect("start nats-server");
+    let env = Env::on(
+        primary,
+        nats,
+        &format!("workers = {WORKERS}\nbatch_size = {BATCH}"),
+    )
+    .await;
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+    let url = format!(
+        "postgres://outbox_relay@127.0.0.1:{},127.0.0.1:{}/app\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        proxy.port(),
+        standby.postgres().port()
+    );
+    let client = env.client().await;
+    let mut inserted = insert_returning(&client, 1, 5_000).await;
+    let log = env.config.with_file_name("relay.log");
+    let mut relay = env
+        .command(&["run"])
+        .env("OUTBOX_RELAY__POSTGRES__URL", &url)
+        // The client deadline that gives up on a session to the hung server.
+        .env("OUTBOX_RELAY__POSTGRES__STATEMENT_TIMEOUT", "5s")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("start outbox-relay run");
+    wait_for_empty_outbox(&client, "the first rows to be published", 60).await;
+
+    proxy.set(testkit::Fault::Freeze);
+    let promoted = standby.promote().expect("promote the standby");
+    let promoted_at = Instant::now();
+    let new_client = promoted
+        .connect("app")
+        .await
+        .expect("connect to the new primary");
+    let stored_before = stored_count(&env.nats).await;
+    inserted.extend(insert_returning(&new_client, 5_001, 500).await);
+    while stored_count(&env.nats).await == stored_before {
+        assert!(
+            promoted_at.elapsed() < FIRST_PUBLISH_LIMIT,
+            "no row published within {FIRST_PUBLISH_LIMIT:?} of the promotion while the old \
+             primary hangs; relay log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "hung primary: promoted -> first publish {:?}",
+        promoted_at.elapsed()
+    );
+    wait_for_empty_outbox(&new_client, "the new primary's outbox to empty", 60).await;
+    terminate_cleanly(&mut relay);
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
+    proxy.set(testkit::Fault::None);
+}

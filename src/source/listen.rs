@@ -75,7 +75,7 @@ async fn listen_once(
     wake: &Notify,
     stop: &CancellationToken,
 ) -> Result<(), Stop> {
-    let open = tokio::time::timeout(super::connect_timeout(pg), session::open(pg, limits));
+    let open = tokio::time::timeout(2 * super::attempt_limit(pg), session::open(pg, limits));
     let (client, mut connection) = match open.await {
         Ok(Ok((client, connection, SessionMode::Direct))) => (client, connection),
         Ok(Ok((_, _, SessionMode::Pooled))) => return Err(Stop::Pooled),

@@ -8,6 +8,7 @@
 pub mod claim;
 pub mod class;
 pub mod floor;
+pub mod hosts;
 pub mod listen;
 pub mod migrate;
 pub mod retention;
@@ -28,7 +29,7 @@ use crate::error::ErrorClass;
 use tls::Connector as _;
 
 pub use session::{
-    connect, connect_timeout, session_config, Connection, SessionLimits, SessionMode,
+    attempt_limit, connect, connect_timeout, session_config, Connection, SessionLimits, SessionMode,
 };
 
 /// A PostgreSQL failure, with the class that says what to do about it.
@@ -231,9 +232,11 @@ impl Source {
     /// pool; its connections are opened on first use.
     pub async fn open(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
         let connect = session::open(pg, limits);
-        let (_client, _connection, mode) = tokio::time::timeout(connect_timeout(pg), connect)
+        // Two attempts at most: with start-up options, then (behind a pooler) without.
+        let limit = 2 * attempt_limit(pg);
+        let (_client, _connection, mode) = tokio::time::timeout(limit, connect)
             .await
-            .map_err(|_| SourceError::Timeout(connect_timeout(pg)))??;
+            .map_err(|_| SourceError::Timeout(limit))??;
         if mode == SessionMode::Pooled {
             tracing::info!(
                 "PostgreSQL is behind a pooler that refuses start-up options (PgBouncer in \
@@ -249,9 +252,12 @@ impl Source {
         limits: SessionLimits,
         mode: SessionMode,
     ) -> Result<Source, SourceError> {
-        let manager = Manager::from_config(
+        let manager = Manager::from_connect(
             session_config(pg, limits, mode),
-            pg.tls.connector().map_err(SourceError::Tls)?,
+            hosts::EachHost {
+                tls: pg.tls.connector().map_err(SourceError::Tls)?,
+                per_host: connect_timeout(pg),
+            },
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -260,7 +266,9 @@ impl Source {
             .max_size(pg.pool_size)
             .runtime(Runtime::Tokio1)
             .wait_timeout(Some(limits.statement_timeout))
-            .create_timeout(Some(connect_timeout(pg)))
+            // A margin past the last host's own limit: `EachHost` waits for it when every
+            // host timed out.
+            .create_timeout(Some(attempt_limit(pg) + Duration::from_secs(1)))
             .recycle_timeout(Some(connect_timeout(pg)))
             .build()
             .map_err(|e| SourceError::Pool(e.to_string()))?;

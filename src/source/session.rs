@@ -40,12 +40,16 @@ pub async fn connect(
     }
 }
 
+/// Host by host ([`super::hosts`]), each within [`connect_timeout`].
 async fn connect_raw(
     pg: &PostgresConfig,
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), SourceError> {
     let tls = pg.tls.connector().map_err(SourceError::Tls)?;
-    Ok(config.connect(tls).await?)
+    match super::hosts::connect(config, tls, connect_timeout(pg)).await {
+        Some(connected) => Ok(connected?),
+        None => Err(SourceError::Timeout(attempt_limit(pg))),
+    }
 }
 
 /// Opens one connection with `limits`, finding out which [`SessionMode`] the server side
@@ -181,11 +185,17 @@ pub fn session_config(
     cfg
 }
 
-/// How long opening a connection may take, start-up packet and authentication included:
-/// `connect_timeout` in `postgres.url` when given, else `postgres.connect_timeout`.
+/// How long opening a connection to one host may take, start-up packet and authentication
+/// included: `connect_timeout` in `postgres.url` when given, else `postgres.connect_timeout`.
 pub fn connect_timeout(pg: &PostgresConfig) -> Duration {
     pg.connection
         .get_connect_timeout()
         .copied()
         .unwrap_or(pg.connect_timeout)
+}
+
+/// How long one attempt over every host of `postgres.url` may take: [`connect_timeout`]
+/// per host.
+pub fn attempt_limit(pg: &PostgresConfig) -> Duration {
+    super::hosts::attempt_limit(&pg.connection, connect_timeout(pg))
 }

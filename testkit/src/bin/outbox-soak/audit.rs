@@ -67,7 +67,13 @@ pub(crate) struct Findings {
     pub(crate) acked_missing: Vec<i64>,
     /// The longest time without a stored message while the writer wrote: (start, length).
     pub(crate) longest_stall: Option<(SystemTime, Duration)>,
+    /// Every such time of at least [`STALL`]: (start, length).
+    pub(crate) stalls: Vec<(SystemTime, Duration)>,
 }
+
+/// A gap between stored messages this long counts as a stall (the writer commits every
+/// 10 ms, so a healthy relay stores something several times a second).
+pub(crate) const STALL: Duration = Duration::from_millis(500);
 
 impl Findings {
     pub(crate) fn lost(&self) -> usize {
@@ -152,16 +158,15 @@ pub(crate) fn audit(
         .filter(|id| !rows.contains_key(id))
         .copied()
         .collect();
-    f.longest_stall = longest_gap(stream, writing);
+    let gaps = gaps(stream, writing);
+    f.longest_stall = gaps.iter().copied().max_by_key(|(_, d)| *d);
+    f.stalls = gaps.into_iter().filter(|(_, d)| *d >= STALL).collect();
     f
 }
 
-/// The longest gap between consecutive stored messages (and from the window's edges)
-/// within `window`.
-fn longest_gap(
-    stream: &[Message],
-    (from, to): (SystemTime, SystemTime),
-) -> Option<(SystemTime, Duration)> {
+/// The gaps between consecutive stored messages (and from the window's edges) within
+/// `window`: (start, length).
+fn gaps(stream: &[Message], (from, to): (SystemTime, SystemTime)) -> Vec<(SystemTime, Duration)> {
     let mut times: Vec<SystemTime> = stream
         .iter()
         .map(|m| m.stored_at)
@@ -174,7 +179,7 @@ fn longest_gap(
     edges
         .windows(2)
         .map(|w| (w[0], w[1].duration_since(w[0]).unwrap_or_default()))
-        .max_by_key(|(_, d)| *d)
+        .collect()
 }
 
 #[cfg(test)]
@@ -286,5 +291,6 @@ mod tests {
             window(1_000),
         );
         assert_eq!(f.longest_stall.unwrap().1, Duration::from_millis(900));
+        assert_eq!(f.stalls.len(), 1);
     }
 }

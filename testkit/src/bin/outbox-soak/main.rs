@@ -220,6 +220,20 @@ struct Report<'a> {
 }
 
 impl Report<'_> {
+    /// Stalls that overlap no fault (nor begin within a second of one's end).
+    fn unexplained_stalls(&self) -> usize {
+        self.findings
+            .stalls
+            .iter()
+            .filter(|(at, d)| {
+                !self
+                    .fired
+                    .iter()
+                    .any(|x| x.start <= *at + *d && x.end + Duration::from_secs(1) >= *at)
+            })
+            .count()
+    }
+
     fn print(&self) {
         use std::sync::atomic::Ordering::Relaxed;
         let (a, f, w) = (self.a, self.findings, self.written);
@@ -235,7 +249,10 @@ impl Report<'_> {
             "Command: `scripts/soak --minutes {} --faults {} --seed {}`\n",
             a.minutes, a.faults, a.seed
         );
-        println!("| fault | fired | seen |\n|---|---:|---|");
+        println!(
+            "| fault | fired | seen | stalls >= {:.1} s during it | longest |\n|---|---:|---|---:|---:|",
+            audit::STALL.as_secs_f64()
+        );
         let mut kinds: BTreeMap<faults::Kind, (usize, BTreeMap<String, usize>)> = BTreeMap::new();
         for fired in self.fired {
             let e = kinds.entry(fired.kind).or_default();
@@ -246,7 +263,30 @@ impl Report<'_> {
         }
         for (kind, (n, notes)) in &kinds {
             let notes: Vec<String> = notes.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-            println!("| {} | {n} | {} |", kind.label(), notes.join(", "));
+            // Stalls that overlap a fault of this kind (or begin within a second of its end).
+            let during: Vec<Duration> = f
+                .stalls
+                .iter()
+                .filter(|(at, d)| {
+                    self.fired.iter().any(|x| {
+                        x.kind == *kind
+                            && x.start <= *at + *d
+                            && x.end + Duration::from_secs(1) >= *at
+                    })
+                })
+                .map(|(_, d)| *d)
+                .collect();
+            let longest = during
+                .iter()
+                .max()
+                .map(|d| format!("{:.1} s", d.as_secs_f64()))
+                .unwrap_or_else(|| "-".into());
+            println!(
+                "| {} | {n} | {} | {} | {longest} |",
+                kind.label(),
+                notes.join(", "),
+                during.len()
+            );
         }
         // Poison rows are dead-lettered at ERROR by design; every other ERROR is shown.
         let errors: Vec<String> = self
@@ -331,6 +371,10 @@ impl Report<'_> {
             (
                 "longest delivery stall while writing",
                 stall.unwrap_or_else(|| "-".into()),
+            ),
+            (
+                "stalls >= 0.5 s / of them outside any fault",
+                format!("{} / {}", f.stalls.len(), self.unexplained_stalls()),
             ),
             (
                 "settled after the writer stopped",
