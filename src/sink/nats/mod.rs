@@ -57,6 +57,9 @@ pub struct NatsSink {
     denied: Arc<Mutex<HashMap<String, Instant>>>,
     /// False from the moment the connection is lost until it is back.
     connected: tokio::sync::watch::Receiver<bool>,
+    /// The stream that acknowledged the latest batch: what [`SinkService::healthcheck`]
+    /// asks about once there is one.
+    last_stream: Mutex<Option<String>>,
 }
 
 impl NatsSink {
@@ -82,6 +85,7 @@ impl NatsSink {
             captured: Mutex::default(),
             denied,
             connected,
+            last_stream: Mutex::new(None),
         })
     }
 
@@ -245,31 +249,68 @@ impl SinkService for NatsSink {
             }
             results.push(Ok(()));
         }
+        let mut acked_by = None;
         for (i, ack) in acks.into_iter().enumerate() {
             if let Some(ack) = ack {
-                if let Err(e) = ack.await {
-                    results[i] = Err(self.classify(&messages[i].topic, &e).await);
+                match ack.await {
+                    Ok(ack) => acked_by = Some(ack.stream),
+                    Err(e) => results[i] = Err(self.classify(&messages[i].topic, &e).await),
                 }
+            }
+        }
+        if let Some(stream) = acked_by {
+            let mut last = self.last_stream.lock().unwrap();
+            if last.as_deref() != Some(stream.as_str()) {
+                *last = Some(stream);
             }
         }
         results
     }
 
-    /// Connected, and JetStream answers a request (`$JS.API.INFO`): a full round trip
-    /// through the server, not just a socket write. The reply is not parsed: any answer
-    /// means JetStream is serving (no responders, or none in time, means it is not).
+    /// Connected, and JetStream can take a publish: a full round trip through the server,
+    /// not just a socket write.
+    ///
+    /// Once a stream has acknowledged a batch, its leader is asked for the stream's info
+    /// (`$JS.API.STREAM.INFO.<stream>`): in a cluster only the stream's leader answers, so an
+    /// answer means publishes can be stored again. Before that, `$JS.API.INFO` (in a
+    /// cluster, the JetStream meta leader answers: it is elected separately, and can be
+    /// down while the stream's leader serves, which kept the circuit open for seconds
+    /// after a server holding both died).
     async fn healthcheck(&self) -> Result<(), SinkError> {
         if self.client.connection_state() != async_nats::connection::State::Connected {
             return Err(SinkError::transient("not connected to NATS"));
         }
-        let request = self.client.request("$JS.API.INFO", bytes::Bytes::new());
-        match tokio::time::timeout(Duration::from_secs(2), request).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(SinkError::transient(format!(
-                "JetStream did not answer: {}",
-                scrub(&e.to_string(), &self.secrets)
+        let stream = self.last_stream.lock().unwrap().clone();
+        let subject = match &stream {
+            Some(stream) => format!("$JS.API.STREAM.INFO.{stream}"),
+            None => "$JS.API.INFO".to_owned(),
+        };
+        let asked = match &stream {
+            Some(stream) => format!("stream {stream}"),
+            None => "JetStream".to_owned(),
+        };
+        let request = self.client.request(subject, bytes::Bytes::new());
+        let reply = match tokio::time::timeout(Duration::from_secs(2), request).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => {
+                return Err(SinkError::transient(format!(
+                    "{asked} did not answer: {}",
+                    scrub(&e.to_string(), &self.secrets)
+                )))
+            }
+            Err(_) => {
+                return Err(SinkError::transient(format!(
+                    "{asked} did not answer within 2s"
+                )))
+            }
+        };
+        // An error reply (the stream gone, no leader known) is not a serving stream.
+        match serde_json::from_slice::<serde_json::Value>(&reply.payload) {
+            Ok(v) if v.get("error").is_some() => Err(SinkError::transient(format!(
+                "{asked} answered with an error: {}",
+                v["error"]["description"].as_str().unwrap_or("unknown")
             ))),
-            Err(_) => Err(SinkError::transient("JetStream did not answer within 2s")),
+            _ => Ok(()),
         }
     }
 
