@@ -11,7 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::Result;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use testkit::Fault as Link;
+use testkit::{Fault as Link, Proxy};
 
 use crate::world::{World, STREAM};
 
@@ -187,7 +187,11 @@ async fn fire(
         }
         Kind::RelayTerm => {
             let code = tokio::task::block_in_place(|| world.relays.terminate(relay))?;
-            Ok((Some(relay), format!("exit {code:?}")))
+            let note = match code {
+                Some(code) => format!("exit {code}"),
+                None => "killed after the drain deadline".to_owned(),
+            };
+            Ok((Some(relay), note))
         }
         Kind::RelayStop => {
             world.relays.pause(relay);
@@ -195,16 +199,20 @@ async fn fire(
             world.relays.resume(relay);
             Ok((Some(relay), note))
         }
-        Kind::PgFreeze | Kind::PgLatency => {
-            let link = if kind == Kind::PgFreeze {
-                Link::Freeze
-            } else {
-                Link::Latency(LATENCY)
+        Kind::PgFreeze | Kind::PgLatency | Kind::NatsFreeze | Kind::NatsLatency => {
+            let link = match kind {
+                Kind::PgFreeze | Kind::NatsFreeze => Link::Freeze,
+                _ => Link::Latency(LATENCY),
             };
-            world.pg_proxies[relay].set(link);
+            // A relay's own database link, or a NATS server's link shared by the relays.
+            let (proxies, i): (fn(&World) -> &[Proxy], usize) = match kind {
+                Kind::PgFreeze | Kind::PgLatency => (|w| &w.pg_proxies, relay),
+                _ => (|w| &w.nats_proxies, server),
+            };
+            proxies(world)[i].set(link);
             held(world, hold).await?;
-            world.pg_proxies[relay].set(Link::None);
-            Ok((Some(relay), note))
+            proxies(world)[i].set(Link::None);
+            Ok((Some(i), note))
         }
         Kind::PgDrop => {
             world.pg_proxies[relay].drop_connections();
@@ -256,17 +264,6 @@ async fn fire(
                 Err(e) => format!("step-down failed: {e}"),
             };
             Ok((None, note))
-        }
-        Kind::NatsFreeze | Kind::NatsLatency => {
-            let link = if kind == Kind::NatsFreeze {
-                Link::Freeze
-            } else {
-                Link::Latency(LATENCY)
-            };
-            world.nats_proxies[server].set(link);
-            held(world, hold).await?;
-            world.nats_proxies[server].set(Link::None);
-            Ok((Some(server), note))
         }
         Kind::NatsDrop => {
             world.nats_proxies[server].drop_connections();
