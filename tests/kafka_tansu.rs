@@ -171,7 +171,7 @@ async fn kafka_every_row_arrives_once_keyed_with_outbox_id_and_headers_in_key_or
         // The Kafka key is the key column (the seed also copies it into a header).
         assert_eq!(r.key.as_deref(), r.header("key"));
         let n = r.header("n").expect("headers from the column");
-        assert_eq!(r.payload, n.as_bytes());
+        assert_eq!(r.payload.as_deref(), Some(n.as_bytes()));
         if let Some(key) = &r.key {
             let expected = (java_murmur2(key.as_bytes()) & 0x7fff_ffff) % PARTITIONS as i32;
             assert_eq!(
@@ -338,7 +338,8 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
         assert_eq!(r.topic, format!("outbox.event.{aggregatetype}"));
         assert_eq!(r.key.as_deref(), Some(aggregateid.as_str()));
         assert_eq!(r.header("eventType"), Some(event_type.as_str()));
-        let payload: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        let payload: serde_json::Value =
+            serde_json::from_slice(r.payload.as_deref().unwrap()).unwrap();
         assert!(payload["n"].is_i64(), "payload is the jsonb column");
         by_key
             .entry((r.topic.clone(), r.partition, aggregateid.clone()))
@@ -396,4 +397,51 @@ async fn kafka_a_topic_the_brokers_do_not_know_is_the_rows_fault_and_other_keys_
         "{left:?}"
     );
     assert_eq!(left[1], (2, 0, false, None), "its key waits behind it");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_a_null_payload_is_a_tombstone_and_a_null_key_with_it_is_a_bad_row() {
+    let env = KafkaEnv::new("max_attempts = 1\nretry_backoff = \"10ms\"").await;
+    let client = env.pg.connect("app").await.unwrap();
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES
+               ('events.0', 'a', 'x'), ('events.0', 'a', NULL), ('events.0', 'b', ''),
+               ('events.1', NULL, NULL)",
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    let records = env.read();
+    let values: Vec<(Option<&str>, Option<&[u8]>)> = records
+        .iter()
+        .map(|r| (r.key.as_deref(), r.payload.as_deref()))
+        .collect();
+    assert_eq!(records.len(), 3, "{values:?}");
+    let a: Vec<Option<&[u8]>> = values
+        .iter()
+        .filter(|(k, _)| *k == Some("a"))
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(
+        a,
+        [Some(&b"x"[..]), None],
+        "the NULL payload is a null value"
+    );
+    assert!(
+        values.contains(&(Some("b"), Some(&b""[..]))),
+        "an empty payload stays an empty value, not a tombstone: {values:?}"
+    );
+    // A tombstone without a key deletes nothing: refused before sending, dead-lettered.
+    let dead = client
+        .query_one(
+            "SELECT last_error FROM public.outbox WHERE dead_at IS NOT NULL AND key IS NULL",
+            &[],
+        )
+        .await
+        .unwrap();
+    let error: String = dead.get(0);
+    assert!(error.contains("tombstone"), "{error}");
 }

@@ -670,3 +670,25 @@ async fn ordering_none_delivers_every_row_once() {
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_a_null_payload_is_an_empty_body_with_or_without_a_key() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES
+               ('events.0', 'a', NULL), ('events.0', NULL, NULL), ('events.0', 'a', 'x')",
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let mut bodies: Vec<Vec<u8>> = env.stored().await.into_iter().map(|m| m.payload).collect();
+    bodies.sort();
+    assert_eq!(bodies, [b"".to_vec(), b"".to_vec(), b"x".to_vec()]);
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0
+    );
+}

@@ -30,7 +30,7 @@ pub fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, 
         id,
         topic,
         key: row.key.clone(),
-        payload: Bytes::from(std::mem::take(&mut row.payload)),
+        payload: row.payload.take().map(Bytes::from),
         headers,
     })
 }

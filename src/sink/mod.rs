@@ -36,8 +36,9 @@ pub struct Message {
     pub topic: String,
     /// Ordering and partition key; `None`: no order promise.
     pub key: Option<String>,
-    /// The body, sent as bytes.
-    pub payload: Bytes,
+    /// The body, sent as bytes. `None` (a NULL payload column): a Kafka tombstone (a
+    /// record with a null value, so log compaction deletes its key), an empty NATS body.
+    pub payload: Option<Bytes>,
     /// From the row's `headers` column, in the column's order.
     pub headers: Vec<(String, String)>,
 }

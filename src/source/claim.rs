@@ -98,7 +98,8 @@ pub struct ClaimedRow {
     /// The message id column's value as text, when it is not the order column.
     pub message_id: Option<String>,
     pub key: Option<String>,
-    pub payload: Vec<u8>,
+    /// `None`: the column is NULL (a Kafka tombstone).
+    pub payload: Option<Vec<u8>>,
     /// The headers column as JSON text, unchecked.
     pub headers: Option<String>,
     /// Failed attempts so far.
@@ -123,7 +124,7 @@ impl ClaimedRow {
             id: row.get(0),
             message_id,
             key: row.get(1),
-            payload: row.get::<_, Option<Vec<u8>>>(2).unwrap_or_default(),
+            payload: row.get::<_, Option<Vec<u8>>>(2),
             headers: row.get(3),
             attempts: row.get(4),
             topic_values,
@@ -197,7 +198,7 @@ async fn claim_unordered(
             .await?
         {
             let row = ClaimedRow::from_row(&r, &sql.layout);
-            bytes += row.payload.len() as i64;
+            bytes += row.payload.as_ref().map_or(0, Vec::len) as i64;
             rows.push(row);
         }
     }

@@ -22,7 +22,8 @@ pub struct KafkaRecord {
     pub offset: i64,
     pub key: Option<String>,
     pub headers: Vec<(String, String)>,
-    pub payload: Vec<u8>,
+    /// `None`: a null value (a tombstone).
+    pub payload: Option<Vec<u8>>,
 }
 
 impl KafkaRecord {
@@ -93,7 +94,7 @@ pub fn kafka_read_all(
                     offset: m.offset(),
                     key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
                     headers,
-                    payload: m.payload().unwrap_or_default().to_vec(),
+                    payload: m.payload().map(<[u8]>::to_vec),
                 });
             }
         }

@@ -184,9 +184,11 @@ impl KafkaSink {
             key: ID_HEADER,
             value: Some(message.id.as_bytes()),
         });
-        let mut record = FutureRecord::to(&message.topic)
-            .payload(message.payload.as_ref())
-            .headers(headers);
+        let mut record = FutureRecord::<[u8], [u8]>::to(&message.topic).headers(headers);
+        // No payload at all (not an empty one): a tombstone.
+        if let Some(payload) = &message.payload {
+            record = record.payload(payload.as_ref());
+        }
         if let Some(key) = &message.key {
             record = record.key(key.as_bytes());
         }
@@ -262,9 +264,15 @@ impl SinkService for KafkaSink {
     /// queued: an invalid topic name, a record larger than `message.max.bytes`.
     fn check(&self, message: &Message) -> Result<(), SinkError> {
         check_topic(&message.topic).map_err(SinkError::bad_row)?;
+        if message.payload.is_none() && message.key.is_none() {
+            return Err(SinkError::bad_row(
+                "a NULL payload is sent as a tombstone, which deletes a key under log \
+                 compaction: it needs a key, and this row's key is NULL",
+            ));
+        }
         let size = RECORD_OVERHEAD
             + message.key.as_ref().map_or(0, String::len)
-            + message.payload.len()
+            + message.payload.as_ref().map_or(0, |p| p.len())
             + message.id.len()
             + ID_HEADER.len()
             + message

@@ -211,7 +211,7 @@ impl SinkService for NatsSink {
             header_bytes += name.len() + value.len() + 4;
         }
         let max = self.client.max_payload();
-        let size = header_bytes + message.payload.len();
+        let size = header_bytes + message.payload.as_ref().map_or(0, |p| p.len());
         if max > 0 && size > max {
             return Err(SinkError::bad_row(format!(
                 "message is {size} bytes with headers; the NATS server accepts at most {max} \
@@ -237,7 +237,7 @@ impl SinkService for NatsSink {
             }
             headers.insert(MSG_ID_HEADER, message.id.as_str());
             let publish = PublishMessage::build()
-                .payload(message.payload.clone())
+                .payload(message.payload.clone().unwrap_or_default())
                 .headers(headers);
             match self.js.send_publish(message.topic.clone(), publish).await {
                 Ok(ack) => acks.push(Some(ack)),

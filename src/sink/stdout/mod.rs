@@ -73,10 +73,14 @@ fn line(m: &Message) -> serde_json::Value {
         .iter()
         .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
         .collect();
-    // Payloads that are not UTF-8 are shown as a list of bytes rather than mangled.
-    let payload = match std::str::from_utf8(&m.payload) {
-        Ok(text) => serde_json::Value::String(text.to_owned()),
-        Err(_) => serde_json::Value::from(m.payload.to_vec()),
+    // Payloads that are not UTF-8 are shown as a list of bytes rather than mangled; a NULL
+    // payload as null.
+    let payload = match m.payload.as_deref() {
+        None => serde_json::Value::Null,
+        Some(bytes) => match std::str::from_utf8(bytes) {
+            Ok(text) => serde_json::Value::String(text.to_owned()),
+            Err(_) => serde_json::Value::from(bytes.to_vec()),
+        },
     };
     serde_json::json!({
         "id": m.id,
@@ -85,4 +89,29 @@ fn line(m: &Message) -> serde_json::Value {
         "headers": headers,
         "payload": payload,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(payload: Option<&[u8]>) -> Message {
+        Message {
+            id: "t:1".into(),
+            topic: "t".into(),
+            key: Some("k".into()),
+            payload: payload.map(bytes::Bytes::copy_from_slice),
+            headers: vec![],
+        }
+    }
+
+    #[test]
+    fn a_null_payload_is_printed_as_null_and_an_empty_one_as_an_empty_string() {
+        assert_eq!(line(&message(None))["payload"], serde_json::Value::Null);
+        assert_eq!(line(&message(Some(b"")))["payload"], "");
+        assert_eq!(
+            line(&message(Some(&[0xff])))["payload"],
+            serde_json::json!([255])
+        );
+    }
 }

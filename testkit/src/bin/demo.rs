@@ -106,7 +106,7 @@ impl Broker {
                                 r.partition,
                                 r.key.as_deref().unwrap_or("-"),
                                 r.header("outbox-id").unwrap_or(""),
-                                String::from_utf8_lossy(&r.payload)
+                                String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default())
                             ),
                             key: r.key,
                             order_scope: format!("{}/{}", r.topic, r.partition),

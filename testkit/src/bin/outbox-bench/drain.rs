@@ -91,7 +91,7 @@ impl Bench {
                             id: format!("bench.limit:{i}"),
                             topic: format!("bench.{}", i % TOPICS),
                             key: Some(format!("k{}", i % keys)),
-                            payload: payload.clone(),
+                            payload: Some(payload.clone()),
                             headers: Vec::new(),
                         })
                         .collect();
