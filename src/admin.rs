@@ -192,29 +192,7 @@ pub async fn requeue(
     table: Option<&str>,
     which: Requeue,
 ) -> Result<RequeueReport, AdminError> {
-    let index = match table {
-        Some(name) => {
-            let wanted = TableName::parse(name)
-                .map_err(|e| AdminError::Usage(format!("--table {name}: {e}")))?;
-            config
-                .tables
-                .iter()
-                .position(|t| t.name == wanted)
-                .ok_or_else(|| {
-                    AdminError::Usage(format!(
-                        "--table {name}: not in the config; configured: {}",
-                        table_list(config)
-                    ))
-                })?
-        }
-        None if config.tables.len() == 1 => 0,
-        None => {
-            return Err(AdminError::Usage(format!(
-                "several tables are configured ({}): say which with --table",
-                table_list(config)
-            )))
-        }
-    };
+    let index = pick_table(config, table)?;
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
     let requeued: Vec<i64> = source
@@ -245,6 +223,130 @@ pub async fn requeue(
         table: table.config.name.to_string(),
         requeued,
         not_dead,
+    })
+}
+
+/// The index of `--table` among the configured tables, or of the only one.
+fn pick_table(config: &Config, table: Option<&str>) -> Result<usize, AdminError> {
+    Ok(match table {
+        Some(name) => {
+            let wanted = TableName::parse(name)
+                .map_err(|e| AdminError::Usage(format!("--table {name}: {e}")))?;
+            config
+                .tables
+                .iter()
+                .position(|t| t.name == wanted)
+                .ok_or_else(|| {
+                    AdminError::Usage(format!(
+                        "--table {name}: not in the config; configured: {}",
+                        table_list(config)
+                    ))
+                })?
+        }
+        None if config.tables.len() == 1 => 0,
+        None => {
+            return Err(AdminError::Usage(format!(
+                "several tables are configured ({}): say which with --table",
+                table_list(config)
+            )))
+        }
+    })
+}
+
+/// Which rows `replay` makes pending again.
+#[derive(Debug, Clone)]
+pub enum Replay {
+    Ids(Vec<i64>),
+    /// Created in [since, until): RFC 3339 times.
+    Created {
+        since: String,
+        until: String,
+    },
+}
+
+/// What `replay` did.
+#[derive(Debug)]
+pub struct ReplayReport {
+    pub table: String,
+    /// Rows made pending again (with `--dry-run`: rows that would be).
+    pub replayed: usize,
+    /// Ids asked for that were not kept as published (pending, dead or not there).
+    pub not_published: Vec<i64>,
+}
+
+/// Rows per replay transaction: each holds its rows' locks only this long.
+const REPLAY_BATCH: i64 = 1_000;
+
+/// Makes rows kept as published (mark mode) pending and due again, in id order, in one
+/// short transaction per [`REPLAY_BATCH`] rows, waking idle relays after each; dead rows
+/// are left alone. Running relays publish them again, each ahead of its key's later
+/// pending rows (see `sql::TableSql::replay_ids`). `dry_run`: counts only.
+pub async fn replay(
+    config: &Config,
+    table: Option<&str>,
+    which: Replay,
+    dry_run: bool,
+) -> Result<ReplayReport, AdminError> {
+    let index = pick_table(config, table)?;
+    if config.relay.on_publish == crate::config::OnPublish::Delete {
+        return Err(AdminError::Usage(
+            "replay needs relay.on_publish = \"mark\": in delete mode no published row is kept"
+                .to_owned(),
+        ));
+    }
+    let (source, tables) = connect(config).await?;
+    let table = &tables[index];
+    let name = table.config.name.to_string();
+    let replay_batch = async |ids: &[i64]| -> Result<Vec<i64>, AdminError> {
+        let ids = ids.to_vec();
+        Ok(source
+            .in_transaction(async |tx| {
+                let rows = tx.query(&table.sql.replay_ids, &[&ids, &dry_run]).await?;
+                if !dry_run && !rows.is_empty() {
+                    tx.execute("SELECT pg_notify('outbox_relay', $1)", &[&name])
+                        .await?;
+                }
+                Ok(rows.iter().map(|r| r.get(0)).collect())
+            })
+            .await?)
+    };
+    let mut replayed = 0;
+    let mut not_published = Vec::new();
+    match which {
+        Replay::Ids(ids) => {
+            for chunk in ids.chunks(REPLAY_BATCH as usize) {
+                let done = replay_batch(chunk).await?;
+                replayed += done.len();
+                not_published.extend(chunk.iter().filter(|id| !done.contains(id)));
+            }
+        }
+        Replay::Created { since, until } => {
+            let Some(range) = &table.sql.replay_range else {
+                return Err(AdminError::Usage(format!(
+                    "{name} has no creation-time column to select by: use --id, or map \
+                     tables.columns.created_at"
+                )));
+            };
+            let mut after = i64::MIN;
+            loop {
+                let ids: Vec<i64> = source
+                    .in_transaction(async |tx| {
+                        let rows = tx
+                            .query(range, &[&since, &until, &after, &REPLAY_BATCH])
+                            .await?;
+                        Ok(rows.iter().map(|r| r.get(0)).collect())
+                    })
+                    .await?;
+                let Some(&last) = ids.last() else { break };
+                replayed += replay_batch(&ids).await?.len();
+                after = last;
+            }
+        }
+    }
+    Ok(ReplayReport {
+        table: name,
+        replayed,
+        not_published,
     })
 }
 

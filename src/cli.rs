@@ -67,6 +67,53 @@ pub enum Command {
         #[arg(long)]
         waiting: bool,
     },
+    /// Mark mode: publish rows kept as published again (same message ids), in id order per key
+    Replay {
+        /// The table (schema.table); needed when several are configured
+        #[arg(long, value_name = "NAME")]
+        table: Option<String>,
+        /// Ids of published rows (the order column's values), e.g. --id 17 42
+        #[arg(long = "id", value_name = "N", num_args = 1.., required_unless_present = "since", conflicts_with_all = ["since", "until"])]
+        ids: Vec<i64>,
+        /// Rows created at or after this: an RFC 3339 time (2026-11-24T08:00:00Z) or a
+        /// duration back from now (2h)
+        #[arg(long, value_name = "TIME", value_parser = parse_time_arg)]
+        since: Option<String>,
+        /// Rows created before this (same forms; default: now and later)
+        #[arg(long, value_name = "TIME", value_parser = parse_time_arg, requires = "since")]
+        until: Option<String>,
+        /// Count the rows that would be replayed; change nothing
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+/// An RFC 3339 time (`Z` or a `+hh:mm` offset), or a duration back from now (`2h`),
+/// as RFC 3339 text PostgreSQL reads as `timestamptz`.
+fn parse_time_arg(text: &str) -> Result<String, String> {
+    let text = text.trim();
+    if let Ok(back) = crate::config::raw::parse_duration(text) {
+        let at = std::time::SystemTime::now()
+            .checked_sub(back)
+            .ok_or_else(|| format!("{text} back from now is before 1970"))?;
+        return Ok(humantime::format_rfc3339_micros(at).to_string());
+    }
+    // humantime reads UTC times only: check the rest of a time with an offset.
+    let offset = text.len().checked_sub(6).filter(|&i| {
+        text.is_char_boundary(i) && matches!(&text[i..i + 1], "+" | "-") && text[i..].contains(':')
+    });
+    let utc = match offset {
+        Some(i) => format!("{}Z", &text[..i]),
+        None => text.to_owned(),
+    };
+    humantime::parse_rfc3339_weak(utc.trim_end_matches(['Z', 'z']))
+        .map(|_| text.to_owned())
+        .map_err(|_| {
+            format!(
+                "{text:?} is neither an RFC 3339 time (2026-11-24T08:00:00Z, \
+                 2026-11-24T09:00:00+01:00) nor a duration back from now (2h, 30m)"
+            )
+        })
 }
 
 /// A duration as in the config (`90s`, `5m`), or `0`.
@@ -86,6 +133,36 @@ mod tests {
             Command::Drain { timeout } => timeout,
             other => panic!("not drain: {other:?}"),
         }
+    }
+
+    #[test]
+    fn replay_times_are_rfc_3339_or_a_duration_back_from_now() {
+        assert_eq!(
+            parse_time_arg("2026-11-24T08:00:00Z").unwrap(),
+            "2026-11-24T08:00:00Z"
+        );
+        assert_eq!(
+            parse_time_arg("2026-11-24T09:00:00+01:00").unwrap(),
+            "2026-11-24T09:00:00+01:00"
+        );
+        let back = parse_time_arg("2h").unwrap();
+        let at = humantime::parse_rfc3339(&back).unwrap();
+        let ago = std::time::SystemTime::now().duration_since(at).unwrap();
+        assert!(ago >= Duration::from_secs(7200) && ago < Duration::from_secs(7260));
+        assert!(parse_time_arg("yesterday")
+            .unwrap_err()
+            .contains("RFC 3339"));
+        assert!(parse_time_arg("2026-13-40T00:00:00Z").is_err());
+    }
+
+    #[test]
+    fn replay_takes_ids_or_a_time_range_not_both() {
+        let parse = |args: &[&str]| Cli::try_parse_from(args);
+        assert!(parse(&["outbox-relay", "replay", "--id", "1", "2"]).is_ok());
+        assert!(parse(&["outbox-relay", "replay", "--since", "2h"]).is_ok());
+        assert!(parse(&["outbox-relay", "replay"]).is_err());
+        assert!(parse(&["outbox-relay", "replay", "--id", "1", "--since", "2h"]).is_err());
+        assert!(parse(&["outbox-relay", "replay", "--until", "1h"]).is_err());
     }
 
     #[test]

@@ -77,7 +77,59 @@ async fn execute(command: Command, config: Config) -> u8 {
             };
             run_requeue(&config, table.as_deref(), which).await
         }
+        Command::Replay {
+            table,
+            ids,
+            since,
+            until,
+            dry_run,
+        } => {
+            let which = match since {
+                Some(since) => admin::Replay::Created {
+                    since,
+                    until: until.unwrap_or_else(|| "infinity".to_owned()),
+                },
+                None => admin::Replay::Ids(ids),
+            };
+            run_replay(&config, table.as_deref(), which, dry_run).await
+        }
     }
+}
+
+/// `replay`: how many rows were made pending again, and a warning naming ids that were not
+/// kept as published.
+async fn run_replay(
+    config: &Config,
+    table: Option<&str>,
+    which: admin::Replay,
+    dry_run: bool,
+) -> u8 {
+    let report = match admin::replay(config, table, which, dry_run).await {
+        Ok(report) => report,
+        Err(e) => return admin_error(e),
+    };
+    if dry_run {
+        say(&format!(
+            "{}: would replay {} published rows (dry run: nothing changed)",
+            report.table, report.replayed
+        ));
+    } else {
+        say(&format!(
+            "{}: replayed {} published rows: pending again, the relays publish them in id \
+             order per key",
+            report.table, report.replayed
+        ));
+    }
+    if !report.not_published.is_empty() {
+        let ids: Vec<String> = report.not_published.iter().map(i64::to_string).collect();
+        say_err(&format!(
+            "warning: {}: not kept as published (pending, dead or not there), left as they \
+             are: {}",
+            report.table,
+            ids.join(", ")
+        ));
+    }
+    EXIT_OK
 }
 
 /// `check`: one line per finding; exit 1 if any failed.

@@ -70,6 +70,13 @@ pub struct TableSql {
     pub requeue_all: String,
     /// `requeue --waiting`: rows waiting for their next attempt are due now.
     pub requeue_waiting: String,
+    /// `replay`: the rows `$1` kept as published (not dead) are pending and due again;
+    /// returns their order values. `$2`: count only (`--dry-run`), change nothing.
+    pub replay_ids: String,
+    /// `replay --since/--until`: order values after `$3`, at most `$4`, of rows kept as
+    /// published (not dead) created in [`$1`, `$2`) (RFC 3339 text), in order. `None`
+    /// without a creation-time column.
+    pub replay_range: Option<String>,
     /// Metrics: pending rows and the oldest pending row's age in seconds (0 when none or
     /// without a creation-time column), read like a claim from the floor `$1` and below it
     /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
@@ -367,6 +374,26 @@ impl TableSql {
             requeue_waiting: format!(
                 "UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"
             ),
+            // Like requeue, a replayed row is due now with `next_attempt_at` set, not NULL:
+            // that is how claims find it below the claim floor (the retry index) and how
+            // later windows hold its key's later pending rows back until it is published.
+            replay_ids: format!(
+                "WITH chosen AS (SELECT {id} FROM {t} WHERE {id} = ANY($1::bigint[]) \
+                 AND {published_at} IS NOT NULL AND {dead_at} IS NULL), \
+                 replayed AS (UPDATE {t} SET {published_at} = NULL, {attempts} = 0, \
+                 {last_error} = NULL, {next} = now() \
+                 WHERE {id} IN (SELECT {id} FROM chosen) AND NOT $2::bool RETURNING {id}) \
+                 SELECT {id}::bigint FROM chosen ORDER BY 1"
+            ),
+            replay_range: shape.created_at.as_ref().map(|c| {
+                format!(
+                    "SELECT {id}::bigint FROM {t} WHERE {published_at} IS NOT NULL \
+                     AND {dead_at} IS NULL AND {c} >= $1::text::timestamptz \
+                     AND {c} < $2::text::timestamptz AND {id} > $3::bigint \
+                     ORDER BY {id} LIMIT $4",
+                    c = c.quoted()
+                )
+            }),
             backlog: format!(
                 "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
                  + (SELECT count(*) FROM {t} WHERE {pending} AND {low_stragglers}) \
