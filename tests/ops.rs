@@ -364,3 +364,80 @@ async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
         .unwrap();
     terminate_cleanly(&mut relay);
 }
+
+/// Cumulative counts of the delivery-lag histogram: (le, count) in the order printed.
+fn lag_buckets(addr: &str) -> Vec<(f64, f64)> {
+    let Ok((200, body)) = http_get(addr, "/metrics") else {
+        return Vec::new();
+    };
+    body.lines()
+        .filter(|l| l.starts_with("outbox_relay_delivery_lag_seconds_bucket{"))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, l.rsplit(' ').next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Rows counted in buckets up to `le` (the largest bucket bound not above it).
+fn lag_at_most(buckets: &[(f64, f64)], le: f64) -> f64 {
+    buckets
+        .iter()
+        .filter(|(bound, _)| *bound <= le)
+        .map(|(_, n)| *n)
+        .fold(0.0, f64::max)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_for_replays() {
+    let (env, addr) = env_with_http("on_publish = \"mark\"").await;
+    let client = env.client().await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, created_at)
+             SELECT 'events.0', 'k' || (n % 3), 'x',
+                    CASE WHEN n <= 10 THEN now() - interval '90 seconds' ELSE now() END
+             FROM generate_series(1, 20) n",
+        )
+        .await
+        .unwrap();
+    let mut relay = env.spawn_run();
+    wait_until("every row observed", Duration::from_secs(30), async || {
+        scrape(&addr, "outbox_relay_delivery_lag_seconds_count") == Some(20.0)
+    })
+    .await;
+    let buckets = lag_buckets(&addr);
+    // Fresh rows within a few seconds; the 90-second-old ones above 65 s, below 132 s.
+    assert_eq!(lag_at_most(&buckets, 8.2), 10.0, "{buckets:?}");
+    assert_eq!(lag_at_most(&buckets, 65.6), 10.0, "{buckets:?}");
+    assert_eq!(lag_at_most(&buckets, 131.1), 20.0, "{buckets:?}");
+
+    // Replayed rows are published again but are no delivery lag.
+    let out = env.relay(&["replay", "--since", "1h"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("replayed 20"), "{}", text(&out));
+    wait_until(
+        "the replayed rows published",
+        Duration::from_secs(30),
+        async || {
+            count(
+                &client,
+                "SELECT count(*) FROM public.outbox WHERE published_at IS NULL",
+            )
+            .await
+                == 0
+                && scrape(&addr, "outbox_relay_rows_published_total") == Some(40.0)
+        },
+    )
+    .await;
+    assert_eq!(
+        scrape(&addr, "outbox_relay_delivery_lag_seconds_count"),
+        Some(20.0)
+    );
+    terminate_cleanly(&mut relay);
+}

@@ -52,6 +52,8 @@ pub struct Metrics {
     pub publish_seconds: Seconds,
     /// From claim to commit.
     pub batch_seconds: Seconds,
+    /// From a row's creation time to the broker's acknowledgement (replayed rows left out).
+    pub delivery_lag: Family<TableLabel, Histogram, fn() -> Histogram>,
     /// Pending rows (refreshed on an interval).
     pub backlog: Family<TableLabel, Gauge>,
     /// Age of the oldest pending row (refreshed on an interval; 0 when none).
@@ -77,6 +79,11 @@ pub struct Metrics {
     pub up: Family<DependencyLabel, Gauge>,
 }
 
+fn lag_histogram() -> Histogram {
+    // 1 ms .. ~17 min (2^20 ms)
+    Histogram::new(exponential_buckets(0.001, 2.0, 21))
+}
+
 fn latency_histogram() -> Histogram {
     // 1 ms .. ~16 s
     Histogram::new(exponential_buckets(0.001, 2.0, 15))
@@ -92,6 +99,7 @@ impl Default for Metrics {
             retention_deleted: Family::default(),
             publish_seconds: Family::new_with_constructor(latency_histogram),
             batch_seconds: Family::new_with_constructor(latency_histogram),
+            delivery_lag: Family::new_with_constructor(lag_histogram),
             backlog: Family::default(),
             oldest_age_seconds: Family::default(),
             dead_tuples: Family::default(),
@@ -133,6 +141,12 @@ impl Default for Metrics {
             "batch_duration_seconds",
             "Time from claim to commit of a batch",
             metrics.batch_seconds.clone(),
+        );
+        registry.register(
+            "delivery_lag_seconds",
+            "Time from a row's creation (created_at: its transaction's start) to the broker's \
+             acknowledgement; replayed rows are not observed",
+            metrics.delivery_lag.clone(),
         );
         registry.register(
             "backlog_rows",

@@ -23,6 +23,7 @@ use super::order::{publish_in_order, RowOutcome};
 use super::Shared;
 use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
+use crate::ops::metrics::TableLabel;
 use crate::ops::Metrics;
 use crate::retry;
 use crate::sink::{Sink, SinkError};
@@ -183,10 +184,19 @@ async fn run_phases(
     let Some(outcomes) = publish(shared, table, &mut rows).await else {
         return Ok(Batch::Aborted);
     };
+    let acked_after = started.elapsed().as_secs_f64();
     metrics
         .publish_seconds
         .get_or_create(&labels)
-        .observe(started.elapsed().as_secs_f64());
+        .observe(acked_after);
+    // Each acknowledged row's lag: its age at the claim plus the publish. Observed only
+    // once the batch commits.
+    let lags: Vec<f64> = rows
+        .iter()
+        .zip(&outcomes)
+        .filter(|(row, outcome)| matches!(outcome, RowOutcome::Published) && !row.replayed)
+        .filter_map(|(row, _)| row.age.map(|age| age.max(0.0) + acked_after))
+        .collect();
 
     // 3. Settle.
     let relay = &shared.relay;
@@ -204,6 +214,12 @@ async fn run_phases(
         r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
     };
     record(shared, table, &labels, &settlement, &dead, started);
+    let lag = metrics.delivery_lag.get_or_create(&TableLabel {
+        table: table.config.name.to_string(),
+    });
+    for seconds in lags {
+        lag.observe(seconds);
+    }
     tracing::debug!(
         worker = lane,
         table = %table.config.name,

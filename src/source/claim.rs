@@ -104,6 +104,10 @@ pub struct ClaimedRow {
     pub headers: Option<String>,
     /// Failed attempts so far.
     pub attempts: i32,
+    /// Seconds from the row's creation time to its claim (`None` without that column).
+    pub age: Option<f64>,
+    /// Made pending again by `replay` (its lag is not a delivery lag).
+    pub replayed: bool,
     /// Values of the topic template's columns, in template order.
     pub topic_values: Vec<Option<String>>,
     /// Values of the header columns, in configuration order.
@@ -112,10 +116,10 @@ pub struct ClaimedRow {
 
 impl ClaimedRow {
     fn from_row(row: &Row, layout: &RowLayout) -> ClaimedRow {
-        let mut i = 5;
+        let mut i = 7;
         let message_id = layout.message_id.then(|| {
             i += 1;
-            row.get(5)
+            row.get(7)
         });
         let topic_values = (i..i + layout.topic_columns).map(|n| row.get(n)).collect();
         i += layout.topic_columns;
@@ -127,6 +131,8 @@ impl ClaimedRow {
             payload: row.get::<_, Option<Vec<u8>>>(2),
             headers: row.get(3),
             attempts: row.get(4),
+            age: row.get(5),
+            replayed: row.get(6),
             topic_values,
             header_values,
         }

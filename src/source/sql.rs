@@ -159,8 +159,20 @@ impl TableSql {
             topic_columns: table.topic.columns().len(),
             header_columns: table.header_columns.len(),
         };
-        let mut columns =
-            format!("{id}::bigint, {key}::text, {payload}, {headers}, {attempts}::int4");
+        // Then the row's age when read (for the delivery-lag histogram: NULL without a
+        // creation-time column) and whether `replay` made it pending again (the one writer
+        // that clears `last_error` and sets `next_attempt_at` with no attempt counted).
+        let age = match &shape.created_at {
+            Some(c) => format!(
+                "extract(epoch FROM clock_timestamp() - {})::float8",
+                c.quoted()
+            ),
+            None => "NULL::float8".to_owned(),
+        };
+        let mut columns = format!(
+            "{id}::bigint, {key}::text, {payload}, {headers}, {attempts}::int4, {age}, \
+             ({next} IS NOT NULL AND {attempts} = 0 AND {last_error} IS NULL)"
+        );
         let extra = layout
             .message_id
             .then_some(&c.id)
