@@ -62,19 +62,19 @@ async fn a_frozen_database_connection_releases_its_row_locks_within_the_bound_an
     );
     // Batches stuck publishing to a paused broker hold their row locks; then the
     // database link freezes under them, and the broker comes back.
+    // Connected to both: a first row published (pausing the broker before the relay has
+    // connected to it would stall its start-up instead, and no batch would hold a lock).
+    seed(&client, 1, 1, 0).await;
+    let mut inserted = ids(&client).await;
     wait_until(
-        "the relay to connect",
+        "the relay to publish a first row",
         Duration::from_secs(30),
-        async || {
-            let sql =
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'";
-            count(&client, sql).await > 0
-        },
+        async || pending(&client).await == 0,
     )
     .await;
     env.nats.pause();
     seed(&client, 20_000, 50, 0).await;
-    let inserted = ids(&client).await;
+    inserted.extend(ids(&client).await);
     wait_until(
         "a batch to hold row locks",
         Duration::from_secs(30),
