@@ -6,11 +6,9 @@ mod common;
 
 use std::collections::HashMap;
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use futures_util::StreamExt;
 use testkit::{failover_url, NatsServer, Postgres, Standby};
 
 const WORKERS: i64 = 4;
@@ -38,29 +36,6 @@ async fn insert_returning(client: &tokio_postgres::Client, first: i64, rows: i64
         .iter()
         .map(|r| r.get(0))
         .collect()
-}
-
-/// Every `Nats-Msg-Id` published on `events.>` as a core subscriber sees it: what the relay
-/// sent, before the stream's de-duplication hides a repeat.
-async fn watch_sends(nats: &NatsServer) -> Arc<Mutex<Vec<String>>> {
-    let client = nats.client().await.expect("connect to nats");
-    let mut sub = client.subscribe("events.>").await.expect("subscribe");
-    client.flush().await.expect("flush the subscription");
-    let sent = Arc::new(Mutex::new(Vec::new()));
-    let seen = sent.clone();
-    tokio::spawn(async move {
-        let _client = client;
-        while let Some(m) = sub.next().await {
-            let id = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("Nats-Msg-Id"))
-                .map(|v| v.as_str().to_owned())
-                .unwrap_or_default();
-            seen.lock().unwrap().push(id);
-        }
-    });
-    sent
 }
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {

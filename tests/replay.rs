@@ -6,33 +6,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use futures_util::StreamExt;
-
-/// Every `Nats-Msg-Id` sent on `events.>`, in the order the subscriber saw them.
-async fn watch_sends(env: &Env) -> Arc<Mutex<Vec<String>>> {
-    let client = env.nats.client().await.expect("connect to nats");
-    let mut sub = client.subscribe("events.>").await.expect("subscribe");
-    client.flush().await.expect("flush the subscription");
-    let sent = Arc::new(Mutex::new(Vec::new()));
-    let seen = sent.clone();
-    tokio::spawn(async move {
-        let _client = client;
-        while let Some(m) = sub.next().await {
-            let id = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("Nats-Msg-Id"))
-                .map(|v| v.as_str().to_owned())
-                .unwrap_or_default();
-            seen.lock().unwrap().push(id);
-        }
-    });
-    sent
-}
 
 fn id_of(msg_id: &str) -> i64 {
     msg_id.rsplit(':').next().unwrap().parse().unwrap()
@@ -61,7 +37,7 @@ async fn replay_publishes_exactly_the_chosen_rows_again_in_key_order_ahead_of_la
         )
         .await
         .unwrap();
-    let sent = watch_sends(&env).await;
+    let sent = watch_sends(&env.nats).await;
 
     let out = env.relay(&["replay", "--since", "4h", "--until", "2h", "--dry-run"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));

@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use testkit::{NatsServer, Postgres, StoredMessage};
@@ -516,4 +517,27 @@ drain_timeout = "10s"
         client,
         config,
     }
+}
+
+/// Every `Nats-Msg-Id` published on `events.>` as a core subscriber sees it: what the relay
+/// sent, before the stream's de-duplication hides a repeat.
+pub async fn watch_sends(nats: &NatsServer) -> Arc<Mutex<Vec<String>>> {
+    let client = nats.client().await.expect("connect to nats");
+    let mut sub = client.subscribe("events.>").await.expect("subscribe");
+    client.flush().await.expect("flush the subscription");
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let seen = sent.clone();
+    tokio::spawn(async move {
+        let _client = client;
+        while let Some(m) = futures_util::StreamExt::next(&mut sub).await {
+            let id = m
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Nats-Msg-Id"))
+                .map(|v| v.as_str().to_owned())
+                .unwrap_or_default();
+            seen.lock().unwrap().push(id);
+        }
+    });
+    sent
 }
