@@ -207,14 +207,7 @@ impl NatsServer {
     /// How many messages and bytes `stream` holds.
     pub async fn stream_state(&self, stream: &str) -> Result<(u64, u64)> {
         let js = async_nats::jetstream::new(self.client().await?);
-        let mut s = js
-            .get_stream(stream)
-            .await
-            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-        let info = s
-            .info()
-            .await
-            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
+        let info = stream_info(&js, stream).await?;
         Ok((info.state.messages, info.state.bytes))
     }
 
@@ -222,6 +215,22 @@ impl NatsServer {
     pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
         read_stream_with(self.client().await?, stream).await
     }
+}
+
+/// `stream`'s info as its leader reports it (shared with [`crate::NatsCluster`]).
+pub(crate) async fn stream_info(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> Result<async_nats::jetstream::stream::Info> {
+    let mut s = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
+    let info = s
+        .info()
+        .await
+        .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
+    Ok(info.clone())
 }
 
 /// Every message stored in `stream`, in stream order, read through `client` by an ordered

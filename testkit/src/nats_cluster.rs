@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::nats::read_stream_with;
+use crate::nats::{read_stream_with, stream_info};
 use crate::process::{die_with_parent, free_port, scratch_dir, wait_for_port};
 use crate::StoredMessage;
 
@@ -226,15 +226,7 @@ impl NatsCluster {
         let js = async_nats::jetstream::ContextBuilder::new()
             .timeout(Duration::from_millis(250))
             .build(self.client().await?);
-        let mut s = js
-            .get_stream(stream)
-            .await
-            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-        let info = s
-            .info()
-            .await
-            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
-        Ok(info.cluster.clone())
+        Ok(stream_info(&js, stream).await?.cluster)
     }
 
     /// The index of the server leading `stream` now (JetStream's `cluster.leader`).
@@ -253,15 +245,7 @@ impl NatsCluster {
     /// How many messages `stream` holds, as some live server reports it.
     pub async fn stream_messages(&self, stream: &str) -> Result<u64> {
         let js = async_nats::jetstream::new(self.client().await?);
-        let mut s = js
-            .get_stream(stream)
-            .await
-            .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-        let info = s
-            .info()
-            .await
-            .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
-        Ok(info.state.messages)
+        Ok(stream_info(&js, stream).await?.state.messages)
     }
 
     /// Indices of the live servers holding a client connection named `client_name`
