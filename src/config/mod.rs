@@ -57,6 +57,8 @@ pub struct Config {
     pub http: Option<HttpConfig>,
     /// `[shutdown]`.
     pub shutdown: ShutdownConfig,
+    /// `[tracing]`.
+    pub tracing: TracingConfig,
 }
 
 /// `[relay]`, checked.
@@ -121,6 +123,14 @@ pub struct ShutdownConfig {
     pub drain_timeout: Duration,
 }
 
+/// `[tracing]`, checked.
+#[derive(Debug, Clone, Default)]
+pub struct TracingConfig {
+    /// Where spans are exported over OTLP/HTTP: the full traces URL (`<otlp_endpoint>/v1/traces`).
+    /// `None`: the standard `OTEL_EXPORTER_OTLP_*` variables decide (see [`crate::ops::otel`]).
+    pub otlp_traces_url: Option<String>,
+}
+
 /// Chooses the config file: `--config`, else `OUTBOX_RELAY_CONFIG`, else [`DEFAULT_PATH`].
 pub fn resolve_path(flag: Option<&Path>) -> PathBuf {
     flag.map(Path::to_path_buf)
@@ -170,6 +180,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     let shutdown = ShutdownConfig {
         drain_timeout: positive("shutdown.drain_timeout", raw.shutdown.drain_timeout)?,
     };
+    let tracing = tracing(raw.tracing)?;
     Ok(Config {
         postgres,
         relay,
@@ -177,6 +188,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         tables,
         http,
         shutdown,
+        tracing,
     })
 }
 
@@ -287,6 +299,36 @@ fn http(raw: raw::RawHttp) -> Result<Option<HttpConfig>, ConfigError> {
     Ok(Some(HttpConfig { listen }))
 }
 
+/// Validates `[tracing]`: `otlp_endpoint` is the collector's base URL, as
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` is; the traces path is added unless it is already there.
+fn tracing(raw: raw::RawTracing) -> Result<TracingConfig, ConfigError> {
+    let Some(url) = raw.otlp_endpoint.filter(|u| !u.trim().is_empty()) else {
+        return Ok(TracingConfig::default());
+    };
+    let url = url.trim().trim_end_matches('/');
+    let host = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+        .map(|rest| rest.split('/').next().unwrap_or(""));
+    if host.is_none_or(|h| h.is_empty() || h.contains(char::is_whitespace)) {
+        return Err(ConfigError::new(
+            "tracing.otlp_endpoint",
+            format!(
+                "{url:?} is not an OTLP/HTTP URL: write http(s)://host:port, e.g. \
+                 http://127.0.0.1:4318 (the collector's OTLP/HTTP port; spans go to /v1/traces)"
+            ),
+        ));
+    }
+    let traces = if url.ends_with("/v1/traces") {
+        url.to_owned()
+    } else {
+        format!("{url}/v1/traces")
+    };
+    Ok(TracingConfig {
+        otlp_traces_url: Some(traces),
+    })
+}
+
 /// A duration that must not be zero.
 fn positive(key: &str, value: raw::DurationValue) -> Result<Duration, ConfigError> {
     if value.0.is_zero() {
@@ -383,6 +425,37 @@ mod tests {
             "{e}"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn tracing_otlp_endpoint_is_a_base_url_and_a_bad_one_is_named() {
+        assert_eq!(load(MINIMAL, &[]).unwrap().tracing.otlp_traces_url, None);
+        let traces = |url: &str| {
+            load(
+                &format!("{MINIMAL}\n[tracing]\notlp_endpoint = \"{url}\"\n"),
+                &[],
+            )
+            .map(|c| c.tracing.otlp_traces_url.unwrap())
+        };
+        assert_eq!(
+            traces("http://127.0.0.1:4318").unwrap(),
+            "http://127.0.0.1:4318/v1/traces"
+        );
+        assert_eq!(
+            traces("https://otel.example:4318/").unwrap(),
+            "https://otel.example:4318/v1/traces"
+        );
+        assert_eq!(
+            traces("http://c:4318/v1/traces").unwrap(),
+            "http://c:4318/v1/traces"
+        );
+        for bad in ["127.0.0.1:4318", "grpc://c:4317", "http://"] {
+            let e = traces(bad).unwrap_err();
+            assert!(
+                e.contains("tracing.otlp_endpoint") && e.contains("http(s)://host:port"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

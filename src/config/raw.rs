@@ -29,6 +29,10 @@ pub struct RawConfig {
     /// `[shutdown]`.
     #[serde(default)]
     pub shutdown: RawShutdown,
+    /// `[tracing]`; no span export unless `otlp_endpoint` (or `OTEL_EXPORTER_OTLP_ENDPOINT`)
+    /// is set.
+    #[serde(default)]
+    pub tracing: RawTracing,
 }
 
 #[derive(Debug, Deserialize)]
@@ -274,6 +278,14 @@ pub struct RawColumns {
 pub struct RawHttp {
     /// Address for /metrics, /healthz, /readyz. Default: no HTTP server.
     pub listen: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTracing {
+    /// OTLP/HTTP collector base URL, e.g. `http://127.0.0.1:4318` (spans go to
+    /// `<url>/v1/traces`). Default: none, no export.
+    pub otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -10,6 +10,7 @@
 
 pub mod http;
 pub mod metrics;
+pub mod otel;
 pub mod probe;
 pub mod progress;
 

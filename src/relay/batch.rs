@@ -14,7 +14,7 @@
 //! From the claim on, only `abort` (the shutdown deadline) interrupts: the transaction is
 //! dropped and rolled back, so every row not committed as published stays pending.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument;
 
@@ -24,6 +24,7 @@ use super::Shared;
 use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
 use crate::ops::metrics::TableLabel;
+use crate::ops::otel::BatchTrace;
 use crate::ops::Metrics;
 use crate::retry;
 use crate::sink::{Sink, SinkError};
@@ -158,6 +159,7 @@ async fn run_phases(
     session: &mut deadpool_postgres::Object,
 ) -> Result<Batch, BatchError> {
     let abort = shared.shutdown.abort_token();
+    let claim_started = SystemTime::now();
     // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
     let claim = claim(shared, lane, table, session);
     let (tx, mut rows) = tokio::select! {
@@ -179,9 +181,15 @@ async fn run_phases(
     let metrics = &shared.ops.metrics;
     let labels = Metrics::table_sink(&table.config.name.to_string(), shared.sink.name());
     let _in_flight = InFlight::new(&metrics.in_flight, rows.len());
+    let mut trace = shared.otel.batch(
+        &table.config.name.to_string(),
+        lane,
+        rows.len(),
+        claim_started,
+    );
 
     // 2. Publish.
-    let Some(outcomes) = publish(shared, table, &mut rows).await else {
+    let Some(outcomes) = publish(shared, table, &mut rows, trace.as_mut(), started).await else {
         return Ok(Batch::Aborted);
     };
     let acked_after = started.elapsed().as_secs_f64();
@@ -214,6 +222,9 @@ async fn run_phases(
         r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
     };
     record(shared, table, &labels, &settlement, &dead, started);
+    if let Some(trace) = trace {
+        trace.committed(settlement.published.len());
+    }
     let lag = metrics.delivery_lag.get_or_create(&TableLabel {
         table: table.config.name.to_string(),
     });
@@ -252,16 +263,26 @@ async fn claim<'a>(
 }
 
 /// Phase 2: publishes `rows` (consuming their payloads) and returns each row's outcome;
-/// `None` when `abort` fired first.
+/// `None` when `abort` fired first. With `trace`, each message gets its send span (and
+/// that span's `traceparent`), ended with the row's outcome.
 async fn publish(
     shared: &Shared,
     table: &TablePlan,
     rows: &mut [ClaimedRow],
+    mut trace: Option<&mut BatchTrace<'_>>,
+    claimed: Instant,
 ) -> Option<Vec<RowOutcome>> {
-    let messages: Vec<_> = rows
+    let mut messages: Vec<_> = rows
         .iter_mut()
         .map(|row| to_message(&table.config, row))
         .collect();
+    if let Some(trace) = trace.as_deref_mut() {
+        let since_claim = claimed.elapsed().as_secs_f64();
+        for (row, message) in rows.iter().zip(&mut messages) {
+            let wait = row.age.map(|age| age.max(0.0) + since_claim);
+            trace.send(message.as_mut().ok(), row.id, wait);
+        }
+    }
     // Without a key-order promise every row travels independently: no waves, no holding
     // back.
     let keys: Vec<Option<&str>> = match shared.relay.ordering {
@@ -282,6 +303,11 @@ async fn publish(
         // Acks cannot arrive over a lost connection: let go of the row locks now.
         _ = connection_lost(&shared.sink) => {
             tracing::warn!("Connection to the broker lost mid-batch; unacknowledged rows stay pending");
+        }
+    }
+    if let Some(trace) = trace {
+        for (i, outcome) in outcomes.iter().enumerate() {
+            trace.sent(i, outcome.as_result());
         }
     }
     Some(outcomes)

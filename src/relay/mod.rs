@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, RelayConfig};
+use crate::ops::otel::Otel;
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
@@ -78,7 +79,12 @@ struct Shared {
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
+    /// Trace spans, when exported.
+    otel: Otel,
 }
+
+/// How long the relay waits at exit for the last trace spans to reach the collector.
+const OTEL_FLUSH: Duration = Duration::from_secs(2);
 
 impl Shared {
     /// Records a fatal error and stops the relay.
@@ -127,6 +133,13 @@ async fn relay(
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
     let (source, tables) = prepare_tables(config, limits, &shutdown, &endpoints.ops).await?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
+    let otel = {
+        let (tracing, system) = (config.tracing.clone(), sink.name());
+        tokio::task::spawn_blocking(move || Otel::start(&tracing, system))
+            .await
+            .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))?
+            .map_err(RelayError::Fatal)?
+    };
     let shared = Arc::new(Shared {
         source,
         sink,
@@ -139,6 +152,7 @@ async fn relay(
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),
+        otel,
     });
     tracing::info!(
         tables = shared.tables.len(),
@@ -175,6 +189,10 @@ async fn relay(
     ops::notify_ready();
     wait_for_workers(&shared, &tracker).await;
     flush_sink(&shared).await;
+    if shared.otel.is_on() {
+        let shared = shared.clone();
+        let _ = tokio::task::spawn_blocking(move || shared.otel.shutdown(OTEL_FLUSH)).await;
+    }
     if let Some(message) = shared.state.take_fatal() {
         return Err(RelayError::Fatal(message));
     }

@@ -33,6 +33,18 @@ pub enum RowOutcome {
     Failed(SinkError),
 }
 
+impl RowOutcome {
+    /// `Ok` for an acknowledged row, else why it was not.
+    pub fn as_result(&self) -> Result<(), &str> {
+        match self {
+            RowOutcome::Published => Ok(()),
+            RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
+            RowOutcome::HeldBack => Err("not counted: an earlier row of its key failed"),
+            RowOutcome::Failed(e) => Err(&e.message),
+        }
+    }
+}
+
 /// Splits rows into waves: the n-th row of each key goes into wave n; rows without a key
 /// into wave 0. Within a wave, rows keep their batch (id) order.
 pub fn waves(keys: &[Option<&str>]) -> Vec<Vec<usize>> {

@@ -22,6 +22,8 @@
 //!   streams, their leader, which server holds a named client, killing and restarting one.
 //! - `kafka`: [`KafkaBroker`] (`tansu broker`, in memory), topics, and [`kafka_read_all`]
 //!   returning [`KafkaRecord`]s.
+//! - `otlp`: [`OtlpReceiver`], an OTLP/HTTP trace receiver that decodes the protobuf
+//!   export into [`ReceivedSpan`]s (the collector the tracing tests export to).
 //! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
@@ -30,6 +32,7 @@
 mod kafka;
 mod nats;
 mod nats_cluster;
+pub mod otlp;
 mod pgbouncer;
 mod postgres;
 mod process;
@@ -40,6 +43,7 @@ mod tls;
 pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
 pub use nats::{NatsServer, StoredMessage};
 pub use nats_cluster::NatsCluster;
+pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{die_with_parent, free_port, wait_with_usage};

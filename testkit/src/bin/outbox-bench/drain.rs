@@ -195,6 +195,35 @@ impl Bench {
         Ok(rows)
     }
 
+    /// T: C (nats, key) on rows that all carry a `traceparent`, trace export off, then on
+    /// to an OTLP receiver that decodes and counts; the second row names the spans that
+    /// arrived (one send span per row plus one per batch when none is dropped).
+    pub(crate) async fn trace_export(&self) -> Result<(Row, Row)> {
+        let receiver = testkit::OtlpReceiver::start_counting()?;
+        let mut rows = Vec::new();
+        for export in [None, Some(receiver.url())] {
+            self.seed_traced().await?;
+            self.reset_nats().await?;
+            let tracing = match &export {
+                Some(url) => format!("[tracing]\notlp_endpoint = \"{url}\"\n"),
+                None => String::new(),
+            };
+            rows.push(
+                self.timed_drain_with_config("nats", "key", self.a.rows, &tracing)
+                    .await?,
+            );
+        }
+        let (mut on, mut off) = (rows.pop().unwrap(), rows.pop().unwrap());
+        // The relay exports what is queued before it exits.
+        let spans = receiver.span_count();
+        off.name = "T0. C (nats, key), every row with a traceparent, trace export off".into();
+        on.name = format!(
+            "T1. T0 with trace export on: {spans} spans received for {} rows",
+            self.a.rows
+        );
+        Ok((off, on))
+    }
+
     /// `outbox-relay drain` as a process, timed from its start to its exit (start-up and
     /// connecting included), on what the table holds now.
     async fn timed_drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {
@@ -208,8 +237,19 @@ impl Bench {
         ordering: &'static str,
         rows: i64,
     ) -> Result<Row> {
+        self.timed_drain_with_config(sink, ordering, rows, "").await
+    }
+
+    /// [`Bench::timed_drain_of`] with `extra` appended to the config file.
+    async fn timed_drain_with_config(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        rows: i64,
+        extra: &str,
+    ) -> Result<Row> {
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
-        std::fs::write(&path, self.config_text(sink, ordering))?;
+        std::fs::write(&path, self.config_text(sink, ordering) + extra)?;
         let started = Instant::now();
         let machine = MachineCpu::now();
         let child = Command::new(&self.a.relay)

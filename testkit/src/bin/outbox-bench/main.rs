@@ -11,6 +11,9 @@
 //!   captures at the head of the table (`retry_backoff = "10ms"`, `max_attempts = 3` in
 //!   both runs): the good rows' rate, as a ratio to the same drain without them. A
 //!   row-level refusal must not slow the other keys (goal: >= 0.8).
+//! - T. Trace export's cost: the NATS key-ordered drain of rows that each carry a
+//!   `traceparent` header, with export off, then on (OTLP/HTTP to a receiver in this
+//!   process that decodes every export and counts the spans).
 //! - E. Peak RSS and CPU seconds per 100k rows of each drain (from `wait4`).
 //!
 //! Prints one markdown table; each drain also as a ratio to min(A, B) for its ordering
@@ -125,15 +128,23 @@ impl Bench {
     async fn seed_rows(&self, poison: i64, rows: i64) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client.batch_execute("TRUNCATE public.outbox").await?;
-        self.insert_rows(poison, rows).await
+        self.insert_rows(poison, rows, false).await
+    }
+
+    /// Fills the table afresh with rows that each carry a W3C `traceparent` header (a
+    /// trace of its own, sampled), as rows written inside traced requests do.
+    async fn seed_traced(&self) -> Result<()> {
+        let client = self.pg.connect("app").await?;
+        client.batch_execute("TRUNCATE public.outbox").await?;
+        self.insert_rows(0, self.a.rows, true).await
     }
 
     /// Adds the benchmark's rows (and `poison` rows first) to what the table holds.
     async fn insert(&self, poison: i64) -> Result<()> {
-        self.insert_rows(poison, self.a.rows).await
+        self.insert_rows(poison, self.a.rows, false).await
     }
 
-    async fn insert_rows(&self, poison: i64, rows: i64) -> Result<()> {
+    async fn insert_rows(&self, poison: i64, rows: i64, traced: bool) -> Result<()> {
         let client = self.pg.connect("app").await?;
         client
             .execute(
@@ -144,15 +155,19 @@ impl Bench {
             .await?;
         client
             .execute(
-                "INSERT INTO public.outbox (topic, key, payload)
+                "INSERT INTO public.outbox (topic, key, payload, headers)
                  SELECT 'bench.' || (n % $4::bigint), 'k' || (n % $2::bigint),
-                        convert_to(rpad(n::text, $3::int, 'x'), 'UTF8')
+                        convert_to(rpad(n::text, $3::int, 'x'), 'UTF8'),
+                        CASE WHEN $5 THEN jsonb_build_object('traceparent',
+                            '00-' || md5(n::text) || '-' || left(md5('span' || n), 16) || '-01')
+                        END
                  FROM generate_series(1, $1::bigint) n ORDER BY n",
                 &[
                     &rows,
                     &self.a.keys,
                     &(self.a.payload as i32),
                     &(TOPICS as i64),
+                    &traced,
                 ],
             )
             .await?;
@@ -251,6 +266,9 @@ async fn main() -> Result<()> {
     step(bench.drain("nats", "key").await)?;
     step(bench.drain_with("nats", "key", 3).await)?;
     step(bench.drain("nats", "none").await)?;
+    let (untraced, traced) = bench.trace_export().await?;
+    step(Ok(untraced))?;
+    step(Ok(traced))?;
     let (held_first, held_second) = bench.held_snapshot().await?;
     step(Ok(held_first))?;
     step(Ok(held_second))?;
