@@ -439,5 +439,55 @@ async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_fo
         scrape(&addr, "outbox_relay_delivery_lag_seconds_count"),
         Some(20.0)
     );
+    // They are counted as replayed instead, each once.
+    assert_eq!(
+        scrape(&addr, "outbox_relay_rows_replayed_total"),
+        Some(20.0)
+    );
+    terminate_cleanly(&mut relay);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
+    let (env, addr) = env_with_http("retry_backoff = \"1h\"\nretry_backoff_max = \"1h\"").await;
+    let client = env.client().await;
+    let waiting = r#"outbox_relay_rows_waiting_retry{table="public.outbox"}"#;
+    // Two rows at fault (headers that are not an object), one good row.
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, headers) VALUES \
+             ('events.x', 'bad1', 'p', '[1]'), ('events.x', 'bad2', 'p', '[2]'), \
+             ('events.x', 'good', 'p', NULL)",
+        )
+        .await
+        .unwrap();
+    let mut relay = env.spawn_run();
+    wait_until(
+        "both failed rows counted as waiting",
+        Duration::from_secs(30),
+        async || scrape(&addr, waiting) == Some(2.0),
+    )
+    .await;
+    assert_eq!(scrape(&addr, "outbox_relay_rows_failed_total"), Some(2.0));
+    assert_eq!(
+        scrape(&addr, "outbox_relay_rows_published_total"),
+        Some(1.0)
+    );
+    assert_eq!(
+        scrape(&addr, "outbox_relay_rows_replayed_total"),
+        Some(0.0),
+        "nothing replayed"
+    );
+
+    client
+        .batch_execute("DELETE FROM public.outbox WHERE key = 'bad1'")
+        .await
+        .unwrap();
+    wait_until(
+        "the gauge to follow a deleted row",
+        Duration::from_secs(30),
+        async || scrape(&addr, waiting) == Some(1.0),
+    )
+    .await;
     terminate_cleanly(&mut relay);
 }

@@ -48,6 +48,11 @@ pub struct Metrics {
     pub dead: Family<TableSink, Counter>,
     /// Published rows deleted by `relay.retention` (mark mode).
     pub retention_deleted: Family<TableLabel, Counter>,
+    /// Rows made pending again by `outbox-relay replay` and published again (also counted
+    /// in `published`).
+    pub replayed: Family<TableSink, Counter>,
+    /// Rows waiting for their next attempt after a failure (refreshed on an interval).
+    pub waiting_retry: Family<TableLabel, Gauge>,
     /// From the first send of a batch to its last acknowledgement.
     pub publish_seconds: Seconds,
     /// From claim to commit.
@@ -97,6 +102,8 @@ impl Default for Metrics {
             failed: Family::default(),
             dead: Family::default(),
             retention_deleted: Family::default(),
+            replayed: Family::default(),
+            waiting_retry: Family::default(),
             publish_seconds: Family::new_with_constructor(latency_histogram),
             batch_seconds: Family::new_with_constructor(latency_histogram),
             delivery_lag: Family::new_with_constructor(lag_histogram),
@@ -131,6 +138,18 @@ impl Default for Metrics {
             "rows_deleted_by_retention",
             "Published rows deleted because relay.retention passed (mark mode)",
             metrics.retention_deleted.clone(),
+        );
+        registry.register(
+            "rows_replayed",
+            "Rows made pending again by `outbox-relay replay` and published again (also in \
+             rows_published)",
+            metrics.replayed.clone(),
+        );
+        registry.register(
+            "rows_waiting_retry",
+            "Rows waiting for their next attempt after a failure (not dead), refreshed on an \
+             interval",
+            metrics.waiting_retry.clone(),
         );
         registry.register(
             "publish_duration_seconds",

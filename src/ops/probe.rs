@@ -1,8 +1,8 @@
 //! The probe task: every [`PROBE_INTERVAL`], is PostgreSQL reachable, is the broker (for
 //! `/readyz` and the `dependency_up` gauges), and the circuit gauges; every
-//! [`GAUGE_INTERVAL`], the gauges that read the database: backlog and oldest pending age
-//! per table (from the pending index), dead tuples, and the vacuum horizon with its WARN
-//! (see [`crate::source::vacuum`]).
+//! [`GAUGE_INTERVAL`], the gauges that read the database: backlog, oldest pending age and
+//! rows waiting to retry per table (from the pending and retry indexes), dead tuples, and
+//! the vacuum horizon with its WARN (see [`crate::source::vacuum`]).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -86,16 +86,26 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
         let view = table.floor.view();
         let stragglers: &[i64] = &view.stragglers;
         let read = source.in_transaction(async |tx| {
-            tx.query_one(&table.sql.backlog, &[&view.value, &stragglers])
-                .await
+            let backlog = tx
+                .query_one(&table.sql.backlog, &[&view.value, &stragglers])
+                .await?;
+            let waiting = tx.query_one(&table.sql.waiting, &[]).await?;
+            Ok((backlog, waiting))
         });
         match read.await {
-            Ok(row) => {
-                ops.metrics.backlog.get_or_create(&label).set(row.get(0));
+            Ok((backlog, waiting)) => {
+                ops.metrics
+                    .backlog
+                    .get_or_create(&label)
+                    .set(backlog.get(0));
                 ops.metrics
                     .oldest_age_seconds
                     .get_or_create(&label)
-                    .set(row.get::<_, f64>(1).max(0.0));
+                    .set(backlog.get::<_, f64>(1).max(0.0));
+                ops.metrics
+                    .waiting_retry
+                    .get_or_create(&label)
+                    .set(waiting.get(0));
             }
             Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
         }

@@ -199,6 +199,11 @@ async fn run_phases(
         .observe(acked_after);
     // Each acknowledged row's lag: its age at the claim plus the publish. Observed only
     // once the batch commits.
+    let replayed = rows
+        .iter()
+        .zip(&outcomes)
+        .filter(|(row, outcome)| matches!(outcome, RowOutcome::Published) && row.replayed)
+        .count();
     let lags: Vec<f64> = rows
         .iter()
         .zip(&outcomes)
@@ -222,6 +227,10 @@ async fn run_phases(
         r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
     };
     record(shared, table, &labels, &settlement, &dead, started);
+    metrics
+        .replayed
+        .get_or_create(&labels)
+        .inc_by(replayed as u64);
     if let Some(trace) = trace {
         trace.committed(settlement.published.len());
     }
