@@ -81,7 +81,32 @@ pub async fn check(config: &Config) -> Vec<Finding> {
         SinkTarget::Kafka(kafka) => check_kafka(kafka, config, &subjects, &mut out).await,
         SinkTarget::Stdout => out.push(Level::Ok, "sink", "stdout needs no checks"),
     }
+    check_tracing(config, &mut out).await;
     out.0
+}
+
+/// With trace export on: does the collector accept an (empty) OTLP/HTTP export? A WARN at
+/// worst, never a failure: relaying does not depend on it.
+async fn check_tracing(config: &Config, out: &mut Findings) {
+    let Some(url) = crate::ops::otel::traces_url(&config.tracing) else {
+        return;
+    };
+    let target = format!("tracing {}", crate::config::redact_userinfo(&url));
+    let probe = tokio::task::spawn_blocking(move || crate::ops::otel::probe_collector(&url))
+        .await
+        .unwrap_or_else(|e| Err(format!("the probe failed: {e}")));
+    match probe {
+        Ok(()) => out.push(Level::Ok, target, "the collector accepts OTLP/HTTP exports"),
+        Err(e) => out.push(
+            Level::Warn,
+            target,
+            format!(
+                "{e}; spans are dropped until it accepts them (relaying does not depend on \
+                 it): fix [tracing] otlp_endpoint or OTEL_EXPORTER_OTLP_ENDPOINT, or start \
+                 the collector"
+            ),
+        ),
+    }
 }
 
 /// Checks the database and each table; returns the subjects to look for in the broker,

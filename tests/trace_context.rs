@@ -407,3 +407,35 @@ async fn kafka_record_carries_the_send_span_traceparent() {
         Some(b.traceparent(true).as_str())
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_says_whether_the_collector_accepts_exports() {
+    let receiver = OtlpReceiver::start().unwrap();
+    let env = env_with_trace_column(
+        false,
+        &format!("[tracing]\notlp_endpoint = \"{}\"\n", receiver.url()),
+    )
+    .await;
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let line = format!(
+        "ok   tracing {}/v1/traces: the collector accepts OTLP/HTTP exports",
+        receiver.url()
+    );
+    assert!(text(&out).contains(&line), "{}", text(&out));
+    assert_eq!(receiver.requests().len(), 1, "one empty export");
+    assert_eq!(receiver.span_count(), 0);
+
+    // Nothing listening: a warning that says what to do; check still passes.
+    let closed = format!("http://127.0.0.1:{}", testkit::free_port());
+    env.write_config("", &format!("[tracing]\notlp_endpoint = \"{closed}\"\n"));
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let warned = format!("WARN tracing {closed}/v1/traces: no answer");
+    assert!(text(&out).contains(&warned), "{}", text(&out));
+    assert!(
+        text(&out).contains("relaying does not depend on it"),
+        "{}",
+        text(&out)
+    );
+}

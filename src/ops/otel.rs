@@ -56,20 +56,82 @@ struct Exporting {
     propagator: TraceContextPropagator,
 }
 
-/// Where spans go, from the config and the standard environment; `None`: export off.
-fn endpoint(config: &TracingConfig) -> Option<Option<String>> {
-    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.trim().is_empty());
-    if std::env::var("OTEL_SDK_DISABLED").is_ok_and(|v| v.trim().eq_ignore_ascii_case("true")) {
+/// Where spans go: the full OTLP/HTTP traces URL, from `[tracing] otlp_endpoint`, else
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (as is), else `OTEL_EXPORTER_OTLP_ENDPOINT` (plus
+/// `/v1/traces`), as the OTLP exporter specification says; `None`: export off (none set, or
+/// `OTEL_SDK_DISABLED=true`).
+pub fn traces_url(config: &TracingConfig) -> Option<String> {
+    traces_url_from(config, |name| std::env::var(name).ok())
+}
+
+fn traces_url_from(config: &TracingConfig, env: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let var = |name: &str| {
+        env(name)
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    };
+    if var("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
         return None;
     }
-    match &config.otlp_traces_url {
-        Some(url) => Some(Some(url.clone())),
-        // The exporter resolves these itself, as the OTLP specification says.
-        None if set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") || set("OTEL_EXPORTER_OTLP_ENDPOINT") => {
-            Some(None)
-        }
-        None => None,
+    config
+        .otlp_traces_url
+        .clone()
+        .or_else(|| var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| {
+            var("OTEL_EXPORTER_OTLP_ENDPOINT")
+                .map(|base| format!("{}/v1/traces", base.trim_end_matches('/')))
+        })
+}
+
+/// Posts an empty export (a valid, empty `ExportTraceServiceRequest`) to `url` with the
+/// configured headers, as `check` does: `Ok` when the collector accepts it. Blocking.
+pub fn probe_collector(url: &str) -> Result<(), String> {
+    let client = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
+    let mut request = client
+        .post(url)
+        .header("content-type", "application/x-protobuf")
+        .body(Vec::new());
+    for (name, value) in export_headers() {
+        request = request.header(name, value);
     }
+    let response = request
+        .send()
+        .map_err(|e| format!("no answer: {}", error_chain(&e)))?;
+    if response.status().is_success() {
+        Ok(())
+    } else {
+        Err(format!("answered {}", response.status()))
+    }
+}
+
+/// `OTEL_EXPORTER_OTLP_TRACES_HEADERS`, else `OTEL_EXPORTER_OTLP_HEADERS`: `name=value`
+/// pairs, comma-separated, values percent-encoded.
+fn export_headers() -> Vec<(String, String)> {
+    let text = std::env::var("OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+        .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_HEADERS"))
+        .unwrap_or_default();
+    text.split(',')
+        .filter_map(|pair| pair.split_once('='))
+        .map(|(name, value)| {
+            let value = percent_encoding::percent_decode_str(value.trim()).decode_utf8_lossy();
+            (name.trim().to_owned(), value.into_owned())
+        })
+        .filter(|(name, _)| !name.is_empty())
+        .collect()
+}
+
+/// An error with its sources, one after the other (reqwest's own message is only the top).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    text
 }
 
 impl Otel {
@@ -81,19 +143,16 @@ impl Otel {
     /// Starts the exporter when export is on. Blocking (the exporter builds its HTTP
     /// client on a thread of its own): call it where a thread may block.
     pub fn start(config: &TracingConfig, system: &'static str) -> Result<Otel, String> {
-        let Some(url) = endpoint(config) else {
+        let Some(url) = traces_url(config) else {
             return Ok(Otel::off());
         };
         use opentelemetry_otlp::WithExportConfig;
         // Headers (OTEL_EXPORTER_OTLP_HEADERS), timeout and compression come from the
         // standard variables, read by the exporter.
-        let mut builder = opentelemetry_otlp::SpanExporter::builder()
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_http()
-            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary);
-        if let Some(url) = &url {
-            builder = builder.with_endpoint(url.clone());
-        }
-        let exporter = builder
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(url.clone())
             .build()
             .map_err(|e| format!("cannot set up the OTLP span exporter: {e}"))?;
         let provider = SdkTracerProvider::builder()
@@ -105,10 +164,7 @@ impl Otel {
                 .with_version(env!("CARGO_PKG_VERSION"))
                 .build(),
         );
-        tracing::info!(
-            endpoint = url.as_deref().unwrap_or("from OTEL_EXPORTER_OTLP_*"),
-            "Exporting trace spans over OTLP/HTTP"
-        );
+        tracing::info!(endpoint = %url, "Exporting trace spans over OTLP/HTTP");
         Ok(Otel {
             exporting: Some(Exporting {
                 provider,
@@ -311,6 +367,66 @@ mod tests {
             false,
             Default::default(),
         )
+    }
+
+    #[test]
+    fn the_traces_url_comes_from_the_config_then_the_standard_variables() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let off = TracingConfig::default();
+        let on = TracingConfig {
+            otlp_traces_url: Some("http://file:4318/v1/traces".into()),
+        };
+        assert_eq!(traces_url_from(&off, env(&[])), None);
+        assert_eq!(
+            traces_url_from(
+                &on,
+                env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318")])
+            ),
+            Some("http://file:4318/v1/traces".into()),
+            "the config file wins"
+        );
+        assert_eq!(
+            traces_url_from(
+                &off,
+                env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318/")])
+            ),
+            Some("http://env:4318/v1/traces".into())
+        );
+        assert_eq!(
+            traces_url_from(
+                &off,
+                env(&[
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://env:4318"),
+                    (
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                        "http://traces:9999/custom"
+                    ),
+                ])
+            ),
+            Some("http://traces:9999/custom".into()),
+            "the traces endpoint is taken as it is"
+        );
+        assert_eq!(
+            traces_url_from(
+                &on,
+                env(&[
+                    ("OTEL_SDK_DISABLED", "TRUE"),
+                    ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://e")
+                ])
+            ),
+            None
+        );
+        assert_eq!(
+            traces_url_from(&off, env(&[("OTEL_EXPORTER_OTLP_ENDPOINT", "  ")])),
+            None
+        );
     }
 
     #[test]
