@@ -116,7 +116,8 @@ async fn replay_publishes_exactly_the_chosen_rows_again_in_key_order_ahead_of_la
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn replay_by_id_warns_about_rows_not_published_and_is_refused_in_delete_mode() {
+async fn replay_by_id_warns_about_rows_not_published_is_refused_in_delete_mode_and_since_needs_created_at(
+) {
     let env = Env::new("on_publish = \"mark\"").await;
     let client = env.client().await;
     seed(&client, 20, 2, 0).await;
@@ -146,6 +147,26 @@ async fn replay_by_id_warns_about_rows_not_published_and_is_refused_in_delete_mo
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(
         text(&out).contains("on_publish = \"mark\""),
+        "{}",
+        text(&out)
+    );
+    // A table without a creation-time column takes --id only.
+    env.write_config("on_publish = \"mark\"", "");
+    client
+        .batch_execute("ALTER TABLE public.outbox DROP COLUMN created_at")
+        .await
+        .unwrap();
+    let out = env.relay(&["replay", "--since", "1h"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("has no creation-time column to select by: use --id"),
+        "{}",
+        text(&out)
+    );
+    let out = env.relay(&["replay", "--id", "5"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("replayed 1 published rows"),
         "{}",
         text(&out)
     );
