@@ -263,7 +263,7 @@ async fn drain_large_rows(relay: &str) {
         )
         .await
         .unwrap();
-    // Reaped by wait4 below, which also reports the peak RSS.
+    // Reaped by wait4 below; the peak RSS is sampled meanwhile.
     #[allow(clippy::zombie_processes)]
     let child = env
         .command(&["drain", "--timeout", "120s"])
@@ -271,9 +271,17 @@ async fn drain_large_rows(relay: &str) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start outbox-relay drain");
-    let (code, usage) = testkit::wait_with_usage(child.id() as i32).unwrap();
-    assert_eq!(code, 0);
-    let peak_mb = usage.ru_maxrss as f64 / 1024.0;
+    let pid = child.id() as i32;
+    let usage = tokio::time::timeout(
+        Duration::from_secs(150),
+        tokio::task::spawn_blocking(move || testkit::wait_with_usage(pid)),
+    )
+    .await
+    .expect("drain exits within its --timeout")
+    .unwrap()
+    .unwrap();
+    assert_eq!(usage.code, 0);
+    let peak_mb = usage.peak_rss_mb;
     eprintln!("peak RSS draining 200 rows of 900 KB: {peak_mb:.0} MB");
     assert!(peak_mb < 128.0, "peak RSS {peak_mb:.0} MB");
     assert_eq!(

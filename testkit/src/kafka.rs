@@ -43,8 +43,52 @@ pub fn kafka_read_all(
     topics: &[&str],
     idle: Duration,
 ) -> Result<Vec<KafkaRecord>> {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::message::{Headers, Message};
+    let mut out = Vec::new();
+    kafka_visit_all(bootstrap, topics, idle, |m| {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        out.push(KafkaRecord {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            headers,
+            payload: m.payload().map(<[u8]>::to_vec),
+        });
+    })?;
+    Ok(out)
+}
+
+/// How many records `topics` hold, read as [`kafka_read_all`] reads them but kept in no
+/// memory (the benchmark counts millions). Blocking.
+pub fn kafka_count_all(bootstrap: &str, topics: &[&str], idle: Duration) -> Result<usize> {
+    let mut n = 0;
+    kafka_visit_all(bootstrap, topics, idle, |_| n += 1)?;
+    Ok(n)
+}
+
+/// The longest any read of every record may take, however steadily records arrive.
+const READ_ALL_LIMIT: Duration = Duration::from_secs(600);
+
+fn kafka_visit_all(
+    bootstrap: &str,
+    topics: &[&str],
+    idle: Duration,
+    mut visit: impl FnMut(&rdkafka::message::BorrowedMessage<'_>),
+) -> Result<()> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
     let consumer: BaseConsumer = ClientConfig::new()
@@ -66,40 +110,21 @@ pub fn kafka_read_all(
         }
     }
     consumer.assign(&assignment)?;
-    let mut out = Vec::new();
-    let mut last = Instant::now();
+    let (started, mut last) = (Instant::now(), Instant::now());
     while last.elapsed() < idle {
+        if started.elapsed() > READ_ALL_LIMIT {
+            bail!("reading Kafka: records still arriving after {READ_ALL_LIMIT:?}");
+        }
         match consumer.poll(Duration::from_millis(100)) {
             None => {}
             Some(Err(e)) => bail!("reading Kafka: {e}"),
             Some(Ok(m)) => {
                 last = Instant::now();
-                let headers = m
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|h| {
-                                (
-                                    h.key.to_owned(),
-                                    String::from_utf8_lossy(h.value.unwrap_or_default())
-                                        .into_owned(),
-                                )
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                out.push(KafkaRecord {
-                    topic: m.topic().to_owned(),
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
-                    headers,
-                    payload: m.payload().map(<[u8]>::to_vec),
-                });
+                visit(&m);
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// A throwaway Kafka-protocol broker: `tansu broker` with in-memory storage.

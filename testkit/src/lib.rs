@@ -27,7 +27,8 @@
 //! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
-//!   waiting for a port, and [`wait_with_usage`] for timing a relay child (peak RSS, CPU).
+//!   waiting for a port, and [`wait_with_usage`] for timing a relay child ([`ChildUsage`]:
+//!   peak RSS, CPU).
 
 mod kafka;
 mod nats;
@@ -40,13 +41,13 @@ mod proxy;
 mod standby;
 mod tls;
 
-pub use kafka::{kafka_read_all, KafkaBroker, KafkaRecord};
+pub use kafka::{kafka_count_all, kafka_read_all, KafkaBroker, KafkaRecord};
 pub use nats::{NatsServer, StoredMessage};
 pub use nats_cluster::NatsCluster;
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
-pub use process::{die_with_parent, free_port, wait_with_usage};
+pub use process::{die_with_parent, free_port, wait_with_usage, ChildUsage};
 pub use proxy::{Fault, Proxy};
 pub use standby::{failover_url, Standby};
 pub use tls::TestCa;

@@ -27,6 +27,9 @@ pub(crate) struct Row {
     pub(crate) cpu_per_100k: Option<f64>,
     /// Cores the whole machine kept busy during the measurement (all processes).
     pub(crate) cores_busy: f64,
+    /// C: messages the broker stored during the drain and rows left in the table after it,
+    /// both checked (stored = the rows, left = 0 or the poison rows).
+    pub(crate) stored_left: Option<(i64, i64)>,
 }
 
 impl Row {
@@ -64,18 +67,21 @@ impl Bench {
             rss_mb: None,
             cpu_per_100k: None,
             cores_busy: machine.busy_since(),
+            stored_left: None,
         })
     }
 
     /// B: the same messages through the relay's sink, no database.
     pub(crate) async fn broker_limit(&self, sink_name: &'static str) -> Result<Row> {
         let config = self.config(sink_name, "none")?;
-        let sink = Arc::new(Sink::connect(&config.sink).await?);
         let payload: Vec<u8> = std::iter::repeat_n(b'x', self.a.payload as usize).collect();
         let payload = bytes::Bytes::from(payload);
         let per_worker = self.a.rows as usize / self.a.workers;
+        let stored_before = self.stored(sink_name).await?;
+        // The same span as A and C: connecting included, to the flush at the end.
         let started = Instant::now();
         let machine = MachineCpu::now();
+        let sink = Arc::new(Sink::connect(&config.sink).await?);
         let mut tasks = Vec::new();
         for w in 0..self.a.workers {
             let sink = sink.clone();
@@ -107,8 +113,14 @@ impl Bench {
         for t in tasks {
             t.await??;
         }
+        sink.close(Duration::from_secs(5))
+            .await
+            .map_err(|e| anyhow::anyhow!("closing the sink: {}", e.message))?;
         let secs = started.elapsed().as_secs_f64();
-        let _ = sink.close(Duration::from_secs(5)).await;
+        let stored = self.stored(sink_name).await? - stored_before;
+        if stored != (per_worker * self.a.workers) as i64 {
+            bail!("B ({sink_name}): the broker stored {stored} of the messages it acknowledged");
+        }
         Ok(Row {
             name: format!("B. {sink_name} limit: publish, acks awaited, no database"),
             rows: (per_worker * self.a.workers) as i64,
@@ -118,6 +130,7 @@ impl Bench {
             rss_mb: None,
             cpu_per_100k: None,
             cores_busy: machine.busy_since(),
+            stored_left: None,
         })
     }
 
@@ -137,18 +150,20 @@ impl Bench {
         if sink == "nats" {
             self.reset_nats().await?;
         }
-        let mut row = self.timed_drain(sink, ordering).await?;
+        let mut row = self
+            .timed_drain_with_config(sink, ordering, self.a.rows, "", poison)
+            .await?;
         if poison > 0 {
             let client = self.pg.connect("app").await?;
-            let counts = client
+            let dead: i64 = client
                 .query_one(
-                    "SELECT count(*) FILTER (WHERE dead_at IS NOT NULL), count(*) FROM public.outbox",
+                    "SELECT count(*) FROM public.outbox WHERE dead_at IS NOT NULL",
                     &[],
                 )
-                .await?;
-            let (dead, left): (i64, i64) = (counts.get(0), counts.get(1));
-            if dead != 1 || left != poison {
-                bail!("poisoned drain left {left} rows ({dead} dead); expected {poison} (1 dead)");
+                .await?
+                .get(0);
+            if dead != 1 {
+                bail!("poisoned drain left {dead} dead rows; expected 1");
             }
             row.name = format!(
                 "C'. drain to {sink}, ordering = \"{ordering}\", {poison} rows no stream captures at the head"
@@ -209,7 +224,7 @@ impl Bench {
                 None => String::new(),
             };
             rows.push(
-                self.timed_drain_with_config("nats", "key", self.a.rows, &tracing)
+                self.timed_drain_with_config("nats", "key", self.a.rows, &tracing, 0)
                     .await?,
             );
         }
@@ -237,17 +252,21 @@ impl Bench {
         ordering: &'static str,
         rows: i64,
     ) -> Result<Row> {
-        self.timed_drain_with_config(sink, ordering, rows, "").await
+        self.timed_drain_with_config(sink, ordering, rows, "", 0)
+            .await
     }
 
-    /// [`Bench::timed_drain_of`] with `extra` appended to the config file.
+    /// [`Bench::timed_drain_of`] with `extra` appended to the config file; checks that the
+    /// broker stored `rows` messages more and that `left` rows stay in the table.
     async fn timed_drain_with_config(
         &self,
         sink: &'static str,
         ordering: &'static str,
         rows: i64,
         extra: &str,
+        left: i64,
     ) -> Result<Row> {
+        let stored_before = self.stored(sink).await?;
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
         std::fs::write(&path, self.config_text(sink, ordering) + extra)?;
         let started = Instant::now();
@@ -259,24 +278,66 @@ impl Bench {
             .stdout(std::process::Stdio::null())
             .spawn()
             .context("start outbox-relay")?;
-        let (status, usage) = testkit::wait_with_usage(child.id() as i32)?;
+        let pid = child.id() as i32;
+        let usage = tokio::task::spawn_blocking(move || testkit::wait_with_usage(pid)).await??;
         let secs = started.elapsed().as_secs_f64();
-        if status != 0 {
-            bail!("drain ({sink}, {ordering}) exited with {status}");
+        if usage.code != 0 {
+            bail!("drain ({sink}, {ordering}) exited with {}", usage.code);
         }
-        let cpu = usage.ru_utime.tv_sec as f64
-            + usage.ru_utime.tv_usec as f64 / 1e6
-            + usage.ru_stime.tv_sec as f64
-            + usage.ru_stime.tv_usec as f64 / 1e6;
+        let stored = self.stored(sink).await? - stored_before;
+        let client = self.pg.connect("app").await?;
+        let left_now: i64 = client
+            .query_one("SELECT count(*) FROM public.outbox", &[])
+            .await?
+            .get(0);
+        if stored != rows || left_now != left {
+            bail!(
+                "drain ({sink}, {ordering}): the broker stored {stored} messages for {rows} rows \
+                 and {left_now} rows are left (expected {left})"
+            );
+        }
         Ok(Row {
             name: format!("C. drain to {sink}, ordering = \"{ordering}\""),
             rows,
             secs,
             broker: sink,
             ordering,
-            rss_mb: Some(usage.ru_maxrss as f64 / 1024.0),
-            cpu_per_100k: Some(cpu / (rows as f64 / 100_000.0)),
+            rss_mb: Some(usage.peak_rss_mb),
+            cpu_per_100k: Some(usage.cpu_secs / (rows as f64 / 100_000.0)),
             cores_busy: machine.busy_since(),
+            stored_left: Some((stored, left_now)),
         })
+    }
+
+    /// Messages the broker holds for the benchmark: the NATS stream's count, or the Kafka
+    /// records read back from every partition (tansu's high watermarks do not count
+    /// records: 18,024 after 20,000 acknowledged).
+    async fn stored(&self, sink: &str) -> Result<i64> {
+        match sink {
+            "nats" => {
+                let client = async_nats::connect(self.nats.url()).await?;
+                let js = async_nats::jetstream::new(client);
+                let mut stream = js
+                    .get_stream("BENCH")
+                    .await
+                    .map_err(|e| anyhow::anyhow!("stream BENCH: {e}"))?;
+                let info = stream
+                    .info()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("stream BENCH: {e}"))?;
+                Ok(info.state.messages as i64)
+            }
+            "kafka" => {
+                let bootstrap = self.kafka.as_ref().context("no Kafka broker")?.bootstrap();
+                let topics: Vec<String> = (0..TOPICS).map(|t| format!("bench.{t}")).collect();
+                let count = tokio::task::spawn_blocking(move || {
+                    let topics: Vec<&str> = topics.iter().map(String::as_str).collect();
+                    testkit::kafka_count_all(&bootstrap, &topics, Duration::from_secs(2))
+                })
+                .await??;
+                Ok(count as i64)
+            }
+            other => bail!("no stored count for sink {other}"),
+        }
     }
 }

@@ -26,6 +26,15 @@ pub(crate) async fn settings(pg: &Postgres) -> Result<String> {
     Ok(shown.join(", "))
 }
 
+/// A latency in milliseconds; an infinite one is a row that never arrived.
+fn ms(value: f64) -> String {
+    if value.is_finite() {
+        format!("{value:.1} ms")
+    } else {
+        "missing".to_owned()
+    }
+}
+
 /// Prints every table, in the order the measurements ran.
 pub(crate) fn print(
     bench: &Bench,
@@ -65,22 +74,24 @@ fn drains(bench: &Bench, rows: &[Row], settings: &str) {
     );
     println!("PostgreSQL: {settings}\n");
     println!(
-        "| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows | machine cores busy |"
+        "| measurement | rows/s | vs min(A, B) | peak RSS | CPU s / 100k rows | machine cores busy | stored / left |"
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let ratio = match r.broker {
             "" => "limit".to_owned(),
             b => limit_of(b, r.ordering).map_or("-".into(), |l| format!("{:.2}", r.rate() / l)),
         };
         println!(
-            "| {} | {:.0} | {} | {} | {} | {:.2} |",
+            "| {} | {:.0} | {} | {} | {} | {:.2} | {} |",
             r.name,
             r.rate(),
             ratio,
             r.rss_mb.map_or("-".into(), |m| format!("{m:.0} MB")),
             r.cpu_per_100k.map_or("-".into(), |c| format!("{c:.2}")),
             r.cores_busy,
+            r.stored_left
+                .map_or("-".into(), |(stored, left)| format!("{stored} / {left}")),
         );
     }
     let rate_of = |prefix: &str| {
@@ -135,14 +146,27 @@ fn steady_state(bench: &Bench, steady: Option<Steady>) {
              {}s per rate; commit-to-consumer latency\n",
             bench.a.steady_secs
         );
-        println!("| writer rows/s | rows | delivered | p50 | p99 | max |");
-        println!("|---:|---:|---:|---:|---:|---:|");
+        println!(
+            "| writer rows/s | achieved rows/s | rows | delivered | missing after 10 s | p50 | p99 | max |"
+        );
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
         for l in &steady.rates {
             println!(
-                "| {} | {} | {} | {:.1} ms | {:.1} ms | {:.1} ms |",
-                l.label, l.rows, l.delivered, l.p50_ms, l.p99_ms, l.max_ms
+                "| {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+                l.label,
+                l.achieved_rate,
+                l.rows,
+                l.delivered,
+                l.rows - l.delivered,
+                ms(l.p50_ms),
+                ms(l.p99_ms),
+                ms(l.max_ms)
             );
         }
+        println!(
+            "\nA row the consumer did not get within 10 s of the writer's last commit is \
+             missing and counts as infinitely late in the percentiles."
+        );
         println!(
             "\nIdle relay: exit {} {:.0} ms after SIGTERM.",
             steady.exit_code, steady.exit_ms
@@ -164,15 +188,15 @@ fn held_snapshot(held: Option<Vec<(Latency, i64)>>) {
         let before = windows[0].0.p99_ms;
         for (l, dead) in &windows {
             println!(
-                "| {} | {} | {} | {} | {:.1} ms | {:.1} ms | {:.2} | {:.1} ms |",
+                "| {} | {} | {} | {} | {} | {} | {:.2} | {} |",
                 l.label,
                 l.rows,
                 l.delivered,
                 dead,
-                l.p50_ms,
-                l.p99_ms,
+                ms(l.p50_ms),
+                ms(l.p99_ms),
                 l.p99_ms / before,
-                l.max_ms
+                ms(l.max_ms)
             );
         }
         let worst = windows[1..]
@@ -202,8 +226,11 @@ fn mark_retention(bench: &Bench, retention: Option<Vec<(Latency, i64, f64)>>) {
         for (l, rows, mb) in &samples {
             written += l.rows;
             println!(
-                "| {} | {written} | {rows} | {mb:.1} MB | {:.1} ms | {:.1} ms | {:.1} ms |",
-                l.label, l.p50_ms, l.p99_ms, l.max_ms
+                "| {} | {written} | {rows} | {mb:.1} MB | {} | {} | {} |",
+                l.label,
+                ms(l.p50_ms),
+                ms(l.p99_ms),
+                ms(l.max_ms)
             );
         }
         println!(

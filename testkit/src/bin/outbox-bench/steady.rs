@@ -13,6 +13,10 @@ pub(crate) struct Latency {
     /// What was measured: a writer rate, a minute of a run.
     pub(crate) label: String,
     pub(crate) rows: usize,
+    /// The rate the writer achieved (its nominal rate is in `label` for D).
+    pub(crate) achieved_rate: f64,
+    /// Rows the consumer received within 10 s of the writer's last commit; the others count
+    /// as missing, and as infinitely late in the percentiles.
     pub(crate) delivered: usize,
     pub(crate) p50_ms: f64,
     pub(crate) p99_ms: f64,
@@ -44,17 +48,20 @@ struct Running {
     relay: std::process::Child,
 }
 
-/// Rows committed by the writer: id and commit time.
-type Committed = Vec<(i64, Instant)>;
+/// Rows committed by the writer (id and commit time) and how long the writing took.
+struct Committed {
+    rows: Vec<(i64, Instant)>,
+    secs: f64,
+}
 
 impl Running {
     /// Latency of the rows `committed`, once they arrived (or 10 s passed).
-    async fn latency(&self, label: String, committed: &[(i64, Instant)]) -> Latency {
+    async fn latency(&self, label: String, committed: &Committed) -> Latency {
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
             let all_arrived = {
                 let got = self.received.lock().unwrap();
-                committed.iter().all(|(id, _)| got.contains_key(id))
+                committed.rows.iter().all(|(id, _)| got.contains_key(id))
             };
             if all_arrived {
                 break;
@@ -62,18 +69,22 @@ impl Running {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let got = self.received.lock().unwrap();
+        // A row that never arrived is a latency failure: infinitely late, not left out.
         let mut latencies: Vec<f64> = committed
+            .rows
             .iter()
-            .filter_map(|(id, at)| {
-                got.get(id)
-                    .map(|r| r.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+            .map(|(id, at)| {
+                got.get(id).map_or(f64::INFINITY, |r| {
+                    r.saturating_duration_since(*at).as_secs_f64() * 1000.0
+                })
             })
             .collect();
         latencies.sort_by(|a, b| a.total_cmp(b));
         Latency {
             label,
-            rows: committed.len(),
-            delivered: latencies.len(),
+            rows: committed.rows.len(),
+            achieved_rate: committed.rows.len() as f64 / committed.secs,
+            delivered: latencies.iter().filter(|l| l.is_finite()).count(),
             p50_ms: percentile(&latencies, 0.50),
             p99_ms: percentile(&latencies, 0.99),
             max_ms: latencies.last().copied().unwrap_or(f64::NAN),
@@ -181,7 +192,10 @@ impl Bench {
             let at = Instant::now(); // autocommit: the INSERT has committed
             committed.extend(ids.into_iter().map(|id| (id, at)));
         }
-        Ok(committed)
+        Ok(Committed {
+            rows: committed,
+            secs: start.elapsed().as_secs_f64(),
+        })
     }
 
     /// D: the writer at rising rates.
