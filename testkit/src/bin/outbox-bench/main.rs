@@ -83,6 +83,9 @@ struct Bench {
     db_url: String,
     nats: NatsServer,
     kafka: Option<KafkaBroker>,
+    /// The Kafka records counted after the last measurement (only the benchmark writes
+    /// to its topics, so it is the next measurement's count before).
+    kafka_records: std::sync::Mutex<Option<i64>>,
     dir: std::path::PathBuf,
 }
 
@@ -218,6 +221,7 @@ impl Bench {
             db_url,
             nats,
             kafka,
+            kafka_records: std::sync::Mutex::new(None),
             dir,
         };
         let out = Command::new(&bench.a.relay)
