@@ -1,7 +1,11 @@
 //! Bad input: every configuration mistake exits 2 with a message naming the key, and no
 //! output ever contains a password.
 
+mod common;
+
 use std::process::{Command, Output};
+
+use common::{OutputWithin, RUN_LIMIT};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 const PASSWORD: &str = "Pa55-w0rd-never-shown";
@@ -64,7 +68,7 @@ fn run_with(config: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().unwrap();
+    let out = cmd.output_within(RUN_LIMIT).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     out
 }
@@ -121,7 +125,11 @@ fn bad_enum_value_exits_2_naming_the_key() {
 #[test]
 fn missing_required_key_exits_2_naming_the_key() {
     assert_config_error(
-        "[postgres]\npool_size = 2\n[sink]\nkind = \"nats\"\n[[tables]]\nname = \"outbox\"\n",
+        // The password is elsewhere (the NATS URL): never shown either.
+        &format!(
+            "[postgres]\npool_size = 2\n[sink]\nkind = \"nats\"\n[sink.nats]\n\
+             url = \"nats://relay:{PASSWORD}@127.0.0.1:1\"\n[[tables]]\nname = \"outbox\"\n"
+        ),
         &[],
         "postgres.url: required key is missing",
     );
@@ -139,7 +147,11 @@ fn bad_environment_override_exits_2_naming_the_variable() {
 #[test]
 fn unset_interpolated_variable_exits_2_naming_it() {
     assert_config_error(
-        &VALID.replace("Pa55-w0rd-never-shown", "${NOT_SET_ANYWHERE}"),
+        // The password is no longer in the URL but in the NATS URL: never shown either.
+        &format!(
+            "{}\n[sink.nats]\nurl = \"nats://relay:{PASSWORD}@127.0.0.1:1\"\n",
+            VALID.replace("Pa55-w0rd-never-shown", "${NOT_SET_ANYWHERE}")
+        ),
         &[],
         "NOT_SET_ANYWHERE is not set",
     );
@@ -158,7 +170,7 @@ fn invalid_postgres_url_exits_2_without_echoing_the_password() {
 fn unreadable_config_file_exits_2_saying_how_to_point_at_one() {
     let out = Command::new(BIN)
         .args(["check", "--config", "/nonexistent/relay.toml"])
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(all_output(&out).contains("OUTBOX_RELAY_CONFIG"));
@@ -168,7 +180,7 @@ fn unreadable_config_file_exits_2_saying_how_to_point_at_one() {
 fn bad_usage_exits_2() {
     let out = Command::new(BIN)
         .args(["drain", "--timeout", "soon"])
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }

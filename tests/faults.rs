@@ -14,33 +14,100 @@ async fn pending(client: &tokio_postgres::Client) -> i64 {
     count(client, "SELECT count(*) FROM public.outbox").await
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
-    let env = Env::new("workers = 4\nbatch_size = 200").await;
-    let client = env.client().await;
-    seed(&client, 40_000, 100, 20).await;
-    let inserted = ids(&client).await;
+/// Rows a relay would still publish: all of them in delete mode, the unmarked ones in
+/// mark mode.
+async fn unpublished(client: &tokio_postgres::Client) -> i64 {
+    count(
+        client,
+        "SELECT count(*) FROM public.outbox WHERE published_at IS NULL",
+    )
+    .await
+}
 
-    for kill in 1..=5 {
+const KILLS: usize = 5;
+const WORKERS: usize = 4;
+const BATCH: usize = 200;
+
+/// kill -9 at random moments while rows flow (`relay` adds to `[relay]`): every kill lands
+/// mid-stream (the relay published since it started, and rows are left), then a drain
+/// finishes. Nothing is lost, each key stays in id order, and what the relay sent more
+/// than once (counted by a core subscriber, before the stream's de-duplication) is bounded
+/// by the batches in flight at the kills: at most workers x batch_size per kill.
+async fn kill_9_mid_stream(relay: &str) -> Env {
+    let env = Env::new(&format!(
+        "workers = {WORKERS}\nbatch_size = {BATCH}\n{relay}"
+    ))
+    .await;
+    let client = env.client().await;
+    let total = 60_000;
+    seed(&client, total, 100, 20).await;
+    let inserted = ids(&client).await;
+    let sent = watch_sends(&env.nats).await;
+
+    for kill in 1..=KILLS {
+        let before = unpublished(&client).await;
         let mut relay = env.spawn_run();
-        let pause = Duration::from_millis(rand::random_range(150..600));
-        tokio::time::sleep(pause).await;
+        wait_until(
+            "the relay to publish before the kill",
+            Duration::from_secs(30),
+            async || unpublished(&client).await < before,
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..200))).await;
         relay.kill().unwrap(); // SIGKILL: no drain, no rollback from the client side
         relay.wait().unwrap();
-        eprintln!(
-            "kill {kill} after {pause:?}: {} rows left",
-            pending(&client).await
+        let left = unpublished(&client).await;
+        eprintln!("kill {kill}: {left} rows left");
+        assert!(
+            0 < left && left < before,
+            "kill {kill} must land mid-stream: {left} rows left of {before}"
         );
     }
     let out = env.relay(&["drain", "--timeout", "60s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(unpublished(&client).await, 0);
 
     let audit = audit(&inserted, &env.stored().await);
     audit.assert_nothing_lost_in_order();
-    // JetStream drops re-sends inside its duplicate window, so even the rows in flight
-    // at each kill are stored once.
-    assert_eq!(audit.duplicates, 0);
-    assert_eq!(pending(&client).await, 0);
+    assert_eq!(audit.duplicates, 0, "the stream's de-duplication window");
+    let sends = sends_so_far(&env.nats, &sent).await;
+    let counts = send_counts(&sends);
+    assert_eq!(counts.len(), inserted.len(), "every row sent");
+    let resent = sends.len() - counts.len();
+    eprintln!("{resent} re-sends over {KILLS} kills");
+    assert!(
+        resent <= KILLS * WORKERS * BATCH,
+        "{resent} re-sends: more than the batches in flight at {KILLS} kills"
+    );
+    env
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
+    let env = kill_9_mid_stream("").await;
+    assert_eq!(
+        count(&env.client().await, "SELECT count(*) FROM public.outbox").await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn kill_9_in_mark_mode_loses_nothing_keeps_key_order_and_marks_every_row() {
+    let env = kill_9_mid_stream("on_publish = \"mark\"").await;
+    let client = env.client().await;
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        60_000,
+        "mark mode keeps every row"
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox WHERE published_at IS NULL OR attempts > 0"
+        )
+        .await,
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -194,6 +261,7 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
     .await
     .unwrap();
 
+    let sent = watch_sends(&env.nats).await;
     let mut relay = env.spawn_run();
     wait_until(
         "the other keys to drain",
@@ -201,16 +269,40 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
         async || pending(&client).await == 200,
     )
     .await;
-    // While the lock is held, k3 (200 rows) waits whole; nothing else does.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(pending(&client).await, 200);
+    // While the lock is held, k3 (200 rows) waits whole; nothing else does: a row of
+    // another key inserted now is published past it.
+    let probe: i64 = client
+        .query_one(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.probe', 'k-probe', 'p') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    wait_until(
+        "a row of another key to pass the held one",
+        Duration::from_secs(30),
+        async || pending(&client).await == 200,
+    )
+    .await;
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM public.outbox WHERE key = 'k3'"
+        )
+        .await,
+        200
+    );
     tx.rollback().await.unwrap();
     wait_for_empty_outbox(&client, "k3 after the lock is released", 30).await;
     terminate_cleanly(&mut relay);
 
+    let inserted: Vec<i64> = inserted.into_iter().chain([probe]).collect();
     let audit = audit(&inserted, &env.stored().await);
     audit.assert_nothing_lost_in_order();
     assert_eq!(audit.duplicates, 0);
+    // No fault here: every row was sent exactly once.
+    assert_each_sent_once(&inserted, &sends_so_far(&env.nats, &sent).await);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -187,7 +187,7 @@ async fn every_command_has_a_deadline_against_a_server_that_never_answers() {
         let out = env
             .command(args)
             .env("OUTBOX_RELAY__POSTGRES__URL", &url)
-            .output()
+            .output_within(RUN_LIMIT)
             .unwrap();
         let took = started.elapsed();
         assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out));
@@ -226,7 +226,7 @@ async fn drain_exits_1_naming_the_dependency_it_never_reached() {
         let out = env
             .command(&["drain", "--timeout", "2s"])
             .env(var, &value)
-            .output()
+            .output_within(RUN_LIMIT)
             .unwrap();
         let took = started.elapsed();
         assert_eq!(out.status.code(), Some(1), "{}", text(&out));
@@ -352,7 +352,7 @@ async fn a_fatal_error_is_a_json_line_with_log_format_json() {
             "OUTBOX_RELAY__POSTGRES__URL",
             format!("postgres://app@{closed}/app"),
         )
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -455,7 +455,7 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
     let out = env
         .command(&["drain", "--timeout", "60s"])
         .env("OUTBOX_RELAY__SINK__NATS__URL", &relay_url)
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(!text(&out).contains("relay:relay"), "password shown");
@@ -483,7 +483,7 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
     let out = env
         .command(&["drain", "--timeout", "60s"])
         .env("OUTBOX_RELAY__SINK__NATS__URL", &wrong)
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(started.elapsed() < Duration::from_secs(10));

@@ -140,6 +140,23 @@ fn duplicates(records: &[KafkaRecord]) -> usize {
     analyse_kafka(records).counts.values().map(|c| c - 1).sum()
 }
 
+/// Waits until every claim transaction that was open at `since` has ended (within
+/// `publish_timeout` plus 10 s): the batches in flight then have settled.
+async fn settled_since(client: &tokio_postgres::Client, since: Instant, publish_timeout: Duration) {
+    wait_until(
+        "the batches in flight at the outage to settle",
+        publish_timeout + Duration::from_secs(10),
+        async || {
+            let open_since = since.elapsed().as_secs_f64();
+            relay_transactions(client)
+                .await
+                .iter()
+                .all(|age| *age < open_since)
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_partition_leaders_moved_mid_stream_lose_nothing_and_keep_key_order() {
     const ROWS: i64 = 30_000;
@@ -210,9 +227,9 @@ async fn kafka_broker_down_mid_stream_loses_nothing() {
     // Leaders stay where they are: the down broker's partitions cannot take records.
     mock.broker_down(DOWN).unwrap();
     let down_at = Instant::now();
-    // Any delivery report for a record sent before the outage is in (or timed out) once a
-    // publish timeout has passed, and its batch committed soon after.
-    tokio::time::sleep(publish_timeout + Duration::from_secs(1)).await;
+    // Every batch in flight at the outage settles (its delivery reports in, or timed out
+    // after the publish timeout) and commits.
+    settled_since(&m.client, down_at, publish_timeout).await;
     let before = pending_ids(&m.client).await;
     // The other partitions get further while it stays down, though slowly: a claim
     // takes each key's oldest rows, mostly the down partitions' stuck ones, and batches
@@ -285,9 +302,10 @@ async fn kafka_leaders_moved_off_a_down_broker_drain_everything_while_it_stays_d
     // the controller notices; then its partitions fail over to the others.
     mock.broker_down(DOWN).unwrap();
     let down_at = Instant::now();
-    // Longer than the publish timeout (3 s): records to it time out in the producer and
-    // their rows must stay pending, to go again once their partitions have moved.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // The batches in flight at the outage end: their records to it time out in the
+    // producer (publish timeout 3 s), and those rows must stay pending, to go again once
+    // their partitions have moved.
+    settled_since(&m.client, down_at, Duration::from_secs(3)).await;
     let mut failed_over = Vec::new();
     for topic in TOPICS {
         for p in (0..PARTITIONS).filter(|p| leader(*p, 0) == DOWN) {

@@ -85,17 +85,29 @@ async fn kafka_broker_outage_mid_stream_loses_nothing() {
     }
     let config = m.config.clone();
     let relay = tokio::spawn(async move { drain(&config).await });
-    while left(&m.client).await > 18_000 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until("rows to flow", Duration::from_secs(30), async || {
+        left(&m.client).await <= 18_000
+    })
+    .await;
     for broker in 1..=3 {
         mock.broker_down(broker).unwrap();
     }
-    let during = left(&m.client).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        left(&m.client).await >= during.min(1),
-        "rows stay while brokers are down"
+    // The batches in flight settle (acknowledged before the outage, or timed out and
+    // rolled back); from then on, while the brokers stay down, no row may go.
+    wait_until(
+        "the batches in flight to settle",
+        Duration::from_secs(20),
+        async || relay_transactions(&m.client).await.is_empty(),
+    )
+    .await;
+    let during = ids(&m.client).await;
+    assert!(!during.is_empty(), "the outage came mid-stream");
+    // An observation window, not a synchronisation: the relay keeps trying meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        ids(&m.client).await,
+        during,
+        "rows stay while the brokers are down"
     );
     for broker in 1..=3 {
         mock.broker_up(broker).unwrap();

@@ -71,7 +71,7 @@ name = "public.outbox"
             .args(["migrate", "--config"])
             .arg(&env.config)
             .env("OUTBOX_RELAY__POSTGRES__URL", &url)
-            .output()
+            .output_within(RUN_LIMIT)
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
         grant_relay_role(&env.pg.connect("app").await.unwrap(), "public.outbox").await;
@@ -83,8 +83,20 @@ name = "public.outbox"
             .args(args)
             .arg("--config")
             .arg(&self.config)
-            .output()
+            .output_within(RUN_LIMIT)
             .unwrap()
+    }
+
+    /// Starts `outbox-relay run` in the background, output discarded.
+    fn spawn_run(&self) -> std::process::Child {
+        let mut cmd = Command::new(BIN);
+        cmd.args(["run", "--config"])
+            .arg(&self.config)
+            .env_remove("RUST_LOG")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        testkit::die_with_parent(&mut cmd);
+        cmd.spawn().expect("start outbox-relay run")
     }
 
     fn read(&self) -> Vec<testkit::KafkaRecord> {
@@ -145,7 +157,7 @@ async fn kafka_every_row_arrives_once_keyed_with_outbox_id_and_headers_in_key_or
     seed(&client, 20_000, 200, 50).await;
     let ids: HashSet<i64> = ids(&client).await.into_iter().collect();
 
-    let out = env.relay(&["drain"]);
+    let out = env.relay(&["drain", "--timeout", "60s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("drained: 20000 rows published"),
@@ -189,6 +201,65 @@ async fn kafka_every_row_arrives_once_keyed_with_outbox_id_and_headers_in_key_or
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn kafka_kill_9_mid_stream_loses_nothing_and_keeps_key_order() {
+    const KILLS: usize = 3;
+    const WORKERS: usize = 4;
+    const BATCH: usize = 200;
+    let env = KafkaEnv::new(&format!("workers = {WORKERS}\nbatch_size = {BATCH}")).await;
+    let client = env.pg.connect("app").await.unwrap();
+    seed(&client, 30_000, 100, 20).await;
+    let inserted = ids(&client).await;
+    let left = async || count(&client, "SELECT count(*) FROM public.outbox").await;
+
+    for kill in 1..=KILLS {
+        let before = left().await;
+        let mut relay = env.spawn_run();
+        wait_until(
+            "the relay to publish before the kill",
+            Duration::from_secs(30),
+            async || left().await < before,
+        )
+        .await;
+        tokio::time::sleep(Duration::from_millis(rand::random_range(0..200))).await;
+        relay.kill().unwrap(); // SIGKILL: no flush, no rollback from the client side
+        relay.wait().unwrap();
+        let now = left().await;
+        assert!(
+            0 < now && now < before,
+            "kill {kill} must land mid-stream: {now} rows left of {before}"
+        );
+    }
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(left().await, 0);
+
+    // A new process is a new idempotent producer: what a killed one had in flight may be
+    // stored again (Kafka cannot tell), at most the batches in flight at each kill.
+    let records = env.read();
+    let delivery = analyse_kafka(&records);
+    let expected: HashSet<String> = inserted
+        .iter()
+        .map(|id| format!("public.outbox:{id}"))
+        .collect();
+    assert_eq!(
+        delivery.counts.keys().cloned().collect::<HashSet<_>>(),
+        expected,
+        "every row, nothing else"
+    );
+    let resent = records.len() - delivery.counts.len();
+    eprintln!("{resent} records stored again over {KILLS} kills");
+    assert!(
+        resent <= KILLS * WORKERS * BATCH,
+        "{resent} re-sends: more than the batches in flight at {KILLS} kills"
+    );
+    assert!(
+        delivery.order_violations().is_empty(),
+        "{:?}",
+        delivery.order_violations()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
     let env = KafkaEnv::new("").await;
     let client = env.pg.connect("app").await.unwrap();
@@ -229,7 +300,7 @@ async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
         "{all}"
     );
     assert!(!all.contains("hunter2-secret"), "{all}");
-    let out = env.relay(&["drain"]);
+    let out = env.relay(&["drain", "--timeout", "60s"]);
     assert_eq!(
         out.status.code(),
         Some(2),
@@ -298,7 +369,7 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
                 },
             )
             .env("OUTBOX_RELAY__SINK__KAFKA__BROKERS", broker.bootstrap())
-            .output()
+            .output_within(RUN_LIMIT)
             .unwrap()
     };
     let out = relay(&["migrate"]);
@@ -313,7 +384,7 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
     grant_relay_role(&client, "public.outboxevent").await;
     let out = relay(&["check"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    let out = relay(&["drain"]);
+    let out = relay(&["drain", "--timeout", "60s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 
     let records = testkit::kafka_read_all(

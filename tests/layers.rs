@@ -15,7 +15,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("source", &["config", "error", "retry"]),
     ("sink", &["config", "error", "retry"]),
     ("ops", &["source", "sink", "config", "error"]),
-    ("check", &["config", "source", "sink", "error"]),
+    ("check", &["config", "source", "sink", "error", "ops"]),
     ("admin", &["config", "source", "error"]),
     (
         "relay",

@@ -24,7 +24,7 @@ fn repo(path: &str) -> PathBuf {
 fn promtool(args: &[&str]) -> std::process::Output {
     Command::new("promtool")
         .args(args)
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap_or_else(|e| {
             panic!("cannot run promtool ({e}): scripts/install-deps installs it (Debian package prometheus)")
         })

@@ -104,23 +104,35 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
     let relays = relays[0];
     // Keep the two faults apart: the victim leads the stream or holds the relay, not both.
     let mut leader = cluster.stream_leader(STREAM).await.expect("stream leader");
-    while leader == relays {
+    for _ in 0..10 {
+        if leader != relays {
+            break;
+        }
         leader = cluster
             .step_down(STREAM)
             .await
             .expect("move the stream leader");
     }
+    assert_ne!(
+        leader, relays,
+        "the stream leader did not move in 10 step-downs"
+    );
     let killed = match victim {
         Victim::StreamLeader => leader,
         Victim::RelaysServer => relays,
     };
     let meta_leader = cluster.meta_leader();
     let pending_at_kill = pending(&client).await;
+    assert!(pending_at_kill > 0, "the kill must come mid-stream");
     let killed_at = Instant::now();
     cluster.kill(killed);
     let new_leader = async {
         // Only to tell the cluster's share of the stall from the relay's.
         while !matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed) {
+            assert!(
+                killed_at.elapsed() < Duration::from_secs(60),
+                "no new stream leader within 60 s"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         killed_at.elapsed()

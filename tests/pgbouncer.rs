@@ -122,10 +122,14 @@ async fn kill_9_through_pgbouncer_loses_nothing_and_keeps_key_order() {
         .await;
         relay.kill().unwrap(); // SIGKILL: no drain, no rollback from the client side
         relay.wait().unwrap();
+        let left = pending(&client).await;
+        assert!(
+            0 < left && left < before,
+            "each kill must land mid-stream: {left} rows left of {before}"
+        );
     }
-    assert!(pending(&client).await > 0, "the kills must come mid-stream");
     let out = through(&bouncer, env.command(&["drain", "--timeout", "60s"]))
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
@@ -158,9 +162,19 @@ async fn behind_pgbouncer_listen_url_wakes_an_idle_relay_and_without_it_the_rela
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    // Idle and listening: the first row goes out on start-up's own look.
+    // Idle and listening: the first row goes out on start-up's own look; then the LISTEN
+    // session is up before the second row commits.
     insert(1).await;
     wait_for_empty_outbox(&client, "the first row", 10).await;
+    wait_until("the LISTEN session", Duration::from_secs(10), async || {
+        count(
+            &client,
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay' AND query LIKE 'LISTEN%'",
+        )
+        .await
+            > 0
+    })
+    .await;
     insert(2).await;
     let inserted = Instant::now();
     wait_for_empty_outbox(&client, "a NOTIFY to wake the relay", 5).await;
@@ -191,7 +205,9 @@ async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses
     let env = Env::new("").await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
 
-    let out = through(&bouncer, env.command(&["check"])).output().unwrap();
+    let out = through(&bouncer, env.command(&["check"]))
+        .output_within(RUN_LIMIT)
+        .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
         text(&out).contains("pooler in transaction mode"),
@@ -202,7 +218,7 @@ async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses
 
     let out = through(&bouncer, env.command(&["check"]))
         .env("OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS", "true")
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
@@ -217,7 +233,7 @@ async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses
             "OUTBOX_RELAY__POSTGRES__URL",
             bouncer.url("postgres", "app"),
         )
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
@@ -269,7 +285,7 @@ async fn behind_pgbouncer_no_prepared_statement_outlives_its_transaction() {
     let client = env.client().await;
     seed(&client, 3_000, 20, 7).await;
     let out = through(&bouncer, env.command(&["drain", "--timeout", "60s"]))
-        .output()
+        .output_within(RUN_LIMIT)
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let left = statements_left_on_servers(&bouncer, pool).await;

@@ -69,7 +69,7 @@ fn drain(env: &Env, vars: &[(&str, &str)]) {
         cmd.env_remove(name);
     }
     cmd.envs(vars.iter().copied());
-    let out = cmd.output().expect("run drain");
+    let out = cmd.output_within(RUN_LIMIT).expect("run drain");
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 

@@ -87,7 +87,7 @@ impl Env {
     pub fn migrate(&self, args: &[&str]) -> Output {
         self.command(&[&["migrate"], args].concat())
             .env("OUTBOX_RELAY__POSTGRES__URL", &self.db_url)
-            .output()
+            .output_within(RUN_LIMIT)
             .expect("run outbox-relay migrate")
     }
 
@@ -146,7 +146,9 @@ drain_timeout = "10s"
 
     /// Runs the built binary with this env's config and waits for it.
     pub fn relay(&self, args: &[&str]) -> Output {
-        self.command(args).output().expect("run outbox-relay")
+        self.command(args)
+            .output_within(RUN_LIMIT)
+            .expect("run outbox-relay")
     }
 
     pub fn command(&self, args: &[&str]) -> Command {
@@ -325,6 +327,24 @@ impl KafkaDelivery {
     }
 }
 
+/// The relay's claim transactions (holding row locks on `public.outbox`), with how long
+/// each has been open, in seconds. The probe's and floor keeper's short reads hold none.
+pub async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
+    client
+        .query(
+            "SELECT extract(epoch FROM now() - a.xact_start)::float8
+             FROM pg_stat_activity a JOIN pg_locks l USING (pid)
+             WHERE a.application_name = 'outbox-relay' AND a.xact_start IS NOT NULL
+               AND l.relation = 'public.outbox'::regclass AND l.mode = 'RowShareLock'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
 /// Sends signal `name` (e.g. `TERM`) to `child`.
 pub fn signal(child: &Child, name: &str) {
     signal_pid(child.id() as i32, name);
@@ -337,6 +357,58 @@ pub fn signal_pid(pid: i32, name: &str) {
         .status()
         .unwrap();
     assert!(status.success());
+}
+
+/// How long one run of a command in a test may take before it is killed and the test
+/// fails (a `drain` in a test passes a shorter `--timeout` of its own).
+pub const RUN_LIMIT: Duration = Duration::from_secs(180);
+
+/// [`Command::output`] with a deadline, so that no test can hang on a child.
+pub trait OutputWithin {
+    /// Runs the command to completion with stdout and stderr captured; an error naming it
+    /// when it did not exit within `limit` (it is killed then).
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<Output>;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<Output> {
+        use std::io::Read;
+        let mut child = self
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let drain = |pipe: Option<Box<dyn Read + Send>>| {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                if let Some(mut pipe) = pipe {
+                    let _ = pipe.read_to_end(&mut bytes);
+                }
+                bytes
+            })
+        };
+        let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+        let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            if start.elapsed() > limit {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("{self:?} did not exit within {limit:?}; killed"),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Ok(Output {
+            status,
+            stdout: stdout.join().unwrap_or_default(),
+            stderr: stderr.join().unwrap_or_default(),
+        })
+    }
 }
 
 /// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
@@ -519,25 +591,101 @@ drain_timeout = "10s"
     }
 }
 
+/// The subject [`sends_so_far`] marks the end of what was sent with.
+const SENTINEL: &str = "outbox-test.sentinel";
+
 /// Every `Nats-Msg-Id` published on `events.>` as a core subscriber sees it: what the relay
-/// sent, before the stream's de-duplication hides a repeat.
+/// sent, before the stream's de-duplication hides a repeat. (Also the sentinels of
+/// [`sends_so_far`], as `"sentinel"`.)
 pub async fn watch_sends(nats: &NatsServer) -> Arc<Mutex<Vec<String>>> {
     let client = nats.client().await.expect("connect to nats");
-    let mut sub = client.subscribe("events.>").await.expect("subscribe");
-    client.flush().await.expect("flush the subscription");
+    let events = client.subscribe("events.>").await.expect("subscribe");
+    let sentinels = client.subscribe(SENTINEL).await.expect("subscribe");
+    client.flush().await.expect("flush the subscriptions");
+    let mut both = futures_util::stream::select(events, sentinels);
     let sent = Arc::new(Mutex::new(Vec::new()));
     let seen = sent.clone();
     tokio::spawn(async move {
         let _client = client;
-        while let Some(m) = futures_util::StreamExt::next(&mut sub).await {
-            let id = m
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("Nats-Msg-Id"))
-                .map(|v| v.as_str().to_owned())
-                .unwrap_or_default();
+        while let Some(m) = futures_util::StreamExt::next(&mut both).await {
+            let id = if m.subject.as_str() == SENTINEL {
+                "sentinel".to_owned()
+            } else {
+                m.headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default()
+            };
             seen.lock().unwrap().push(id);
         }
     });
     sent
+}
+
+/// Every message id [`watch_sends`] saw, once every publish the server had processed
+/// before this call has reached it: a sentinel published now arrives after them on the
+/// subscriber's connection (the server keeps one order per connection). Call it after
+/// the relay exited.
+pub async fn sends_so_far(nats: &NatsServer, sent: &Mutex<Vec<String>>) -> Vec<String> {
+    let before = sent
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|id| *id == "sentinel")
+        .count();
+    let client = nats.client().await.expect("connect to nats");
+    client
+        .publish(SENTINEL, "".into())
+        .await
+        .expect("publish the sentinel");
+    client.flush().await.expect("flush the sentinel");
+    wait_until(
+        "the sentinel behind the sends",
+        Duration::from_secs(10),
+        async || {
+            sent.lock()
+                .unwrap()
+                .iter()
+                .filter(|id| *id == "sentinel")
+                .count()
+                > before
+        },
+    )
+    .await;
+    sent.lock()
+        .unwrap()
+        .iter()
+        .filter(|id| *id != "sentinel")
+        .cloned()
+        .collect()
+}
+
+/// How often each message id in `sends` was sent.
+pub fn send_counts(sends: &[String]) -> HashMap<&str, usize> {
+    let mut counts = HashMap::new();
+    for id in sends {
+        *counts.entry(id.as_str()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Asserts that every one of `inserted` was sent exactly once: a clean run re-sends
+/// nothing.
+pub fn assert_each_sent_once(inserted: &[i64], sends: &[String]) {
+    let counts = send_counts(sends);
+    let missing: Vec<i64> = inserted
+        .iter()
+        .filter(|id| !counts.contains_key(format!("public.outbox:{id}").as_str()))
+        .copied()
+        .collect();
+    assert!(missing.is_empty(), "never sent: {missing:?}");
+    let resent: Vec<(&str, usize)> = counts.into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(
+        resent.is_empty(),
+        "{} ids sent more than once by a clean run, e.g. {:?}",
+        resent.len(),
+        &resent[..resent.len().min(5)]
+    );
+    assert_eq!(sends.len(), inserted.len(), "nothing else sent");
 }
