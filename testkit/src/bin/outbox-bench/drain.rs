@@ -323,19 +323,7 @@ impl Bench {
     /// records: 18,024 after 20,000 acknowledged).
     async fn stored(&self, sink: &str) -> Result<i64> {
         match sink {
-            "nats" => {
-                let client = async_nats::connect(self.nats.url()).await?;
-                let js = async_nats::jetstream::new(client);
-                let mut stream = js
-                    .get_stream("BENCH")
-                    .await
-                    .map_err(|e| anyhow::anyhow!("stream BENCH: {e}"))?;
-                let info = stream
-                    .info()
-                    .await
-                    .map_err(|e| anyhow::anyhow!("stream BENCH: {e}"))?;
-                Ok(info.state.messages as i64)
-            }
+            "nats" => Ok(self.nats.stream_state("BENCH").await?.0 as i64),
             "kafka" => {
                 let bootstrap = self.kafka.as_ref().context("no Kafka broker")?.bootstrap();
                 let topics: Vec<String> = (0..TOPICS).map(|t| format!("bench.{t}")).collect();
