@@ -78,25 +78,28 @@ name = "public.outbox"
         env
     }
 
-    fn relay(&self, args: &[&str]) -> std::process::Output {
-        Command::new(BIN)
-            .args(args)
+    /// The binary with this env's config, dying with the test process.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args)
             .arg("--config")
             .arg(&self.config)
-            .output_within(RUN_LIMIT)
-            .unwrap()
+            .env_remove("RUST_LOG");
+        testkit::die_with_parent(&mut cmd);
+        cmd
+    }
+
+    fn relay(&self, args: &[&str]) -> std::process::Output {
+        self.command(args).output_within(RUN_LIMIT).unwrap()
     }
 
     /// Starts `outbox-relay run` in the background, output discarded.
     fn spawn_run(&self) -> std::process::Child {
-        let mut cmd = Command::new(BIN);
-        cmd.args(["run", "--config"])
-            .arg(&self.config)
-            .env_remove("RUST_LOG")
+        self.command(&["run"])
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null());
-        testkit::die_with_parent(&mut cmd);
-        cmd.spawn().expect("start outbox-relay run")
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start outbox-relay run")
     }
 
     fn read(&self) -> Vec<testkit::KafkaRecord> {
