@@ -19,6 +19,7 @@ pub mod table;
 pub mod tls;
 pub mod vacuum;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, PoolError, RecyclingMethod, Runtime};
@@ -121,25 +122,30 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
 /// path's statements (claim, lock, delete/mark, record failures) cost one round trip each
 /// after their first use on a session, and PostgreSQL may keep their plans. With
 /// `postgres.prepared_statements = false` (PgBouncer before 1.21 in transaction mode, which
-/// cannot keep a prepared statement across transactions) every call prepares afresh to
-/// learn the parameter types, closes that statement inside the transaction, and runs the
-/// SQL as the unnamed statement (see [`Tx::typed`]).
+/// cannot keep a prepared statement across transactions) every call runs as the unnamed
+/// statement with its parameter types given, learnt once per process (see [`Tx::typed`]).
 pub struct Tx<'a> {
     tx: deadpool_postgres::Transaction<'a>,
-    cached: bool,
+    /// `None`: cached mode. Else the parameter types of each SQL text, for the unnamed
+    /// statement.
+    typed: Option<Arc<ParamTypes>>,
 }
+
+/// The parameter types of each SQL text the relay runs, learnt from its first prepare in
+/// the process (they depend only on the text and the table's column types).
+pub type ParamTypes = std::sync::RwLock<std::collections::HashMap<String, Arc<[Type]>>>;
 
 impl<'a> Tx<'a> {
     async fn begin(
         session: &'a mut deadpool_postgres::Object,
-        cached: bool,
+        typed: Option<Arc<ParamTypes>>,
         set_local: Option<&str>,
     ) -> Result<Tx<'a>, SourceError> {
         let tx = session.transaction().await?;
         if let Some(settings) = set_local {
             tx.batch_execute(settings).await?;
         }
-        Ok(Tx { tx, cached })
+        Ok(Tx { tx, typed })
     }
 
     /// The transaction as a plain client, for code that takes any client (catalog reads).
@@ -152,19 +158,43 @@ impl<'a> Tx<'a> {
         Ok(self.tx.prepare_cached(sql).await?)
     }
 
-    /// `params` with their types, for the unnamed statement (uncached mode). The named
-    /// statement prepared to learn the types is dropped at once, so its Close reaches the
-    /// server inside this transaction: no statement is left on a pooler's server
-    /// connection, where a later relay process - whose statement names start again at
-    /// `s0` - would collide with it ("prepared statement already exists"). Rows hold only
-    /// the unnamed statement, so they may outlive the transaction.
+    /// `params` with their types, for the unnamed statement (uncached mode).
+    ///
+    /// A named statement must never stay on a pooler's server connection: a later relay
+    /// process, whose statement names start again at `s0`, would collide with it
+    /// ("prepared statement already exists"). So the types of `sql` are learnt once per
+    /// process, from a named statement dropped at once (its Close reaches the server
+    /// inside this transaction), and every later call prepares nothing. Preparing on every
+    /// call left one behind whenever a claim was cancelled between its Parse and its Close
+    /// (a drain's workers stopping at the end: the prepare's reply is discarded, so no
+    /// Close is ever sent, and the rollback does not remove it). Rows hold only the
+    /// unnamed statement, so they may outlive the transaction.
     async fn typed<'p>(
         &self,
         sql: &str,
         params: &[&'p (dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<(&'p (dyn tokio_postgres::types::ToSql + Sync), Type)>, SourceError> {
-        let types = self.tx.prepare(sql).await?.params().to_vec();
-        Ok(params.iter().copied().zip(types).collect())
+        let cache = self
+            .typed
+            .as_ref()
+            .expect("typed is only called in uncached mode");
+        let known = cache
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(sql)
+            .cloned();
+        let types = match known {
+            Some(types) => types,
+            None => {
+                let types: Arc<[Type]> = self.tx.prepare(sql).await?.params().into();
+                cache
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(sql.to_owned(), types.clone());
+                types
+            }
+        };
+        Ok(params.iter().copied().zip(types.iter().cloned()).collect())
     }
 
     pub async fn query(
@@ -172,7 +202,7 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, SourceError> {
-        Ok(if self.cached {
+        Ok(if self.typed.is_none() {
             self.tx.query(&self.cached(sql).await?, params).await?
         } else {
             self.tx
@@ -186,7 +216,7 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<tokio_postgres::Row, SourceError> {
-        Ok(if self.cached {
+        Ok(if self.typed.is_none() {
             self.tx.query_one(&self.cached(sql).await?, params).await?
         } else {
             let typed = self.typed(sql, params).await?;
@@ -199,7 +229,7 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, SourceError> {
-        Ok(if self.cached {
+        Ok(if self.typed.is_none() {
             self.tx.execute(&self.cached(sql).await?, params).await?
         } else {
             let typed = self.typed(sql, params).await?;
@@ -222,6 +252,8 @@ pub struct Source {
     pool: Pool,
     statement_timeout: Duration,
     prepared_statements: bool,
+    /// Uncached mode's parameter types, shared by every session (see [`Tx::typed`]).
+    param_types: Arc<ParamTypes>,
     mode: SessionMode,
     /// What each transaction runs first in [`SessionMode::Pooled`].
     set_local: Option<String>,
@@ -276,6 +308,7 @@ impl Source {
             pool,
             statement_timeout: limits.statement_timeout,
             prepared_statements: pg.prepared_statements,
+            param_types: Arc::default(),
             mode,
             set_local: (mode == SessionMode::Pooled).then(|| session::set_local(limits)),
         })
@@ -296,7 +329,8 @@ impl Source {
         &self,
         session: &'a mut deadpool_postgres::Object,
     ) -> Result<Tx<'a>, SourceError> {
-        Tx::begin(session, self.prepared_statements, self.set_local.as_deref()).await
+        let typed = (!self.prepared_statements).then(|| self.param_types.clone());
+        Tx::begin(session, typed, self.set_local.as_deref()).await
     }
 
     /// Runs `work` in a short transaction of its own on a pool session, under
