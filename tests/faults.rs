@@ -229,16 +229,12 @@ async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_wait
     assert!(row.get::<_, bool>(1), "dead-lettered");
     let error: String = row.get(2);
     assert!(error.contains("max_payload"), "{error}");
-    let waiting: Vec<i64> = client
-        .query(
-            "SELECT id FROM public.outbox WHERE id > $1 AND dead_at IS NULL ORDER BY id",
-            &[&poison],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let waiting: Vec<i64> = column(
+        &client,
+        "SELECT id FROM public.outbox WHERE id > $1 AND dead_at IS NULL ORDER BY id",
+        &[&poison],
+    )
+    .await;
     assert_eq!(waiting.len(), 50, "the later rows of k5 wait behind it");
     let delivery = analyse(&env.stored().await);
     assert_eq!(delivery.counts.len(), 2_000 - 50, "every other row arrived");
@@ -330,16 +326,12 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     .await;
     // Freeze every server process the relay is connected to: its connections stay open
     // and never answer again, like a peer behind a dead network path.
-    let frozen: Vec<i32> = client
-        .query(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let frozen: Vec<i32> = column(
+        &client,
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
+        &[],
+    )
+    .await;
     for pid in &frozen {
         signal_pid(*pid, "STOP");
     }

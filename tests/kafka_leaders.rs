@@ -71,13 +71,7 @@ async fn left(client: &tokio_postgres::Client) -> i64 {
 }
 
 async fn pending_ids(client: &tokio_postgres::Client) -> BTreeSet<i64> {
-    client
-        .query("SELECT id FROM public.outbox", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    column(client, "SELECT id FROM public.outbox", &[]).await
 }
 
 /// Waits until fewer than `below` rows are left (or none), at most `limit`; returns how

@@ -219,7 +219,7 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
 
     // The relay's log goes to a file (a pipe nobody reads could fill and block its
     // logging), shown if publishing never starts.
-    let log = env.config.with_file_name("relay.stderr");
+    let log = relay_log(&env);
     let mut relay = env
         .command(&["run"])
         .stdout(Stdio::null())

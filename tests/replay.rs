@@ -60,17 +60,13 @@ async fn replay_publishes_exactly_the_chosen_rows_again_in_key_order_ahead_of_la
         text(&out)
     );
     // Later rows of the same keys, committed after the replay, wait for the replayed ones.
-    let later: Vec<i64> = client
-        .query(
-            "INSERT INTO public.outbox (topic, key, payload)
+    let later: Vec<i64> = column(
+        &client,
+        "INSERT INTO public.outbox (topic, key, payload)
              SELECT 'events.0', 'k' || n, 'later' FROM generate_series(0, 9) n RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     wait_until(
         "the running relay to publish them",
         Duration::from_secs(30),

@@ -140,12 +140,9 @@ impl Otel {
         Otel::default()
     }
 
-    /// Starts the exporter when export is on. Blocking (the exporter builds its HTTP
-    /// client on a thread of its own): call it where a thread may block.
-    pub fn start(config: &TracingConfig, system: &'static str) -> Result<Otel, String> {
-        let Some(url) = traces_url(config) else {
-            return Ok(Otel::off());
-        };
+    /// Starts exporting to `url` (from [`traces_url`]). Blocking (the exporter builds its
+    /// HTTP client on a thread of its own): call it where a thread may block.
+    pub fn start(url: String, system: &'static str) -> Result<Otel, String> {
         use opentelemetry_otlp::WithExportConfig;
         // Headers (OTEL_EXPORTER_OTLP_HEADERS), timeout and compression come from the
         // standard variables, read by the exporter.
@@ -184,7 +181,7 @@ impl Otel {
     /// when export is off.
     pub fn batch(
         &self,
-        table: &str,
+        table: &dyn std::fmt::Display,
         worker: usize,
         rows: usize,
         started: SystemTime,
@@ -197,14 +194,14 @@ impl Otel {
             .with_start_time(started)
             .with_attributes([
                 KeyValue::new("messaging.system", e.system),
-                KeyValue::new("outbox.table", table.to_owned()),
+                KeyValue::new("outbox.table", table.to_string()),
                 KeyValue::new("outbox.worker", worker as i64),
                 KeyValue::new("messaging.batch.message_count", rows as i64),
             ])
             .start_with_context(&e.tracer, &Context::new());
         Some(BatchTrace {
             e,
-            table: table.to_owned(),
+            table: table.to_string(),
             batch: span,
             sends: Vec::with_capacity(rows),
         })

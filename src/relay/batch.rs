@@ -181,12 +181,9 @@ async fn run_phases(
     let metrics = &shared.ops.metrics;
     let labels = Metrics::table_sink(&table.config.name.to_string(), shared.sink.name());
     let _in_flight = InFlight::new(&metrics.in_flight, rows.len());
-    let mut trace = shared.otel.batch(
-        &table.config.name.to_string(),
-        lane,
-        rows.len(),
-        claim_started,
-    );
+    let mut trace = shared
+        .otel
+        .batch(&table.config.name, lane, rows.len(), claim_started);
 
     // 2. Publish.
     let Some(outcomes) = publish(shared, table, &mut rows, trace.as_mut(), started).await else {

@@ -133,12 +133,15 @@ async fn relay(
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
     let (source, tables) = prepare_tables(config, limits, &shutdown, &endpoints.ops).await?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
-    let otel = {
-        let (tracing, system) = (config.tracing.clone(), sink.name());
-        tokio::task::spawn_blocking(move || Otel::start(&tracing, system))
-            .await
-            .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))?
-            .map_err(RelayError::Fatal)?
+    let otel = match ops::otel::traces_url(&config.tracing) {
+        None => Otel::off(),
+        Some(url) => {
+            let system = sink.name();
+            tokio::task::spawn_blocking(move || Otel::start(url, system))
+                .await
+                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))?
+                .map_err(RelayError::Fatal)?
+        }
     };
     let shared = Arc::new(Shared {
         source,

@@ -222,15 +222,17 @@ pub(crate) async fn stream_info(
     js: &async_nats::jetstream::Context,
     stream: &str,
 ) -> Result<async_nats::jetstream::stream::Info> {
-    let mut s = js
-        .get_stream(stream)
+    Ok(get_stream(js, stream).await?.cached_info().clone())
+}
+
+/// `stream`, with the info its leader reported when it was looked up.
+async fn get_stream(
+    js: &async_nats::jetstream::Context,
+    stream: &str,
+) -> Result<async_nats::jetstream::stream::Stream> {
+    js.get_stream(stream)
         .await
-        .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-    let info = s
-        .info()
-        .await
-        .map_err(|e| anyhow::anyhow!("stream info: {e}"))?;
-    Ok(info.clone())
+        .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))
 }
 
 /// Every message stored in `stream`, in stream order, read through `client` by an ordered
@@ -241,16 +243,8 @@ pub(crate) async fn read_stream_with(
 ) -> Result<Vec<StoredMessage>> {
     use futures_util::StreamExt;
     let js = async_nats::jetstream::new(client);
-    let mut s = js
-        .get_stream(stream)
-        .await
-        .map_err(|e| anyhow::anyhow!("get stream {stream}: {e}"))?;
-    let total = s
-        .info()
-        .await
-        .map_err(|e| anyhow::anyhow!("stream info: {e}"))?
-        .state
-        .messages;
+    let s = get_stream(&js, stream).await?;
+    let total = s.cached_info().state.messages;
     let mut out = Vec::with_capacity(total as usize);
     if total == 0 {
         return Ok(out);

@@ -268,13 +268,7 @@ pub async fn rows_left(client: &tokio_postgres::Client) -> Vec<RowLeft> {
 
 /// All ids in the table, in order.
 pub async fn ids(client: &tokio_postgres::Client) -> Vec<i64> {
-    client
-        .query("SELECT id FROM public.outbox ORDER BY id", &[])
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+    column(client, "SELECT id FROM public.outbox ORDER BY id", &[]).await
 }
 
 /// What a Kafka topic holds, checked the way a consumer would.
@@ -330,19 +324,15 @@ impl KafkaDelivery {
 /// The relay's claim transactions (holding row locks on `public.outbox`), with how long
 /// each has been open, in seconds. The probe's and floor keeper's short reads hold none.
 pub async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
-    client
-        .query(
-            "SELECT extract(epoch FROM now() - a.xact_start)::float8
+    column(
+        client,
+        "SELECT extract(epoch FROM now() - a.xact_start)::float8
              FROM pg_stat_activity a JOIN pg_locks l USING (pid)
              WHERE a.application_name = 'outbox-relay' AND a.xact_start IS NOT NULL
                AND l.relation = 'public.outbox'::regclass AND l.mode = 'RowShareLock'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect()
+        &[],
+    )
+    .await
 }
 
 /// Sends signal `name` (e.g. `TERM`) to `child`.
@@ -388,20 +378,11 @@ impl OutputWithin for Command {
         };
         let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
         let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
-        let start = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait()? {
-                break status;
-            }
-            if start.elapsed() > limit {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("{self:?} did not exit within {limit:?}; killed"),
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let Some(status) = exit_within(&mut child, limit)? else {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{self:?} did not exit within {limit:?}; killed"),
+            ));
         };
         Ok(Output {
             status,
@@ -411,18 +392,31 @@ impl OutputWithin for Command {
     }
 }
 
-/// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
-pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) {
+/// Waits for `child` to exit, at most `limit`; `None` when it did not (it is killed then).
+fn exit_within(
+    child: &mut Child,
+    limit: Duration,
+) -> std::io::Result<Option<std::process::ExitStatus>> {
     let start = Instant::now();
     loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return (status.code(), start.elapsed());
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
         }
         if start.elapsed() > limit {
             let _ = child.kill();
-            panic!("relay did not exit within {limit:?}");
+            let _ = child.wait();
+            return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to exit, at most `limit`; returns its exit code and how long it took.
+pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) {
+    let start = Instant::now();
+    match exit_within(child, limit).unwrap() {
+        Some(status) => (status.code(), start.elapsed()),
+        None => panic!("relay did not exit within {limit:?}"),
     }
 }
 
@@ -446,6 +440,25 @@ pub fn terminate_cleanly(relay: &mut Child) {
     signal(relay, "TERM");
     let (code, _) = wait_exit(relay, Duration::from_secs(15));
     assert_eq!(code, Some(0));
+}
+
+/// Column 0 of every row `sql` returns, collected (a `Vec`, a set).
+pub async fn column<T, C>(
+    client: &tokio_postgres::Client,
+    sql: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> C
+where
+    T: for<'a> tokio_postgres::types::FromSql<'a>,
+    C: FromIterator<T>,
+{
+    client
+        .query(sql, params)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }
 
 pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
