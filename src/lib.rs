@@ -12,11 +12,13 @@
 //!   own file.
 //! - [`source`]: PostgreSQL. Session deadlines per command ([`source::session`]), tables
 //!   ready to relay ([`source::table`]), the SQL ([`source::sql`]), the key-ordered claim
-//!   (its invariant proved in [`source::claim`]), the claim floor, retention, migrations,
+//!   (its invariant proved in [`source::claim`], key buckets for many claimers included),
+//!   the claim floor, retention, migrations,
 //!   LISTEN/NOTIFY, and what to do about each error ([`source::class`]).
 //! - [`sink`]: the sink contract ([`sink::SinkService`]) and one folder per implementation:
 //!   Kafka, NATS JetStream, stdout, memory (tests).
-//! - [`relay`]: `run`/`drain`: start-up, the workers, one batch in phases (claim ->
+//! - [`relay`]: `run`/`drain`: start-up, the workers, which tables are due for a claim
+//!   (`relay::wake`: idle tables cost next to nothing), one batch in phases (claim ->
 //!   publish -> settle -> finalize), per-key publish order ([`relay::order`]), the circuit
 //!   breaker, the run's state and report.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).

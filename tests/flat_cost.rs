@@ -293,3 +293,80 @@ async fn drain_large_rows(relay: &str) {
     assert_eq!(messages, 200);
     assert!(bytes >= 200 * 900_000, "{bytes} bytes stored");
 }
+
+/// Contract section 8 (Tables): a relay watching many quiet tables, with NOTIFY working,
+/// costs a few transactions per second in all (each table is looked at every 5 s, its
+/// floor keeper looks every 5 s, the gauges read it every 5 s), and a row in any of them
+/// is still published at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once() {
+    const TABLES: usize = 20;
+    let env = Env::new("workers = 4").await;
+    let more: String = (0..TABLES)
+        .map(|i| format!("[[tables]]\nname = \"public.idle_{i}\"\ntopic = \"{{topic}}\"\n"))
+        .collect();
+    env.write_config("workers = 4", &more);
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let client = env.client().await;
+    for i in 0..TABLES {
+        grant_relay_role(&client, &format!("public.idle_{i}")).await;
+    }
+    let mut relay = env.spawn_run();
+    wait_until("the relay to LISTEN", Duration::from_secs(30), async || {
+        count(
+            &client,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN outbox_relay'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    // Start-up claims every table once; then each settles.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let xacts = "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database \
+                 WHERE datname = current_database()";
+    let (before, started) = (count(&client, xacts).await, Instant::now());
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    // Backends report their counts at most once a second.
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let per_second =
+        (count(&client, xacts).await - before) as f64 / (started.elapsed().as_secs_f64() - 1.2);
+    eprintln!("{TABLES} idle tables: {per_second:.1} transactions/s");
+    // Before: about 70 per table. Stated: at most one per table, plus a few.
+    assert!(
+        per_second <= TABLES as f64 + 5.0,
+        "{per_second:.1} transactions/s for {TABLES} idle tables"
+    );
+
+    for i in [3, 11, 19] {
+        let t = format!("public.idle_{i}");
+        let id: i64 = client
+            .query_one(
+                &format!(
+                    "INSERT INTO {t} (topic, key, payload, headers) \
+                     VALUES ('events.wake', 'w', 'x', '{{\"key\": \"w\"}}') RETURNING id"
+                ),
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        let committed = Instant::now();
+        wait_until(
+            "a row in an idle table to be published",
+            Duration::from_secs(2),
+            async || {
+                count(
+                    &client,
+                    &format!("SELECT count(*) FROM {t} WHERE id = {id}"),
+                )
+                .await
+                    == 0
+            },
+        )
+        .await;
+        eprintln!("{t}: published {:?} after its commit", committed.elapsed());
+    }
+    terminate_cleanly(&mut relay);
+}

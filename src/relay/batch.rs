@@ -59,6 +59,8 @@ pub enum Batch {
     Done {
         trouble: Option<SinkError>,
         published: usize,
+        /// The soonest retry this batch scheduled, if any row failed for itself.
+        retry_in: Option<std::time::Duration>,
     },
     /// `stop` fired during the claim: nothing was claimed.
     Stopped,
@@ -246,6 +248,12 @@ async fn run_phases(
         "Batch committed"
     );
     Ok(Batch::Done {
+        retry_in: settlement
+            .failed
+            .waits_us
+            .iter()
+            .min()
+            .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
         published: settlement.published.len(),
         trouble: settlement.trouble,
     })
@@ -264,7 +272,7 @@ async fn claim<'a>(
         bytes: shared.relay.max_batch_bytes,
     };
     let (ordering, view) = (shared.relay.ordering, table.floor.view());
-    let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view).await?;
+    let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view, &table.depth).await?;
     Ok((tx, rows))
 }
 

@@ -12,12 +12,12 @@ mod message;
 pub mod order;
 mod start;
 mod state;
+mod wake;
 mod worker;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -74,8 +74,8 @@ struct Shared {
     /// Drain mode: stop once nothing publishable is left.
     drain: bool,
     shutdown: Shutdown,
-    /// Woken by NOTIFY.
-    wake: Arc<Notify>,
+    /// Which tables are due for a claim; idle workers wait on it (see `wake`).
+    wakes: Arc<wake::Wakes>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
@@ -143,6 +143,16 @@ async fn relay(
                 .map_err(RelayError::Fatal)?
         }
     };
+    // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
+    // `requeue`/`replay`): the name's Display form.
+    let wakes = Arc::new(wake::Wakes::new(
+        tables
+            .iter()
+            .map(|t| (t.config.name.to_string(), t.notify))
+            .collect(),
+        config.relay.poll_interval,
+        mode == Mode::Drain,
+    ));
     let shared = Arc::new(Shared {
         source,
         sink,
@@ -151,7 +161,7 @@ async fn relay(
         publish_timeout: config.sink.publish_timeout,
         drain: mode == Mode::Drain,
         shutdown: shutdown.clone(),
-        wake: Arc::new(Notify::new()),
+        wakes,
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),
@@ -171,7 +181,7 @@ async fn relay(
     tracker.spawn(crate::source::listen::listen(
         config.postgres.for_listen(),
         limits,
-        shared.wake.clone(),
+        shared.wakes.clone(),
         shutdown.stop_token().clone(),
     ));
     {
@@ -262,7 +272,14 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) 
 async fn keep_table(shared: Arc<Shared>, t: usize, done: CancellationToken) {
     let table = &shared.tables[t];
     let name = table.config.name.to_string();
-    let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, &done);
+    let active = || shared.wakes.active(t);
+    let lowered = || shared.wakes.raise(t, true);
+    let pace = floor::Pace {
+        active: &active,
+        poke: shared.wakes.keeper(t),
+        lowered: &lowered,
+    };
+    let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, pace, &done);
     let Some(retention) = shared.relay.retention else {
         return keeper.await;
     };

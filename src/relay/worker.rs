@@ -49,7 +49,7 @@ impl Worker {
                 backoff.reset();
             }
             // Registered before the claim, so a NOTIFY during the claim is not missed.
-            let notified = shared.wake.notified();
+            let notified = shared.wakes.workers.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
 
@@ -74,10 +74,20 @@ impl Worker {
                         shared.shutdown.request_stop();
                         return;
                     }
+                    // Until a NOTIFY, or the soonest table due for a look (`wake`).
+                    let pause = if shared.drain {
+                        shared.relay.poll_interval
+                    } else {
+                        shared
+                            .wakes
+                            .next_check()
+                            .saturating_duration_since(std::time::Instant::now())
+                            .clamp(Duration::from_millis(1), super::wake::IDLE_RECHECK)
+                    };
                     tokio::select! {
                         _ = stop.cancelled() => return,
                         _ = &mut notified => {}
-                        _ = tokio::time::sleep(shared.relay.poll_interval) => {}
+                        _ = tokio::time::sleep(pause) => {}
                     }
                 }
             }
@@ -91,13 +101,28 @@ impl Worker {
         let tables = shared.tables.len();
         for k in 0..tables {
             let t = (*next + k) % tables;
+            let Some(ticket) = shared.wakes.begin(t, std::time::Instant::now()) else {
+                continue;
+            };
             let result = relay_batch(shared, self.id, &shared.tables[t]).await;
             if matches!(result, Ok(Batch::Empty | Batch::Done { .. })) {
                 shared.ops.health.progress();
             }
             match result {
-                Ok(Batch::Empty) => continue,
-                Ok(Batch::Done { trouble, published }) => {
+                Ok(Batch::Empty) => {
+                    shared.wakes.found_nothing(t, ticket);
+                    continue;
+                }
+                Ok(Batch::Done {
+                    trouble,
+                    published,
+                    retry_in,
+                }) => {
+                    // Rows were there: there may be more (`wake`, rule 1).
+                    shared.wakes.raise(t, false);
+                    if let Some(after) = retry_in {
+                        shared.wakes.retry_in(t, after);
+                    }
                     *next = (t + 1) % tables;
                     match (&trouble, published) {
                         (Some(e), 0) => shared.breaker.record_failure(&e.message),

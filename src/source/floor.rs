@@ -352,24 +352,49 @@ impl Floor {
     }
 }
 
-/// Keeps the floor of one table until `done`: a look every [`TICK`], sweep steps when due.
-/// Failures are logged and retried at the next tick; meanwhile the floor stays where it is,
-/// which is always safe.
+/// How often the keeper of an idle table looks (see [`Pace`]).
+pub const IDLE_TICK: Duration = Duration::from_secs(5);
+
+/// How fast the keeper goes: a look every [`TICK`] while the table is `active` (rows were
+/// claimed or announced lately), else every [`IDLE_TICK`] or at a `poke`. The floor only
+/// saves claims work, so an idle table's floor may wait; its rows are not held back by it.
+/// `lowered` is told when the sweep lowered the floor: a row is pending below it, and
+/// claims should look.
+pub struct Pace<'a> {
+    pub active: &'a (dyn Fn() -> bool + Sync),
+    pub poke: &'a tokio::sync::Notify,
+    pub lowered: &'a (dyn Fn() + Sync),
+}
+
+/// Keeps the floor of one table until `done`: a look every tick ([`Pace`]), sweep steps
+/// when due. Failures are logged and retried at the next tick; meanwhile the floor stays
+/// where it is, which is always safe.
 pub async fn keep(
     table: &str,
     source: &Source,
     sql: &TableSql,
     cell: &FloorCell,
+    pace: Pace<'_>,
     done: &tokio_util::sync::CancellationToken,
 ) {
     let mut floor = Floor::new(Instant::now());
     let mut failing = false;
     let mut shown = (floor.value(), 0);
     loop {
-        tokio::select! {
-            _ = done.cancelled() => return,
-            _ = tokio::time::sleep(TICK) => {}
+        let poked = pace.poke.notified();
+        if (pace.active)() {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                _ = tokio::time::sleep(TICK) => {}
+            }
+        } else {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                _ = poked => {}
+                _ = tokio::time::sleep(IDLE_TICK) => {}
+            }
         }
+        let before = floor.value();
         // Read before the look begins: every id claimed by then is committed.
         let claimed_past = cell.claimed_past();
         match source
@@ -379,6 +404,9 @@ pub async fn keep(
             Ok(()) => {
                 cell.publish(&floor);
                 failing = false;
+                if floor.value() < before {
+                    (pace.lowered)();
+                }
                 let now = (floor.value(), floor.stragglers().len());
                 if now != shown {
                     shown = now;

@@ -1,14 +1,15 @@
 //! LISTEN/NOTIFY: wakes idle workers the moment new outbox rows commit.
 //!
 //! One dedicated connection (outside the pool) listens on channel `outbox_relay`. A
-//! notification is only a hint: workers also poll at `relay.poll_interval`, so a lost
-//! notification, a dropped listener connection or `migrate --no-notify` only costs latency.
+//! notification names its table; it is only a hint: tables are also looked at now and then
+//! (every `relay.poll_interval` while this connection is down or a table has no trigger),
+//! so a lost notification, a dropped listener connection or `migrate --no-notify` only
+//! costs latency.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
-use tokio::sync::Notify;
 use tokio_postgres::AsyncMessage;
 use tokio_util::sync::CancellationToken;
 
@@ -20,20 +21,30 @@ use crate::retry::Backoff;
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
 
+/// What the listener tells the relay.
+pub trait Wake: Send + Sync {
+    /// Rows of the table `payload` names (`schema.table`, unquoted) committed.
+    fn rows_committed(&self, payload: &str);
+    /// LISTEN is subscribed (`true`: rows may have committed unheard before) or is not.
+    fn listening(&self, on: bool);
+}
+
 /// Listens on `pg` (the relay's [`PostgresConfig::for_listen`]) until `stop` is
-/// cancelled, reconnecting with a capped backoff; each burst of notifications calls
-/// `wake.notify_waiters()` once. Gives up, saying so once, when `pg` turns out to be a
+/// cancelled, reconnecting with a capped backoff; each burst of notifications tells
+/// `wake` once per table named. Gives up, saying so once, when `pg` turns out to be a
 /// pooler in transaction mode, which cannot keep a LISTEN: the workers poll.
 pub async fn listen(
     pg: PostgresConfig,
     limits: SessionLimits,
-    wake: Arc<Notify>,
+    wake: Arc<dyn Wake>,
     stop: CancellationToken,
 ) {
     let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
     while !stop.is_cancelled() {
         let pause = backoff.next_pause();
-        match listen_once(&pg, limits, &wake, &stop).await {
+        let result = listen_once(&pg, limits, wake.as_ref(), &stop).await;
+        wake.listening(false);
+        match result {
             Ok(()) => return,
             Err(Stop::Pooled) => {
                 tracing::warn!(
@@ -72,7 +83,7 @@ impl From<String> for Stop {
 async fn listen_once(
     pg: &PostgresConfig,
     limits: SessionLimits,
-    wake: &Notify,
+    wake: &dyn Wake,
     stop: &CancellationToken,
 ) -> Result<(), Stop> {
     let open = tokio::time::timeout(2 * super::attempt_limit(pg), session::open(pg, limits));
@@ -95,16 +106,22 @@ async fn listen_once(
                 subscribed = true;
                 tracing::debug!(channel = CHANNEL, "Listening for new outbox rows");
                 // Rows may have committed while we were not listening.
-                wake.notify_waiters();
+                wake.listening(true);
             }
             message = messages.next() => {
                 // Debounce: a burst of commits arrives as a burst of notifications; every
-                // one already received wakes the workers once, not once each.
+                // one already received wakes its table once, not once each.
                 let mut message = message;
                 let mut committed = 0usize;
+                let mut tables: Vec<String> = Vec::new();
                 loop {
                     match message {
-                        Some(Ok(AsyncMessage::Notification(_))) => committed += 1,
+                        Some(Ok(AsyncMessage::Notification(n))) => {
+                            committed += 1;
+                            if !tables.iter().any(|t| t == n.payload()) {
+                                tables.push(n.payload().to_owned());
+                            }
+                        }
                         Some(Ok(_)) => {}
                         Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
                         None => return Err(Stop::Failed("connection closed".to_owned())),
@@ -116,7 +133,9 @@ async fn listen_once(
                 }
                 if committed > 0 {
                     tracing::trace!(notifications = committed, "Outbox rows committed");
-                    wake.notify_waiters();
+                    for table in &tables {
+                        wake.rows_committed(table);
+                    }
                 }
             }
         }

@@ -78,6 +78,15 @@ pub const MIGRATIONS: &[Migration] = &[
             sql: include_str!("../../migrations/0003_retry_index.concurrent.sql"),
         }],
     },
+    Migration {
+        version: 4,
+        name: "bucket_index",
+        sql: include_str!("../../migrations/0004_bucket_index.sql"),
+        concurrent_indexes: &[ConcurrentIndex {
+            name: "{{bucket_index}}",
+            sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
+        }],
+    },
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
@@ -352,6 +361,7 @@ pub const CLAIM_INDEXES: &[(&str, &str)] = &[
     ("pending_idx", "pending rows in order (migration 0001)"),
     ("held_idx", "rows that hold back their key (migration 0002)"),
     ("retry_idx", "rows with a failure history (migration 0003)"),
+    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
 ];
 
 /// Fills the `{{placeholders}}` of a migration with quoted identifiers.
@@ -364,6 +374,7 @@ fn render(sql: &str, table: &TableConfig) -> String {
         .replace("{{dead_index}}", &index("dead_idx"))
         .replace("{{held_index}}", &index("held_idx"))
         .replace("{{retry_index}}", &index("retry_idx"))
+        .replace("{{bucket_index}}", &index("bucket_idx"))
         .replace("{{order_index}}", &index("order_key"))
         .replace("{{order}}", &c.order.quoted())
         .replace("{{key}}", &c.key.quoted())

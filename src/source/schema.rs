@@ -115,6 +115,22 @@ pub async fn inspect(
     }
 }
 
+/// Whether `table` has the NOTIFY trigger `migrate` installs, enabled.
+pub async fn has_notify_trigger(
+    client: &impl GenericClient,
+    table: &TableConfig,
+) -> Result<bool, SourceError> {
+    Ok(client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
+             WHERE tgrelid = to_regclass($1::text) AND tgname = 'outbox_relay_notify' \
+             AND tgenabled <> 'D')",
+            &[&table.name.quoted()],
+        )
+        .await?
+        .get(0))
+}
+
 /// A schema that does not exist or that this role may not use.
 async fn schema_problem(
     client: &impl GenericClient,

@@ -9,6 +9,20 @@ use super::schema::{PayloadType, TableShape};
 /// The `after` value of a claim's first window: below every order value.
 pub const FIRST_WINDOW: i64 = i64::MIN;
 
+/// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
+/// of migration 0004 computes it (see [`bucket_of`]).
+pub const BUCKETS: i32 = 64;
+
+/// A row's key bucket, exactly as `migrations/0004_bucket_index.concurrent.sql` writes it
+/// (PostgreSQL uses the index only for the same expression). `o` is a table alias with
+/// its dot, or empty.
+pub fn bucket_of(o: &str, key: &str, id: &str) -> String {
+    format!(
+        "((COALESCE(hashtext(({o}{key})::text COLLATE \"C\")::int8, ({o}{id})::int8) & {})::int4)",
+        BUCKETS - 1
+    )
+}
+
 /// Statements for one outbox table.
 #[derive(Debug, Clone)]
 pub struct TableSql {
@@ -27,6 +41,13 @@ pub struct TableSql {
     /// next attempt). Rows are read from the floor `$4` on, and below it only the
     /// stragglers `$5` and rows with a failure history (see [`super::floor`]).
     pub window: String,
+    /// `ordering = "key"`, a claim past a deep first window: takes the advisory locks
+    /// (table tag `$6`) of the first `$7` buckets in `$3` (in that order) that no other
+    /// transaction holds, and returns each one's pending rows from its start, at most `$2`
+    /// a bucket, read through the bucket index as [`TableSql::window`] reads rows (floor
+    /// `$4`, stragglers `$5`; `$1` is [`FIRST_WINDOW`]), in no particular order, and one
+    /// row per bucket got with a NULL order value.
+    pub pick_window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
     /// on that no earlier held row of its key holds back (the candidate), the rows without
@@ -90,6 +111,19 @@ pub struct TableSql {
     /// `None` without a creation-time column (retention needs one, checked at start-up).
     pub retire: Option<String>,
     pub layout: RowLayout,
+    /// The first key of this table's bucket advisory locks (the second is the bucket).
+    pub tag: i32,
+}
+
+/// The first key of a table's bucket advisory locks: FNV-1a of its qualified name, the
+/// same in every relay of every release that has buckets (no PostgreSQL hash in it).
+pub fn table_tag(name: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h as i32
 }
 
 /// A locking claim of the rows `filter` selects, in order, that returns only the prefix
@@ -225,6 +259,14 @@ impl TableSql {
              AND (o.{next} IS NULL OR o.{next} <= now()) \
              AND (o.{key} IS NULL OR (o.{key}::text <> ALL($3::text[]) AND {not_held_back}))"
         );
+        // The same for a bucket window, whose `$3` are buckets: no key is left out by name
+        // (a bucket is read whole or not at all).
+        let bucket_filter = format!(
+            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
+             AND (o.{next} IS NULL OR o.{next} <= now()) \
+             AND (o.{key} IS NULL OR {not_held_back})"
+        );
+        let obucket = bucket_of("o.", &key, &id);
         // The floor's bookkeeping (super::floor): rows with a failure history are found
         // below the floor through the retry index; the others are *fresh*.
         let retrying = format!("{pending} AND {next} IS NOT NULL");
@@ -290,16 +332,43 @@ impl TableSql {
             // rows, key order).
             window: format!(
                 "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-                 {osize} AS size FROM {t} o WHERE {stragglers} AND (o.{id} + 0) > $1 AND {window_filter} \
-                 UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize} FROM {t} o \
+                 {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
+                 AND (o.{id} + 0) > $1 AND {window_filter} \
+                 UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
                  WHERE {retrying} AND (o.{id} + 0) > $1 AND {window_filter}), \
                  main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-                 {osize} AS size \
+                 {osize} AS size, {obucket} AS bucket \
                  FROM {t} o WHERE o.{id} >= (SELECT $4::bigint) AND o.{id} > (SELECT $1::bigint) \
                  AND {window_filter} \
                  ORDER BY o.{id} LIMIT $2) \
-                 SELECT id, key, size FROM low UNION ALL SELECT id, key, size FROM main \
-                 ORDER BY id LIMIT $2",
+                 SELECT id, key, size, bucket FROM low UNION ALL \
+                 SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $2",
+                osize = size_of("o."),
+                stragglers = stragglers_part("o.", "$5::bigint[]"),
+                retrying = retry_part("o.", "$4", "$5::bigint[]"),
+            ),
+            // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
+            // are got: the lock function runs once per bucket tried), then each bucket's
+            // rows through the bucket index (a nested loop over the buckets got, one index
+            // range each); the rows below the floor (few) filtered by bucket.
+            pick_window: format!(
+                "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
+                 WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), \
+                 low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+                 {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
+                 AND (o.{id} + 0) > $1 AND {bucket_filter} \
+                 UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
+                 WHERE {retrying} AND (o.{id} + 0) > $1 AND {bucket_filter}), \
+                 main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket \
+                 FROM pick, LATERAL (SELECT o.{id}::bigint AS id, \
+                 o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
+                 WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
+                 AND o.{id} >= (SELECT $4::bigint) \
+                 AND o.{id} > (SELECT $1::bigint) AND {bucket_filter} \
+                 ORDER BY o.{id} LIMIT $2) w) \
+                 SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
+                 UNION ALL SELECT id, key, size, bucket FROM main \
+                 UNION ALL SELECT NULL, NULL, NULL, b FROM pick",
                 osize = size_of("o."),
                 stragglers = stragglers_part("o.", "$5::bigint[]"),
                 retrying = retry_part("o.", "$4", "$5::bigint[]"),
@@ -446,6 +515,30 @@ impl TableSql {
                 )
             }),
             layout,
+            tag: table_tag(&table.name.to_string()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_expression_is_the_bucket_indexs_own() {
+        let index = include_str!("../../migrations/0004_bucket_index.concurrent.sql");
+        let expression = bucket_of("", "{{key}}", "{{order}}");
+        assert!(
+            index.contains(&format!("({expression}, {{{{order}}}})")),
+            "{index}"
+        );
+    }
+
+    #[test]
+    fn the_table_tag_is_fixed_for_a_name() {
+        // Relays of different builds must agree: the value is part of the protocol.
+        assert_eq!(table_tag("public.outbox"), table_tag("public.outbox"));
+        assert_eq!(table_tag(""), 0x811c_9dc5_u32 as i32);
+        assert_ne!(table_tag("public.outbox"), table_tag("public.outbox2"));
     }
 }

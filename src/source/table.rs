@@ -1,6 +1,7 @@
 //! An outbox table ready to relay: its configuration, its statements (built once, from
 //! the columns the table really has) and its claim floor.
 
+use super::claim::BucketDepth;
 use super::floor::FloorCell;
 use super::schema;
 use super::sql::TableSql;
@@ -13,6 +14,10 @@ pub struct TablePlan {
     pub sql: TableSql,
     /// Where claims start (see [`super::floor`]).
     pub floor: FloorCell,
+    /// How many buckets a deep claim asks for at once (see [`super::claim`]).
+    pub depth: BucketDepth,
+    /// The table has the NOTIFY trigger (`migrate` without `--no-notify`), enabled.
+    pub notify: bool,
 }
 
 /// Checks every configured table once (columns, types, indexes, privileges) and builds
@@ -25,10 +30,15 @@ pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>,
             .in_transaction(async |tx| schema::inspect(tx.client(), table, &config.relay).await)
             .await?
             .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
+        let notify = source
+            .in_transaction(async |tx| schema::has_notify_trigger(tx.client(), table).await)
+            .await?;
         plans.push(TablePlan {
             sql: TableSql::new(table, &shape, config.relay.ordering),
             config: table.clone(),
             floor: FloorCell::default(),
+            depth: BucketDepth::default(),
+            notify,
         });
     }
     Ok(plans)

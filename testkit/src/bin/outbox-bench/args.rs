@@ -44,4 +44,11 @@ pub(crate) struct Args {
     /// durable as PostgreSQL ships).
     #[arg(long)]
     pub(crate) fast: bool,
+    /// Only the deployment shapes: S (relays x workers), I (idle tables) and E3 (a new
+    /// process behind a held snapshot); see `scale.rs`.
+    #[arg(long)]
+    pub(crate) scale: bool,
+    /// With `--scale`: only these of S, I and E3 (comma-separated, e.g. `S,E3`).
+    #[arg(long, value_name = "PARTS", default_value = "S,I,E3")]
+    pub(crate) scale_parts: String,
 }

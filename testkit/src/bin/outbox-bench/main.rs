@@ -49,6 +49,7 @@ mod args;
 mod cpu;
 mod drain;
 mod report;
+mod scale;
 mod steady;
 
 use std::process::Command;
@@ -174,7 +175,6 @@ impl Bench {
                 ],
             )
             .await?;
-        client.batch_execute("VACUUM ANALYZE public.outbox").await?;
         Ok(())
     }
 
@@ -242,6 +242,14 @@ impl Bench {
 #[tokio::main]
 async fn main() -> Result<()> {
     let bench = Bench::start(Args::parse()).await?;
+    if bench.a.scale {
+        let scale = bench.scale().await?;
+        let settings = report::settings(&bench.pg).await?;
+        let _ = std::fs::remove_dir_all(&bench.dir);
+        println!("PostgreSQL: {settings}");
+        scale::print(&scale);
+        return Ok(());
+    }
 
     let mut rows = Vec::new();
     let mut step = |row: Result<Row>| -> Result<()> {

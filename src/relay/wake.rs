@@ -1,0 +1,276 @@
+//! Which tables a worker claims from, and when: an idle table costs next to nothing.
+//!
+//! Rules (`run`; a `drain` looks at every table in every round, as it must end):
+//!
+//! 1. A table is *due* after something says it may have rows: a NOTIFY naming it, the
+//!    LISTEN connection (re)subscribing (rows may have committed unheard), a batch of it
+//!    that published rows (there may be more), its floor lowered by the sweep, or a retry
+//!    this process scheduled coming due.
+//! 2. A claim that finds nothing settles the table, but only for what was raised before
+//!    the claim began: a NOTIFY during the claim keeps it due (a counter, not a flag).
+//! 3. A table that is not due is still looked at every [`IDLE_RECHECK`] while NOTIFY
+//!    works for it (LISTEN subscribed and the table has the trigger), and every
+//!    `relay.poll_interval` otherwise: a table claimed by no NOTIFY is polled once per
+//!    interval by the whole process, not once per worker.
+//! 4. The floor keeper ([`crate::source::floor`]) ticks only while the table was active in
+//!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+/// How often a table that NOTIFY covers is looked at anyway when nothing raised it: a
+/// row inserted with the trigger disabled, a retry scheduled by a relay that died.
+pub const IDLE_RECHECK: Duration = Duration::from_secs(5);
+/// How long a table counts as active after its last sign of rows.
+pub const ACTIVE_FOR: Duration = Duration::from_secs(2);
+
+/// The wake state of every table, and the signal idle workers wait on.
+pub struct Wakes {
+    tables: Vec<TableWake>,
+    /// Idle workers wait on this.
+    pub workers: Notify,
+    /// LISTEN is subscribed now.
+    listening: AtomicBool,
+    poll_interval: Duration,
+    /// `drain`: every table is always due.
+    always: bool,
+}
+
+struct TableWake {
+    name: String,
+    /// The table has the NOTIFY trigger.
+    trigger: bool,
+    raised: AtomicU64,
+    settled: AtomicU64,
+    /// When the table is looked at again if nothing raises it.
+    next_check: Mutex<Instant>,
+    /// The soonest retry this process scheduled and has not looked for yet.
+    retry_at: Mutex<Option<Instant>>,
+    last_active: Mutex<Instant>,
+    /// Pokes the table's floor keeper out of its idle wait.
+    pub keeper: Notify,
+}
+
+/// A ticket from [`Wakes::begin`]: what a claim saw raised when it began.
+#[derive(Debug, Clone, Copy)]
+pub struct Ticket(u64);
+
+impl Wakes {
+    /// `tables`: each table's qualified name as NOTIFY sends it (`schema.table`) and
+    /// whether it has the trigger.
+    pub fn new(tables: Vec<(String, bool)>, poll_interval: Duration, always: bool) -> Wakes {
+        let now = Instant::now();
+        Wakes {
+            tables: tables
+                .into_iter()
+                .map(|(name, trigger)| TableWake {
+                    name,
+                    trigger,
+                    // Every table starts due: rows may be waiting.
+                    raised: AtomicU64::new(1),
+                    settled: AtomicU64::new(0),
+                    next_check: Mutex::new(now),
+                    retry_at: Mutex::new(None),
+                    last_active: Mutex::new(now),
+                    keeper: Notify::new(),
+                })
+                .collect(),
+            workers: Notify::new(),
+            listening: AtomicBool::new(false),
+            poll_interval,
+            always,
+        }
+    }
+
+    /// Rule 1: table `t` may have rows; idle workers are woken when `wake_workers`.
+    pub fn raise(&self, t: usize, wake_workers: bool) {
+        let table = &self.tables[t];
+        table.raised.fetch_add(1, Ordering::AcqRel);
+        *table.last_active.lock().unwrap() = Instant::now();
+        table.keeper.notify_waiters();
+        if wake_workers {
+            self.workers.notify_waiters();
+        }
+    }
+
+    /// Every table may have rows (LISTEN (re)subscribed, or a NOTIFY naming no table this
+    /// relay knows... see [`Wakes::rows_committed`]).
+    pub fn raise_all(&self) {
+        for t in 0..self.tables.len() {
+            self.raise(t, false);
+        }
+        self.workers.notify_waiters();
+    }
+
+    /// A NOTIFY with `payload` (`schema.table`) arrived.
+    pub fn rows_committed(&self, payload: &str) {
+        if let Some(t) = self.tables.iter().position(|t| t.name == payload) {
+            self.raise(t, true);
+        }
+    }
+
+    /// LISTEN subscribed (`true`) or lost its connection (`false`).
+    pub fn set_listening(&self, on: bool) {
+        self.listening.store(on, Ordering::Release);
+        if on {
+            self.raise_all();
+        }
+    }
+
+    /// Whether a worker should claim from table `t` now (rules 1 and 3); if so, the
+    /// ticket to hand back with what the claim found.
+    pub fn begin(&self, t: usize, now: Instant) -> Option<Ticket> {
+        let table = &self.tables[t];
+        let raised = table.raised.load(Ordering::Acquire);
+        if self.always || raised > table.settled.load(Ordering::Acquire) {
+            return Some(Ticket(raised));
+        }
+        {
+            let mut retry = table.retry_at.lock().unwrap();
+            if retry.is_some_and(|at| at <= now) {
+                *retry = None;
+                return Some(Ticket(raised));
+            }
+        }
+        let mut next = table.next_check.lock().unwrap();
+        if now < *next {
+            return None;
+        }
+        *next = now + self.recheck(table);
+        Some(Ticket(raised))
+    }
+
+    /// A claim of table `t` with `ticket` found nothing (rule 2); the table is looked at
+    /// again at its next recheck unless something raises it first.
+    pub fn found_nothing(&self, t: usize, ticket: Ticket) {
+        let table = &self.tables[t];
+        table.settled.fetch_max(ticket.0, Ordering::AcqRel);
+        let mut next = table.next_check.lock().unwrap();
+        *next = (*next).max(Instant::now() + self.recheck(table));
+    }
+
+    /// This process scheduled a retry of a row of table `t` `after` from now.
+    pub fn retry_in(&self, t: usize, after: Duration) {
+        let at = Instant::now() + after;
+        let mut retry = self.tables[t].retry_at.lock().unwrap();
+        *retry = Some(retry.map_or(at, |r| r.min(at)));
+    }
+
+    /// When the earliest table that is not due is looked at again.
+    pub fn next_check(&self) -> Instant {
+        self.tables
+            .iter()
+            .flat_map(|t| {
+                [
+                    Some(*t.next_check.lock().unwrap()),
+                    *t.retry_at.lock().unwrap(),
+                ]
+            })
+            .flatten()
+            .min()
+            .unwrap_or_else(|| Instant::now() + self.poll_interval)
+    }
+
+    /// Rule 4: whether table `t` showed signs of rows lately.
+    pub fn active(&self, t: usize) -> bool {
+        self.tables[t].last_active.lock().unwrap().elapsed() < ACTIVE_FOR
+    }
+
+    /// The notification table `t`'s floor keeper waits on while idle.
+    pub fn keeper(&self, t: usize) -> &Notify {
+        &self.tables[t].keeper
+    }
+
+    fn recheck(&self, table: &TableWake) -> Duration {
+        if table.trigger && self.listening.load(Ordering::Acquire) {
+            IDLE_RECHECK
+        } else {
+            self.poll_interval
+        }
+    }
+}
+
+impl crate::source::listen::Wake for Wakes {
+    fn rows_committed(&self, payload: &str) {
+        Wakes::rows_committed(self, payload);
+    }
+
+    fn listening(&self, on: bool) {
+        self.set_listening(on);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wakes() -> Wakes {
+        Wakes::new(
+            vec![("public.a".into(), true), ("public.b".into(), false)],
+            Duration::from_millis(100),
+            false,
+        )
+    }
+
+    #[test]
+    fn a_table_stays_due_until_a_claim_that_began_after_its_last_raise_finds_nothing() {
+        let w = wakes();
+        let now = Instant::now();
+        let ticket = w.begin(0, now).expect("due at start");
+        w.rows_committed("public.a"); // a NOTIFY while the claim runs
+        w.found_nothing(0, ticket);
+        let ticket = w
+            .begin(0, now)
+            .expect("still due: the NOTIFY came after the claim began");
+        w.found_nothing(0, ticket);
+        assert!(w.begin(0, now).is_none(), "settled, and rechecked later");
+    }
+
+    #[test]
+    fn an_idle_table_is_rechecked_slowly_only_while_notify_covers_it() {
+        let w = wakes();
+        let now = Instant::now();
+        w.set_listening(true);
+        for t in 0..2 {
+            let ticket = w.begin(t, now).unwrap();
+            w.found_nothing(t, ticket);
+        }
+        // Settled: the next look waits for its recheck.
+        let later = Instant::now() + Duration::from_millis(150);
+        assert!(w.begin(0, later).is_none(), "a has the trigger: 5 s");
+        assert!(
+            w.begin(1, later).is_some(),
+            "b has no trigger: the poll interval"
+        );
+        assert!(w.begin(0, later + IDLE_RECHECK).is_some());
+    }
+
+    #[test]
+    fn a_scheduled_retry_is_looked_for_when_due_whatever_the_recheck() {
+        let w = wakes();
+        w.set_listening(true);
+        w.retry_in(0, Duration::from_millis(50));
+        let now = Instant::now();
+        w.found_nothing(0, w.begin(0, now).unwrap());
+        assert!(w.begin(0, now).is_none());
+        assert!(w.next_check() <= now + Duration::from_millis(60));
+        let due = now + Duration::from_millis(60);
+        assert!(w.begin(0, due).is_some(), "the retry is due");
+        assert!(w.begin(0, due).is_none(), "once");
+    }
+
+    #[test]
+    fn a_notify_for_another_table_wakes_nothing() {
+        let w = wakes();
+        let now = Instant::now();
+        w.set_listening(true);
+        w.found_nothing(0, w.begin(0, now).unwrap());
+        w.rows_committed("public.other");
+        assert!(w.begin(0, now).is_none());
+        w.rows_committed("public.a");
+        assert!(w.begin(0, now).is_some());
+    }
+}

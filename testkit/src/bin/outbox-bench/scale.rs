@@ -1,0 +1,430 @@
+//! S, I and E3: the shapes of real deployments (issue 27) rather than one process on one
+//! table. `outbox-bench --scale` runs only these.
+//!
+//! - S. Replicas and workers: `R` `outbox-relay drain` processes of `W` workers each,
+//!   started at once on one table of 200,000 rows, on 2,000 keys and on 20 hot keys; the
+//!   aggregate rate, timed from the first start to the last exit, as a ratio to 1 x 4.
+//! - I. Idle tables: `outbox-relay run` watching 1, 10 and 50 quiet tables (NOTIFY
+//!   trigger installed), and 50 without it (polling only); over 15 s after start-up, the
+//!   cores the relay and every PostgreSQL process used and the transactions per second
+//!   PostgreSQL counted; then the wake-up: a row in a random table, from commit to the
+//!   consumer, 20 times.
+//! - E3. A held snapshot and a new process: one session holds a REPEATABLE READ snapshot,
+//!   300,000 rows (10,000 keys, 200-byte payloads) are drained by one `drain` (4 workers,
+//!   batches of 1,000); the table is analyzed empty, as autovacuum does after such a
+//!   drain; 300,000 more are inserted and drained by a new `drain` process, behind the
+//!   deleted rows VACUUM cannot remove, with no ANALYZE between the fill and the drain.
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use futures_util::StreamExt;
+
+use crate::Bench;
+
+/// Rows of each S drain.
+const S_ROWS: i64 = 200_000;
+/// (relays, workers) of S, the first being the reference.
+const SHAPES: [(usize, usize); 6] = [(1, 4), (1, 16), (2, 4), (4, 4), (8, 4), (1, 1)];
+/// How long I measures an idle relay.
+const IDLE_SECS: u64 = 15;
+/// Rows of each E3 drain.
+const E3_ROWS: i64 = 300_000;
+
+/// One S line.
+pub(crate) struct Shape {
+    pub(crate) keys: i64,
+    pub(crate) relays: usize,
+    pub(crate) workers: usize,
+    pub(crate) drained: Drained,
+}
+
+/// What a set of drains did: the aggregate rate, and the CPU seconds per 100,000 rows of
+/// the relays together and of every PostgreSQL process.
+#[derive(Clone, Copy)]
+pub(crate) struct Drained {
+    pub(crate) rate: f64,
+    pub(crate) relay_cpu: f64,
+    pub(crate) pg_cpu: f64,
+}
+
+/// One I line.
+pub(crate) struct Idle {
+    pub(crate) tables: usize,
+    pub(crate) notify: bool,
+    pub(crate) relay_cores: f64,
+    pub(crate) pg_cores: f64,
+    pub(crate) xact_per_sec: f64,
+    pub(crate) wake_p50_ms: f64,
+    pub(crate) wake_p99_ms: f64,
+}
+
+/// What `--scale` measured.
+pub(crate) struct Scale {
+    pub(crate) shapes: Vec<Shape>,
+    pub(crate) idle: Vec<Idle>,
+    /// E3: the first drain's rate, the new process's rate.
+    pub(crate) history: (f64, f64),
+}
+
+/// CPU seconds (user + system) of process `pid`, from `/proc`.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit(')').next().unwrap_or_default();
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
+    (ticks(11) + ticks(12)) as f64 / clock_ticks()
+}
+
+fn clock_ticks() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
+}
+
+/// CPU seconds of every `postgres` process on the machine (the benchmark's cluster is the
+/// only one).
+fn postgres_cpu_secs() -> f64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0.0;
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
+        })
+        .map(cpu_secs)
+        .sum()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+impl Bench {
+    /// A relay config for NATS with `workers`, `batch`, and `tables` (`[[tables]]` names).
+    fn scale_config(&self, workers: usize, batch: usize, tables: &[String]) -> String {
+        let mut text = format!(
+            "[postgres]\nurl = \"{}\"\npool_size = {}\n[relay]\nworkers = {workers}\n\
+             batch_size = {batch}\n[sink]\nkind = \"nats\"\n[sink.nats]\nurl = \"{}\"\n",
+            self.db_url,
+            workers + 4,
+            self.nats.url()
+        );
+        for t in tables {
+            text.push_str(&format!("[[tables]]\nname = \"{t}\"\n"));
+        }
+        text
+    }
+
+    fn spawn_relay(&self, command: &str, config: &std::path::Path) -> Result<Child> {
+        Command::new(&self.a.relay)
+            .args([command, "--config"])
+            .arg(config)
+            .env(
+                "RUST_LOG",
+                std::env::var("BENCH_RELAY_LOG").unwrap_or_else(|_| "warn".to_owned()),
+            )
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start outbox-relay")
+    }
+
+    /// Fills `public.outbox` afresh with `rows` rows over `keys` keys, no ANALYZE (an
+    /// application does not analyze its outbox before a burst).
+    async fn fill(&self, rows: i64, keys: i64, payload: i32) -> Result<()> {
+        let client = self.pg.connect("app").await?;
+        client.batch_execute("TRUNCATE public.outbox").await?;
+        self.append(rows, keys, payload).await
+    }
+
+    async fn append(&self, rows: i64, keys: i64, payload: i32) -> Result<()> {
+        let client = self.pg.connect("app").await?;
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload)
+                 SELECT 'bench.' || (n % 8), 'k' || (n % $2::bigint),
+                        convert_to(rpad(n::text, $3::int, 'x'), 'UTF8')
+                 FROM generate_series(1, $1::bigint) n ORDER BY n",
+                &[&rows, &keys, &payload],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// `relays` drains of `workers` workers at once on what the table holds; the aggregate
+    /// rate, checked against what the stream stored and the rows left.
+    async fn drains_at_once(
+        &self,
+        relays: usize,
+        workers: usize,
+        batch: usize,
+        rows: i64,
+    ) -> Result<Drained> {
+        self.reset_nats().await?;
+        let path = self.dir.join(format!("scale-{relays}x{workers}.toml"));
+        let tables = ["public.outbox".to_owned()];
+        std::fs::write(&path, self.scale_config(workers, batch, &tables))?;
+        let (started, pg_before) = (Instant::now(), postgres_cpu_secs());
+        let mut pids = Vec::new();
+        for _ in 0..relays {
+            pids.push(self.spawn_relay("drain", &path)?.id() as i32);
+        }
+        let mut relay_cpu = 0.0;
+        for pid in pids {
+            let usage =
+                tokio::task::spawn_blocking(move || testkit::wait_with_usage(pid)).await??;
+            if usage.code != 0 {
+                bail!("a drain of {relays} x {workers} exited with {}", usage.code);
+            }
+            relay_cpu += usage.cpu_secs;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let pg_cpu = postgres_cpu_secs() - pg_before;
+        let stored = self.nats.stream_state("BENCH").await?.0 as i64;
+        let left: i64 = self
+            .pg
+            .connect("app")
+            .await?
+            .query_one("SELECT count(*) FROM public.outbox", &[])
+            .await?
+            .get(0);
+        if stored < rows || left != 0 {
+            bail!("{relays} x {workers}: the stream stored {stored} of {rows} rows, {left} left");
+        }
+        let per_100k = rows as f64 / 100_000.0;
+        Ok(Drained {
+            rate: rows as f64 / secs,
+            relay_cpu: relay_cpu / per_100k,
+            pg_cpu: pg_cpu / per_100k,
+        })
+    }
+
+    /// S: every shape on 2,000 keys and on 20.
+    async fn shapes(&self) -> Result<Vec<Shape>> {
+        let mut out = Vec::new();
+        for keys in [2_000, 20] {
+            for (relays, workers) in SHAPES {
+                self.fill(S_ROWS, keys, self.a.payload as i32).await?;
+                let drained = self.drains_at_once(relays, workers, 500, S_ROWS).await?;
+                eprintln!(
+                    "    S. {keys} keys, {relays} x {workers}: {:.0} rows/s",
+                    drained.rate
+                );
+                out.push(Shape {
+                    keys,
+                    relays,
+                    workers,
+                    drained,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Transactions PostgreSQL has counted in database `app` (commits and rollbacks).
+    async fn xacts(client: &tokio_postgres::Client) -> Result<i64> {
+        Ok(client
+            .query_one(
+                "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database \
+                 WHERE datname = 'app'",
+                &[],
+            )
+            .await?
+            .get(0))
+    }
+
+    /// I: `outbox-relay run` on `n` empty tables.
+    async fn idle(&self, n: usize, notify: bool) -> Result<Idle> {
+        let client = self.pg.connect("app").await?;
+        let tables: Vec<String> = (0..n).map(|i| format!("public.idle_{i}")).collect();
+        let path = self.dir.join(format!("idle-{n}.toml"));
+        std::fs::write(&path, self.scale_config(4, 500, &tables))?;
+        let mut migrate = Command::new(&self.a.relay);
+        migrate.args(["migrate", "--config"]).arg(&path);
+        if !notify {
+            migrate.arg("--no-notify");
+        }
+        let out = migrate.output()?;
+        if !out.status.success() {
+            bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        self.reset_nats().await?;
+        let nc = async_nats::connect(self.nats.url()).await?;
+        let mut sub = nc.subscribe("bench.>").await?;
+        let mut relay = self.spawn_relay("run", &path)?;
+        // Start-up: connections, schema checks, the first claims.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let (relay0, pg0, x0) = (
+            cpu_secs(relay.id()),
+            postgres_cpu_secs(),
+            Self::xacts(&client).await?,
+        );
+        let t0 = Instant::now();
+        tokio::time::sleep(Duration::from_secs(IDLE_SECS)).await;
+        let secs = t0.elapsed().as_secs_f64();
+        // Statistics reach pg_stat_database when a backend reports (at most every 1 s).
+        let (relay1, pg1) = (cpu_secs(relay.id()), postgres_cpu_secs());
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let x1 = Self::xacts(&client).await?;
+        let mut wakes = Vec::new();
+        for i in 0..20u64 {
+            let t = &tables[(i as usize * 7 + 3) % n];
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO {t} (topic, key, payload) VALUES ('bench.wake', 'w', 'x')"
+                    ),
+                    &[],
+                )
+                .await?;
+            let committed = Instant::now();
+            tokio::time::timeout(Duration::from_secs(10), sub.next())
+                .await
+                .context("a row in an idle table was not published within 10 s")?;
+            wakes.push(committed.elapsed().as_secs_f64() * 1000.0);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
+        relay.wait()?;
+        for t in &tables {
+            client.batch_execute(&format!("DROP TABLE {t}")).await?;
+        }
+        wakes.sort_by(f64::total_cmp);
+        Ok(Idle {
+            tables: n,
+            notify,
+            relay_cores: (relay1 - relay0) / secs,
+            pg_cores: (pg1 - pg0) / secs,
+            xact_per_sec: (x1 - x0) as f64 / secs,
+            wake_p50_ms: percentile(&wakes, 0.5),
+            wake_p99_ms: percentile(&wakes, 0.99),
+        })
+    }
+
+    /// E3: a first drain, then a new process's drain behind the first's deleted rows with
+    /// a snapshot held, no ANALYZE.
+    async fn history(&self) -> Result<(f64, f64)> {
+        self.fill(E3_ROWS, 10_000, 200).await?;
+        let holder = self.pg.connect("app").await?;
+        holder
+            .batch_execute(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM pg_catalog.pg_class",
+            )
+            .await?;
+        let first = self.drains_at_once(1, 4, 1000, E3_ROWS).await?.rate;
+        // What autovacuum does within a minute of the first drain's deletes: statistics
+        // that say the table is empty, for the burst that comes next.
+        self.pg
+            .connect("app")
+            .await?
+            .batch_execute("ANALYZE public.outbox")
+            .await?;
+        self.append(E3_ROWS, 10_000, 200).await?;
+        let second = self.drains_at_once(1, 4, 1000, E3_ROWS).await?.rate;
+        holder.batch_execute("ROLLBACK").await?;
+        eprintln!("    E3. {first:.0} then {second:.0} rows/s");
+        Ok((first, second))
+    }
+
+    /// S, I and E3.
+    pub(crate) async fn scale(&self) -> Result<Scale> {
+        let part = |p: &str| {
+            self.a
+                .scale_parts
+                .split(',')
+                .any(|x| x.trim().eq_ignore_ascii_case(p))
+        };
+        let shapes = if part("S") {
+            self.shapes().await?
+        } else {
+            Vec::new()
+        };
+        let mut idle = Vec::new();
+        let idle_shapes: &[(usize, bool)] = if part("I") {
+            &[(1, true), (10, true), (50, true), (50, false)]
+        } else {
+            &[]
+        };
+        for &(n, notify) in idle_shapes {
+            let row = self.idle(n, notify).await?;
+            eprintln!(
+                "    I. {n} tables (notify {notify}): relay {:.3} + PostgreSQL {:.3} cores, \
+                 {:.0} transactions/s",
+                row.relay_cores, row.pg_cores, row.xact_per_sec
+            );
+            idle.push(row);
+        }
+        let history = if part("E3") {
+            self.history().await?
+        } else {
+            (f64::NAN, f64::NAN)
+        };
+        Ok(Scale {
+            shapes,
+            idle,
+            history,
+        })
+    }
+}
+
+/// Prints S, I and E3 as markdown tables.
+pub(crate) fn print(scale: &Scale) {
+    println!("\n### S. Replicas and workers: one table, 200,000 rows, NATS, key order\n");
+    println!(
+        "| keys | relays x workers | rows/s | vs 1 x 4 | relay CPU s / 100k rows | PostgreSQL CPU s / 100k rows |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|");
+    for s in &scale.shapes {
+        let base = scale
+            .shapes
+            .iter()
+            .find(|b| b.keys == s.keys && b.relays == 1 && b.workers == 4)
+            .map_or(f64::NAN, |b| b.drained.rate);
+        let d = s.drained;
+        println!(
+            "| {} | {} x {} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            s.keys,
+            s.relays,
+            s.workers,
+            d.rate,
+            d.rate / base,
+            d.relay_cpu,
+            d.pg_cpu
+        );
+    }
+    println!("\n### I. Idle tables: `outbox-relay run`, nothing written, {IDLE_SECS} s\n");
+    println!("| tables | NOTIFY | relay (cores) | PostgreSQL (cores) | transactions/s | wake-up p50 | p99 |");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    for i in &scale.idle {
+        println!(
+            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} ms | {:.1} ms |",
+            i.tables,
+            if i.notify { "yes" } else { "no (polling)" },
+            i.relay_cores,
+            i.pg_cores,
+            i.xact_per_sec,
+            i.wake_p50_ms,
+            i.wake_p99_ms
+        );
+    }
+    let (first, second) = scale.history;
+    println!("\n### E3. A held snapshot, a new process, statistics from the empty table\n");
+    println!("| first drain | new process behind it | ratio |");
+    println!("|---:|---:|---:|");
+    println!(
+        "| {first:.0} rows/s | {second:.0} rows/s | {:.2} |",
+        second / first
+    );
+}
