@@ -28,7 +28,7 @@ use crate::ops::otel::BatchTrace;
 use crate::ops::Metrics;
 use crate::retry;
 use crate::sink::{Sink, SinkError};
-use crate::source::claim::{claim_batch, Budget, ClaimedRow};
+use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
 use crate::source::table::TablePlan;
 use crate::source::{Source, SourceError, Tx};
 
@@ -54,6 +54,8 @@ impl BatchError {
 pub enum Batch {
     /// Nothing to claim in this table.
     Empty,
+    /// Rows are there, but other claimers hold every bucket of them.
+    Contended,
     /// Claimed, published what it could, committed. `trouble` is set when some rows failed
     /// for a transient reason: the worker backs off before claiming again.
     Done {
@@ -164,14 +166,19 @@ async fn run_phases(
     let claim_started = SystemTime::now();
     // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
     let claim = claim(shared, lane, table, session);
-    let (tx, mut rows) = tokio::select! {
+    let (tx, claimed) = tokio::select! {
         biased;
         _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped),
         r = shared.source.bounded(claim) => r?,
     };
+    let mut rows = claimed.rows;
     if rows.is_empty() {
         shared.source.bounded(tx.rollback()).await?;
-        return Ok(Batch::Empty);
+        return Ok(if claimed.contended {
+            Batch::Contended
+        } else {
+            Batch::Empty
+        });
     }
     // Rows in flight: a drain is not done until they are settled. (An empty claim does
     // not count: on a slow link some worker is always inside one, and a drain that waited
@@ -265,7 +272,7 @@ async fn claim<'a>(
     lane: usize,
     table: &TablePlan,
     session: &'a mut deadpool_postgres::Object,
-) -> Result<(Tx<'a>, Vec<ClaimedRow>), SourceError> {
+) -> Result<(Tx<'a>, Claimed), SourceError> {
     let tx = shared.source.begin(session).await?;
     let budget = Budget {
         rows: shared.relay.batch_size,

@@ -195,11 +195,24 @@ pub async fn claim_batch(
     lane: usize,
     floor: &FloorView,
     depth: &BucketDepth,
-) -> Result<Vec<ClaimedRow>, SourceError> {
+) -> Result<Claimed, SourceError> {
     match ordering {
-        Ordering::None => claim_unordered(tx, sql, budget, floor).await,
+        Ordering::None => Ok(Claimed {
+            rows: claim_unordered(tx, sql, budget, floor).await?,
+            contended: false,
+        }),
         Ordering::Key => claim_by_key(tx, sql, budget, lane, floor, depth).await,
     }
+}
+
+/// What a claim took.
+#[derive(Debug, Default)]
+pub struct Claimed {
+    /// The rows, in id order.
+    pub rows: Vec<ClaimedRow>,
+    /// Nothing was taken because other claimers hold every bucket of a deep backlog: the
+    /// table has rows, and this claimer is one too many for now.
+    pub contended: bool,
 }
 
 /// How much one claim takes at most: rows, and payload bytes (one larger row goes alone).
@@ -266,8 +279,9 @@ async fn claim_by_key(
     lane: usize,
     floor: &FloorView,
     depth: &BucketDepth,
-) -> Result<Vec<ClaimedRow>, SourceError> {
+) -> Result<Claimed, SourceError> {
     let limit = budget.rows;
+    let mut contended = false;
     let stragglers: &[i64] = &floor.stragglers;
     // Past a few rows per bucket the first window only ranks buckets: a deep claim reads
     // its rows from the buckets it gets. Every claim reads it, idle claimers' included
@@ -326,7 +340,8 @@ async fn claim_by_key(
                 .await?;
             let (mut window, got): (Vec<Candidate>, Vec<i32>) = split_picked(&read);
             if got.is_empty() {
-                break; // every candidate is another claimer's
+                contended = picks == 1; // every bucket is another claimer's
+                break;
             }
             // Buckets before the last one got were tried and are held elsewhere.
             let last = candidates.iter().position(|b| Some(b) == got.last());
@@ -356,7 +371,10 @@ async fn claim_by_key(
         .filter_map(|id| rows.remove(&id))
         .collect();
     batch.sort_unstable_by_key(|r| r.id);
-    Ok(batch)
+    Ok(Claimed {
+        contended: contended && batch.is_empty(),
+        rows: batch,
+    })
 }
 
 /// Plans `window` from `cursor` in rounds, locking each round's heads, until the batch is
