@@ -72,7 +72,8 @@ pub struct RawRelay {
     /// Rows claimed per transaction. Default 500.
     #[serde(default = "defaults::batch_size")]
     pub batch_size: usize,
-    /// Idle re-check when no NOTIFY arrives. Default `100ms`.
+    /// Idle re-check when no NOTIFY arrives: how often a table NOTIFY does not reach is
+    /// looked at (tables NOTIFY reaches: every 5 s). Default `100ms`.
     #[serde(default = "defaults::poll_interval")]
     pub poll_interval: DurationValue,
     /// `key` (default): same-key rows in id order; `none`: no order promise.
