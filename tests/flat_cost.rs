@@ -322,20 +322,30 @@ async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once()
             > 0
     })
     .await;
-    // Start-up claims every table once; then each settles.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Transactions per second over `secs`, as PostgreSQL counts them (backends report
+    // at most once a second: the windows are long).
     let xacts = "SELECT (xact_commit + xact_rollback)::int8 FROM pg_stat_database \
                  WHERE datname = current_database()";
-    let (before, started) = (count(&client, xacts).await, Instant::now());
-    tokio::time::sleep(Duration::from_secs(8)).await;
-    // Backends report their counts at most once a second.
-    tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let per_second =
-        (count(&client, xacts).await - before) as f64 / (started.elapsed().as_secs_f64() - 1.2);
-    eprintln!("{TABLES} idle tables: {per_second:.1} transactions/s");
+    let rate = async |secs: u64| {
+        let (before, started) = (count(&client, xacts).await, Instant::now());
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        (count(&client, xacts).await - before) as f64 / started.elapsed().as_secs_f64()
+    };
     // Before: about 70 per table. Stated: at most one per table, plus a few.
+    let bound = TABLES as f64 + 5.0;
+    // Start-up claims every table and keeps each floor keeper busy for a moment (longer on
+    // a loaded machine): wait for a quiet stretch, then measure.
+    let started = Instant::now();
+    while rate(3).await > bound {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the idle relay never settled below {bound} transactions/s"
+        );
+    }
+    let per_second = rate(10).await;
+    eprintln!("{TABLES} idle tables: {per_second:.1} transactions/s");
     assert!(
-        per_second <= TABLES as f64 + 5.0,
+        per_second <= bound,
         "{per_second:.1} transactions/s for {TABLES} idle tables"
     );
 

@@ -59,15 +59,7 @@ async fn three_run_processes_of_four_workers_keep_key_order_on_twenty_hot_keys()
     let client = env.client().await;
     seed(&client, 6_000, 20, 0).await;
     let sent = watch_sends(&env.nats).await;
-    let mut relays: Vec<Child> = (0..3)
-        .map(|_| {
-            env.command(&["run"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
+    let mut relays: Vec<Child> = (0..3).map(|_| spawn_quiet_run(&env)).collect();
     // More rows of the same twenty keys while the three processes run.
     for chunk in 0..12 {
         client
@@ -99,6 +91,15 @@ async fn three_run_processes_of_four_workers_keep_key_order_on_twenty_hot_keys()
         Vec::<String>::new(),
         "per-key id order"
     );
+}
+
+/// `outbox-relay run` with its output dropped.
+fn spawn_quiet_run(env: &Env) -> Child {
+    env.command(&["run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
 }
 
 /// The ids of every message the stream holds (the rows were deleted as published).
@@ -216,14 +217,7 @@ async fn replicas_keep_key_order_and_lose_nothing_while_one_is_killed_and_anothe
     let client = env.client().await;
     seed(&client, 20_000, 300, 0).await;
     let sent = watch_sends(&env.nats).await;
-    let spawn = || {
-        env.command(&["run"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
-    let mut relays: Vec<Child> = (0..3).map(|_| spawn()).collect();
+    let mut relays: Vec<Child> = (0..3).map(|_| spawn_quiet_run(&env)).collect();
     let bucket_locks = "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
                         WHERE l.locktype = 'advisory' AND a.application_name = 'outbox-relay'";
     let mut seen_buckets = 0;
@@ -253,7 +247,7 @@ async fn replicas_keep_key_order_and_lose_nothing_while_one_is_killed_and_anothe
     relays[0].kill().unwrap(); // SIGKILL: its transactions roll back on the server
     relays[0].wait().unwrap();
     assert!(left_at_kill > 0, "the kill came after the outbox emptied");
-    relays.push(spawn());
+    relays.push(spawn_quiet_run(&env));
     wait_for_empty_outbox(&client, "the relays to empty the outbox", 120).await;
     for relay in relays.iter_mut().skip(1) {
         terminate_cleanly(relay);

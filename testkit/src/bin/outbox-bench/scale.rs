@@ -22,6 +22,7 @@ use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
 
 use crate::cpu::MachineCpu;
+use crate::steady::percentile;
 use crate::Bench;
 
 /// Rows of each S drain.
@@ -104,13 +105,6 @@ fn postgres_cpu_secs() -> f64 {
         })
         .map(cpu_secs)
         .sum()
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 impl Bench {

@@ -29,7 +29,7 @@ pub(crate) struct Steady {
     pub(crate) exit_ms: f64,
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
