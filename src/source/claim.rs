@@ -39,16 +39,19 @@
 //! it taken would have to walk the table past them: measured, 8 relays of 4 workers on
 //! one table delivered 0.12 of what one relay did, and 0.05 on 20 hot keys.
 //!
-//! So a deep claim takes *buckets*. A key's bucket is `hashtext(key) & 63`
+//! So a claim plans from its first window as above, and when that window is deep and
+//! left room in the batch (its keys are other claimers'), takes *buckets* for the rest,
+//! reading after the first window. A key's bucket is `hashtext(key) & 63`
 //! ([`super::sql::bucket_of`]; a row without a key goes by its id), and the bucket index
 //! (migration 0004) holds the pending rows by bucket, then id. The claim ranks the buckets
 //! by their first row in the first window (the oldest work first, then every other
 //! bucket), and one statement ([`super::sql::TableSql::pick_window`]) takes the
 //! transaction-level advisory lock `(table tag, bucket)` of the first bucket(s) no other
-//! transaction holds and reads each one's pending rows from its start, through the index.
-//! Each bucket's part of that read is a window of its own: one statement, one snapshot,
-//! the bucket's first pending rows in order, so it holds every pending row of the bucket's
-//! keys up to where it stops, and a key's first row there is its head. The claim plans the
+//! transaction holds and reads each one's pending rows after the first window, through
+//! the index. Each bucket's part of that read continues the first window for that bucket's
+//! keys: the first window holds every pending row up to its end, the bucket's part every
+//! pending row of the bucket's keys after it up to where it stops, so a key the first
+//! window did not hold has its head there, and a key it held continues there unbroken. The claim plans the
 //! rows of all buckets got in id order and locks them exactly as above; a key's rows are
 //! all in its bucket, so no key is cut short by where another bucket's read stopped.
 //!
@@ -92,14 +95,15 @@
 //!   back by PostgreSQL when its connection drops (or at `idle_in_transaction_session_timeout`).
 //! - *A hot key.* See *Buckets*: its backlog fills its bucket only.
 //! - *Id order is not commit order.* See below: the one case no relay can order.
-//! - *A held row released during a claim.* Windows leave out the rows behind a held row
-//!   (dead, or waiting for its next attempt). If an operator's `requeue` commits between a
-//!   claim's first window and its bucket window, the bucket window must not take a later
-//!   row of the released key as its head. `requeue` sets `next_attempt_at` to the time of
-//!   the requeue, after the claim transaction's `now()` (fixed when it began): to that
-//!   claim the released row is still waiting, so it still holds its key back; the next
-//!   claim finds it due and takes it as the head. Every window, bucket windows included,
-//!   reads its rows from the start in one statement; no window continues another.
+//! - *A held row released between two windows of one claim.* Windows leave out the rows
+//!   behind a held row (dead, or waiting for its next attempt). If an operator's `requeue`
+//!   commits between a claim's first window and its bucket window (which reads after the
+//!   first), the bucket window must not take a later row of the released key as its head.
+//!   `requeue` keeps `next_attempt_at` set (to the time of the requeue), and windows after
+//!   the first treat any pending row with `next_attempt_at` set as holding back its key
+//!   (`sql::TableSql::window`, `held_in_window`); the released row is due, and the next
+//!   claim's first window takes it as the head. Time alone cannot cause it: `now()` is
+//!   fixed for the whole claim transaction.
 //!
 //! # What the invariant cannot cover
 //!
@@ -306,29 +310,44 @@ async fn claim_by_key(
         .iter()
         .map(Candidate::from_row)
         .collect();
-    if (first.len() as i64) < window_size {
-        let offset = (lane % WINDOW_FACTOR) * limit;
-        let mut cursor = 0;
-        if first.len() >= offset + limit {
-            plan.leave_to_lower_lanes(&first[..offset]);
-            cursor = offset;
-        }
-        lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows).await?;
-    } else {
+    let offset = (lane % WINDOW_FACTOR) * limit;
+    let mut cursor = 0;
+    if first.len() >= offset + limit {
+        plan.leave_to_lower_lanes(&first[..offset]);
+        cursor = offset;
+    }
+    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows).await?;
+    // A deep backlog whose first window did not fill the batch (its keys are other
+    // claimers'): take buckets, read after the first window. Only once the rounds went
+    // through the whole window: a key with rows left in it unplanned must not get tails
+    // after it (its run would have a gap).
+    let deep = (first.len() as i64) >= window_size && reached == first.len();
+    if let (Some(last), true) = (first.last(), deep) {
+        let after = last.id;
+        // Keys of the first window that the rounds did not reach (the round limit) have
+        // rows there that were not planned: their rows after it are not their heads.
+        plan.leave_to_lower_lanes(&first);
         let mut candidates = ranked_buckets(&first);
         let mut picks = 0;
         while plan.has_room() && !candidates.is_empty() && picks < MAX_PICKS {
             picks += 1;
             let room = plan.room();
             let want = depth.buckets_for(room);
-            // Enough rows of each bucket to fill the batch from a few of them, not so many
-            // that a pick of many buckets reads many batches.
-            let per_bucket = room.div_ceil(want).saturating_mul(2).min(room).max(1);
+            // Enough rows of each bucket to fill the batch from a few of them (other
+            // claimers may hold most of the buckets asked for: with an eighth of the room
+            // a bucket, a claim on 50 keys after a database restart took batches of 12-40
+            // rows of 100), not so many that a pick of many buckets reads many batches.
+            let per_bucket = room
+                .div_ceil(want)
+                .saturating_mul(2)
+                .max(room / 2)
+                .min(room)
+                .max(1);
             let read = tx
                 .query(
                     &sql.pick_window,
                     &[
-                        &super::sql::FIRST_WINDOW,
+                        &after,
                         &(per_bucket as i64),
                         &candidates,
                         &floor.value,
@@ -353,6 +372,7 @@ async fn claim_by_key(
                 .collect::<HashSet<_>>()
                 .len();
             let before = plan.reserved;
+            // A bucket read's rows planned partly are fine: its keys get no later rows.
             lock_rounds(tx, sql, &mut plan, &window, 0, &mut rows).await?;
             depth.observe(got.len(), keys, plan.reserved - before, room);
         }
@@ -378,7 +398,8 @@ async fn claim_by_key(
 }
 
 /// Plans `window` from `cursor` in rounds, locking each round's heads, until the batch is
-/// full, the window is used up, or [`MAX_ROUNDS`] rounds were run.
+/// full, the window is used up, or [`MAX_ROUNDS`] rounds were run; returns how far into
+/// the window planning got.
 async fn lock_rounds(
     tx: &Tx<'_>,
     sql: &TableSql,
@@ -386,7 +407,7 @@ async fn lock_rounds(
     window: &[Candidate],
     mut cursor: usize,
     rows: &mut HashMap<i64, ClaimedRow>,
-) -> Result<(), SourceError> {
+) -> Result<usize, SourceError> {
     let mut rounds = 0;
     while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
         let heads = plan.plan_round(window, &mut cursor);
@@ -403,7 +424,7 @@ async fn lock_rounds(
                 .map(|r| (r.get(0), ClaimedRow::from_row(r, &sql.layout))),
         );
     }
-    Ok(())
+    Ok(cursor)
 }
 
 /// Every bucket, those of `window`'s rows first in the order of their first row (the
@@ -443,9 +464,12 @@ fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>) {
 /// alone asks for one; a backlog spread thin asks for several, so a middling backlog does
 /// not cost one statement per bucket. Keys: a batch of few keys is sent in many waves (a
 /// key's next row waits for its last one's ack on NATS, see `relay::order`), so a claim
-/// asks for enough buckets to hold about [`KEYS_PER_CLAIM`] keys: on 20 hot keys, one
-/// bucket a claim sent each batch as 500 waves of one message (19,429 rows/s with 4
-/// workers, against 24,450 for the claim before buckets, which took every key at once).
+/// asks for enough buckets to hold about one key per [`ROWS_PER_KEY`] rows of room (at
+/// least [`MIN_KEYS`]): on 20 hot keys, one bucket a claim sent each batch as 500 waves
+/// of one message (19,429 rows/s with 4 workers, against 24,450 for the claim before
+/// buckets, which took every key at once); 16 keys a claim still made batches of 100 on
+/// 50 keys go out in about 8 waves instead of 2, too slow for `faults::postgres_restarted_…`
+/// to drain 100,000 rows in a loaded CI run.
 #[derive(Debug, Default)]
 pub struct BucketDepth {
     /// Rows the last pick took per bucket got (0: unknown yet).
@@ -454,12 +478,15 @@ pub struct BucketDepth {
     keys_per_bucket_x16: AtomicUsize,
 }
 
-/// Buckets one pick takes at most.
-const MAX_PICK: usize = 16;
+/// Buckets one pick takes at most: all of them.
+const MAX_PICK: usize = BUCKETS as usize;
 /// Picks per claim at most.
 const MAX_PICKS: usize = 4;
-/// Keys a claim aims to take, when there are that many.
-const KEYS_PER_CLAIM: usize = 16;
+/// A claim aims at one key per this many rows of room (a batch in about this many waves),
+/// when there are that many keys.
+const ROWS_PER_KEY: usize = 4;
+/// And at this many keys at least.
+const MIN_KEYS: usize = 16;
 
 impl BucketDepth {
     /// Buckets to ask for to fill `room` rows.
@@ -470,7 +497,7 @@ impl BucketDepth {
         };
         let by_keys = match self.keys_per_bucket_x16.load(AtomicOrdering::Relaxed) {
             0 => 1,
-            per => (KEYS_PER_CLAIM * 16).div_ceil(per),
+            per => ((room / ROWS_PER_KEY).max(MIN_KEYS) * 16).div_ceil(per),
         };
         by_rows.max(by_keys).clamp(1, MAX_PICK)
     }
@@ -904,16 +931,18 @@ mod tests {
     fn a_claim_asks_for_more_buckets_when_they_are_thin_or_hold_few_keys() {
         let depth = BucketDepth::default();
         assert_eq!(depth.buckets_for(500), 1, "nothing seen yet");
-        // One bucket filled the batch with 31 keys: one is enough.
+        // One bucket filled the batch with 31 keys: enough buckets for 125 keys (500 rows
+        // in about 4 waves).
         depth.observe(1, 31, 500, 500);
-        assert_eq!(depth.buckets_for(500), 1);
-        // Two buckets gave 40 rows of 40 keys: a batch needs more of them, at most 16.
+        assert_eq!(depth.buckets_for(500), 5);
+        // Two buckets gave 40 rows: a batch needs 25 such buckets.
         depth.observe(2, 40, 40, 500);
-        assert_eq!(depth.buckets_for(500), 16);
-        // One hot key filled a bucket: enough buckets for 16 keys.
+        assert_eq!(depth.buckets_for(500), 25);
+        // One hot key filled a bucket: every bucket (at most 64).
         depth.observe(1, 1, 500, 500);
-        assert_eq!(depth.buckets_for(500), 16);
-        depth.observe(4, 16, 500, 500);
-        assert_eq!(depth.buckets_for(500), 4);
+        assert_eq!(depth.buckets_for(500), 64);
+        // A batch of 100 in buckets of 4 keys: 25 keys, 7 buckets.
+        depth.observe(4, 16, 100, 100);
+        assert_eq!(depth.buckets_for(100), 7);
     }
 }

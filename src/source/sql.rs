@@ -43,10 +43,10 @@ pub struct TableSql {
     pub window: String,
     /// `ordering = "key"`, a claim past a deep first window: takes the advisory locks
     /// (table tag `$6`) of the first `$7` buckets in `$3` (in that order) that no other
-    /// transaction holds, and returns each one's pending rows from its start, at most `$2`
-    /// a bucket, read through the bucket index as [`TableSql::window`] reads rows (floor
-    /// `$4`, stragglers `$5`; `$1` is [`FIRST_WINDOW`]), in no particular order, and one
-    /// row per bucket got with a NULL order value.
+    /// transaction holds, and returns each one's pending rows after `$1` (the end of the
+    /// claim's first window), at most `$2` a bucket, read through the bucket index as a
+    /// later [`TableSql::window`] reads rows (floor `$4`, stragglers `$5`), in no
+    /// particular order, and one row per bucket got with a NULL order value.
     pub pick_window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
