@@ -51,7 +51,7 @@ struct TableWake {
     retry_at: Mutex<Option<Instant>>,
     last_active: Mutex<Instant>,
     /// Pokes the table's floor keeper out of its idle wait.
-    pub keeper: Notify,
+    keeper: Notify,
 }
 
 /// A ticket from [`Wakes::begin`]: what a claim saw raised when it began.
