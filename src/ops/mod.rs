@@ -148,15 +148,24 @@ pub struct Ops {
     /// Rows published (run total) when the backlog gauges were last read: drain's progress
     /// line takes off what was published since.
     pub published_at_backlog_read: AtomicU64,
+    /// Whether the metrics endpoint serves these (`[http]` is configured).
+    served: bool,
 }
 
 impl Ops {
-    pub fn new(poll_interval: Duration) -> Arc<Ops> {
+    pub fn new(poll_interval: Duration, served: bool) -> Arc<Ops> {
         Arc::new(Ops {
             metrics: Metrics::default(),
             health: Health::new(poll_interval),
             published_at_backlog_read: AtomicU64::new(0),
+            served,
         })
+    }
+
+    /// Whether the metrics endpoint serves the metrics: gauges that cost a read are read
+    /// only when something shows them.
+    pub fn served(&self) -> bool {
+        self.served
     }
 
     /// Records whether PostgreSQL answered: readiness and the `dependency_up` gauge.

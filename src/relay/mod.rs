@@ -216,6 +216,7 @@ async fn relay(
 /// keeper and retention per table, the connection follower, drain's progress line on a
 /// terminal, the systemd watchdog, and the STOPPING notification.
 fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) {
+    let progress = mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr());
     {
         let (shared, done) = (shared.clone(), done.clone());
         tokio::spawn(async move {
@@ -228,6 +229,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) 
                 sink: &shared.sink,
                 tables: &shared.tables,
                 circuit: &circuit,
+                backlog_shown: shared.ops.served() || progress,
                 published: shared.state.published(),
             };
             ops::probe::run(&shared.ops, probed, done).await
@@ -245,7 +247,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) 
                 .await
         });
     }
-    if mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+    if progress {
         let (shared, done) = (shared.clone(), done.clone());
         tokio::spawn(async move {
             let names: Vec<String> = shared

@@ -116,7 +116,7 @@ pub struct Endpoints {
 
 impl Endpoints {
     pub async fn start(config: &Config) -> Result<Endpoints, RelayError> {
-        let ops = Ops::new(config.relay.poll_interval);
+        let ops = Ops::new(config.relay.poll_interval, config.http.is_some());
         let done = CancellationToken::new();
         if let Some(http) = &config.http {
             let listener = ops::http::bind(http.listen)

@@ -201,7 +201,10 @@ impl Bench {
             "==> Starting throwaway PostgreSQL, nats-server{} on free 127.0.0.1 ports",
             if a.kafka { " and tansu" } else { "" }
         );
-        let pg = Postgres::start_with(!a.fast, PG_SETTINGS)?;
+        // BENCH_PG_SETTINGS: postgresql.conf lines added for a profiling run (for example
+        // `shared_preload_libraries = 'pg_stat_statements'`); printed with the results.
+        let extra = std::env::var("BENCH_PG_SETTINGS").unwrap_or_default();
+        let pg = Postgres::start_with(!a.fast, &format!("{PG_SETTINGS}{extra}\n"))?;
         let db_url = pg.create_database("app").await?;
         let nats = NatsServer::start()?;
         let kafka = if a.kafka {

@@ -19,6 +19,7 @@ pub(crate) async fn settings(pg: &Postgres) -> Result<String> {
         "shared_buffers",
         "max_wal_size",
         "checkpoint_timeout",
+        "shared_preload_libraries",
     ] {
         let value: String = client.query_one(&format!("SHOW {name}"), &[]).await?.get(0);
         shown.push(format!("{name}={value}"));

@@ -50,6 +50,8 @@ pub(crate) struct Drained {
     pub(crate) rate: f64,
     pub(crate) relay_cpu: f64,
     pub(crate) machine_cpu: f64,
+    /// Rows per transaction PostgreSQL counted: how full the claims were.
+    pub(crate) rows_per_xact: f64,
 }
 
 /// One I line.
@@ -171,6 +173,9 @@ impl Bench {
         let path = self.dir.join(format!("scale-{relays}x{workers}.toml"));
         let tables = ["public.outbox".to_owned()];
         std::fs::write(&path, self.scale_config(workers, batch, &tables))?;
+        let stats = self.pg.connect("app").await?;
+        let profile = self.statements(&stats, None).await?;
+        let xacts0 = Self::xacts(&stats).await?;
         let (started, machine) = (Instant::now(), MachineCpu::now());
         let mut pids = Vec::new();
         for _ in 0..relays {
@@ -199,11 +204,56 @@ impl Bench {
             bail!("{relays} x {workers}: the stream stored {stored} of {rows} rows, {left} left");
         }
         let per_100k = rows as f64 / 100_000.0;
+        // A backend reports its counts as it exits, a moment after its relay disconnected.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let xacts = Self::xacts(&stats).await? - xacts0;
+        self.statements(&stats, Some(profile)).await?;
         Ok(Drained {
+            rows_per_xact: rows as f64 / xacts.max(1) as f64,
             rate: rows as f64 / secs,
             relay_cpu: relay_cpu / per_100k,
             machine_cpu: machine_cpu / per_100k,
         })
+    }
+
+    /// With `pg_stat_statements` loaded (`BENCH_PG_SETTINGS`), a profile of one drain:
+    /// `None` resets the counts and says whether the module is there; `Some(true)` then
+    /// prints the statements that took the most time since, to stderr.
+    async fn statements(
+        &self,
+        client: &tokio_postgres::Client,
+        print: Option<bool>,
+    ) -> Result<bool> {
+        let loaded: String = client
+            .query_one("SHOW shared_preload_libraries", &[])
+            .await?
+            .get(0);
+        if !loaded.contains("pg_stat_statements") {
+            return Ok(false);
+        }
+        if print.is_none() {
+            client
+                .batch_execute(
+                    "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; \
+                     SELECT pg_stat_statements_reset()",
+                )
+                .await?;
+            return Ok(true);
+        }
+        let rows = client
+            .query(
+                "SELECT calls, total_exec_time::float8, shared_blks_hit + shared_blks_read, \
+                 left(regexp_replace(query, '\\s+', ' ', 'g'), 100) FROM pg_stat_statements \
+                 WHERE calls > 1 ORDER BY total_exec_time DESC LIMIT 8",
+                &[],
+            )
+            .await?;
+        for r in rows {
+            let (calls, ms, blocks, query): (i64, f64, i64, String) =
+                (r.get(0), r.get(1), r.get(2), r.get(3));
+            eprintln!("      {calls:>7} calls {ms:>8.0} ms {blocks:>9} blocks  {query}");
+        }
+        Ok(true)
     }
 
     /// S: every shape on 2,000 keys and on 20.
@@ -245,7 +295,10 @@ impl Bench {
         let client = self.pg.connect("app").await?;
         let tables: Vec<String> = (0..n).map(|i| format!("public.idle_{i}")).collect();
         let path = self.dir.join(format!("idle-{n}.toml"));
-        std::fs::write(&path, self.scale_config(4, 500, &tables))?;
+        // A long-running relay serves its metrics, as a sidecar or unit does: the gauges it
+        // reads for them are part of its idle cost.
+        let http = format!("[http]\nlisten = \"127.0.0.1:{}\"\n", testkit::free_port());
+        std::fs::write(&path, self.scale_config(4, 500, &tables) + &http)?;
         let mut migrate = Command::new(&self.a.relay);
         migrate.args(["migrate", "--config"]).arg(&path);
         if !notify {
@@ -379,9 +432,9 @@ impl Bench {
 pub(crate) fn print(scale: &Scale) {
     println!("\n### S. Replicas and workers: one table, 200,000 rows, NATS, key order\n");
     println!(
-        "| keys | relays x workers | rows/s | vs 1 x 4 | relay CPU s / 100k rows | machine CPU s / 100k rows |"
+        "| keys | relays x workers | rows/s | vs 1 x 4 | relay CPU s / 100k rows | machine CPU s / 100k rows | rows per transaction |"
     );
-    println!("|---:|---|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---:|---:|");
     for s in &scale.shapes {
         let base = scale
             .shapes
@@ -390,14 +443,15 @@ pub(crate) fn print(scale: &Scale) {
             .map_or(f64::NAN, |b| b.drained.rate);
         let d = s.drained;
         println!(
-            "| {} | {} x {} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} x {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} |",
             s.keys,
             s.relays,
             s.workers,
             d.rate,
             d.rate / base,
             d.relay_cpu,
-            d.machine_cpu
+            d.machine_cpu,
+            d.rows_per_xact
         );
     }
     println!("\n### I. Idle tables: `outbox-relay run`, nothing written, {IDLE_SECS} s\n");
