@@ -299,6 +299,53 @@ async fn notify_wakes_an_idle_relay_at_once() {
     );
 }
 
+/// Contract section 2 (scheduled publish): a row inserted with `next_attempt_at` in the
+/// future is published no earlier than that; its key's later rows wait behind it, in
+/// order; other keys do not wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_row_scheduled_with_next_attempt_at_is_published_no_earlier_and_holds_its_key() {
+    let env = Env::new("").await;
+    env.write_config("", "");
+    let client = env.client().await;
+    let mut relay = start_connected_relay(&env).await;
+    let due: f64 = client
+        .query_one(
+            "WITH a AS (INSERT INTO public.outbox (topic, key, payload, next_attempt_at) \
+             VALUES ('events.x', 'k', 'scheduled', now() + interval '3 seconds') \
+             RETURNING next_attempt_at), \
+             b AS (INSERT INTO public.outbox (topic, key, payload) \
+             VALUES ('events.x', 'k', 'after'), ('events.x', 'other', 'now')) \
+             SELECT extract(epoch FROM next_attempt_at)::float8 FROM a",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let due = std::time::UNIX_EPOCH + Duration::from_secs_f64(due);
+    wait_for_empty_outbox(&client, "the scheduled row and its key's next", 15).await;
+    let stored = env.stored().await;
+    let at = |body: &str| {
+        let m = stored.iter().find(|m| m.payload == body.as_bytes());
+        m.unwrap_or_else(|| panic!("{body:?} was not published: {stored:?}"))
+    };
+    let (scheduled, after, other) = (at("scheduled"), at("after"), at("now"));
+    assert_eq!(stored.len(), 3, "each row once: {stored:?}");
+    assert!(
+        scheduled.stored_at >= due,
+        "published {:?} before its next_attempt_at",
+        due.duration_since(scheduled.stored_at).unwrap_or_default()
+    );
+    assert!(
+        after.sequence > scheduled.sequence,
+        "the key's later row waits behind the scheduled one"
+    );
+    assert!(
+        other.stored_at < due,
+        "another key does not wait for the scheduled row"
+    );
+    terminate_cleanly(&mut relay);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
     let env = Env::new("max_attempts = 3\nbatch_size = 10\nretry_backoff = \"10ms\"").await;
