@@ -11,7 +11,8 @@
 -- then give the role a password (psql prompts; it never lands in a file or the history):
 --     \password outbox_relay
 -- For another table, schema or mapped column names ([tables.columns]), change the names
--- below and repeat the three GRANTs for each table. `outbox-relay check` names any
+-- below and repeat the GRANTs on the outbox for each table (the one on outbox_relay_pauses
+-- once per schema). `outbox-relay check` names any
 -- privilege that is still missing.
 
 DO $$
@@ -33,6 +34,9 @@ GRANT SELECT, DELETE ON public.outbox TO outbox_relay;
 -- Row locks (FOR UPDATE) need UPDATE on at least one column, which this gives.
 GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
     ON public.outbox TO outbox_relay;
+-- Pause state (migration 0005), one table per schema: `pause` and the bad-row valve insert
+-- a row, `resume` deletes it, every relay reads it.
+GRANT SELECT, INSERT, DELETE ON public.outbox_relay_pauses TO outbox_relay;
 -- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
 -- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
 -- role that keeps VACUUM from cleaning the table (read-only statistics, no data).

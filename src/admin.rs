@@ -1,6 +1,7 @@
 //! The operator's commands: `status` (backlog, oldest pending age, failing, waiting, held
-//! back and dead rows per table) and `requeue` (clear `dead_at` and `attempts` and make
-//! dead rows due now, so they are tried again; `--waiting`: waiting rows are due now).
+//! back and dead rows per table, and whether it is paused), `requeue` (clear `dead_at` and
+//! `attempts` and make dead rows due now, so they are tried again; `--waiting`: waiting
+//! rows are due now), `replay`, and `pause`/`resume` (see [`crate::source::pause`]).
 //!
 //! Both read the tables the way the relay does (mapped columns included) and hold no lock
 //! longer than one statement. `requeue` then sends the NOTIFY that wakes idle relays.
@@ -9,6 +10,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::config::{Config, TableName};
+use crate::source::pause::{self, Paused};
 use crate::source::table::{self, TablePlan};
 use crate::source::SessionLimits;
 use crate::source::{Source, SourceError};
@@ -37,6 +39,8 @@ pub struct TableStatus {
     pub oldest_pending: Option<Duration>,
     /// The oldest held rows, dead or waiting.
     pub held_rows: Vec<HeldRow>,
+    /// Set while the table is paused for every relay.
+    pub paused: Option<Paused>,
 }
 
 /// A row that holds back the later rows of its key: dead, or waiting for a retry.
@@ -76,6 +80,13 @@ impl fmt::Display for TableStatus {
             self.dead,
             self.published
         )?;
+        if let Some(p) = &self.paused {
+            write!(
+                f,
+                "\n  PAUSED: {p} (no relay claims from it; `outbox-relay resume --table {}`)",
+                self.table
+            )?;
+        }
         for row in &self.held_rows {
             let error = row.last_error.as_deref().unwrap_or("(none)");
             // One line per row: errors from brokers can span lines.
@@ -125,8 +136,12 @@ async fn connect(config: &Config) -> Result<(Source, Vec<TablePlan>), AdminError
 /// Every configured table's state.
 pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
     let (source, tables) = connect(config).await?;
+    let names: Vec<TableName> = tables.iter().map(|t| t.config.name.clone()).collect();
+    let paused = source
+        .in_transaction(async |tx| pause::read(tx, &pause::read_sql(&names), &names).await)
+        .await?;
     let mut out = Vec::new();
-    for table in &tables {
+    for (table, paused) in tables.iter().zip(paused) {
         let (counts, held) = source
             .in_transaction(async |tx| {
                 let counts = tx.query_one(&table.sql.status, &[]).await?;
@@ -158,6 +173,7 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
                     holds_back: r.get(6),
                 })
                 .collect(),
+            paused,
         });
     }
     Ok(out)
@@ -224,6 +240,64 @@ pub async fn requeue(
         requeued,
         not_dead,
     })
+}
+
+/// What `pause` or `resume` found on one table: the pause that was there before (`None`:
+/// it was not paused).
+#[derive(Debug, Clone)]
+pub struct PauseReport {
+    pub table: String,
+    pub before: Option<Paused>,
+}
+
+/// Pauses `table`, or every configured table, for every relay; a table already paused
+/// keeps its pause (time, author, reason) as it is.
+pub async fn pause(
+    config: &Config,
+    table: Option<&str>,
+    reason: &str,
+) -> Result<Vec<PauseReport>, AdminError> {
+    let chosen = chosen_tables(config, table)?;
+    let (source, tables) = connect(config).await?;
+    let by = pause::by_operator();
+    let mut out = Vec::new();
+    for t in chosen {
+        let name = &tables[t].config.name;
+        let before = source
+            .in_transaction(async |tx| pause::pause(tx, name, &by, reason).await)
+            .await?;
+        out.push(PauseReport {
+            table: name.to_string(),
+            before,
+        });
+    }
+    Ok(out)
+}
+
+/// Resumes `table`, or every configured table, and wakes idle relays.
+pub async fn resume(config: &Config, table: Option<&str>) -> Result<Vec<PauseReport>, AdminError> {
+    let chosen = chosen_tables(config, table)?;
+    let (source, tables) = connect(config).await?;
+    let mut out = Vec::new();
+    for t in chosen {
+        let name = &tables[t].config.name;
+        let before = source
+            .in_transaction(async |tx| pause::resume(tx, name).await)
+            .await?;
+        out.push(PauseReport {
+            table: name.to_string(),
+            before,
+        });
+    }
+    Ok(out)
+}
+
+/// `--table`'s index, or every configured table's without it.
+fn chosen_tables(config: &Config, table: Option<&str>) -> Result<Vec<usize>, AdminError> {
+    match table {
+        Some(_) => Ok(vec![pick_table(config, table)?]),
+        None => Ok((0..config.tables.len()).collect()),
+    }
 }
 
 /// The index of `--table` among the configured tables, or of the only one.

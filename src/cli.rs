@@ -67,6 +67,22 @@ pub enum Command {
         #[arg(long)]
         waiting: bool,
     },
+    /// Every relay of the table stops claiming it (within about a second; batches in
+    /// flight finish) until `resume`; the state is kept in PostgreSQL
+    Pause {
+        /// The table (schema.table); without it, every configured table
+        #[arg(long, value_name = "NAME")]
+        table: Option<String>,
+        /// Why, for `status`, the logs and whoever resumes it
+        #[arg(long, value_name = "TEXT", default_value = "")]
+        reason: String,
+    },
+    /// Every relay of the table claims it again
+    Resume {
+        /// The table (schema.table); without it, every configured table
+        #[arg(long, value_name = "NAME")]
+        table: Option<String>,
+    },
     /// Mark mode: publish rows kept as published again (same message ids), in id order per key
     Replay {
         /// The table (schema.table); needed when several are configured

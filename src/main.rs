@@ -77,6 +77,36 @@ async fn execute(command: Command, config: Config) -> u8 {
             };
             run_requeue(&config, table.as_deref(), which).await
         }
+        Command::Pause { table, reason } => {
+            match admin::pause(&config, table.as_deref(), &reason).await {
+                Ok(reports) => {
+                    for r in &reports {
+                        say(&match &r.before {
+                            None => format!(
+                                "{}: paused; every relay stops claiming it within about a \
+                                 second (batches in flight finish) until `outbox-relay resume`",
+                                r.table
+                            ),
+                            Some(p) => format!("{}: already {p}; left as it was", r.table),
+                        });
+                    }
+                    EXIT_OK
+                }
+                Err(e) => admin_error(e),
+            }
+        }
+        Command::Resume { table } => match admin::resume(&config, table.as_deref()).await {
+            Ok(reports) => {
+                for r in &reports {
+                    say(&match &r.before {
+                        Some(p) => format!("{}: resumed (was {p})", r.table),
+                        None => format!("{}: was not paused", r.table),
+                    });
+                }
+                EXIT_OK
+            }
+            Err(e) => admin_error(e),
+        },
         Command::Replay {
             table,
             ids,
@@ -255,7 +285,7 @@ fn fail(message: &str) {
 fn exit_code(mode: Mode, report: &Report) -> u8 {
     match mode {
         _ if report.aborted => EXIT_DEADLINE,
-        Mode::Drain if !report.drained => EXIT_DEADLINE,
+        Mode::Drain if !report.drained || !report.paused_left.is_empty() => EXIT_DEADLINE,
         _ => EXIT_OK,
     }
 }
@@ -269,6 +299,9 @@ fn print_summary(config: &Config, report: &Report) {
         0.0
     };
     let state = match (&report.waiting, report.drained) {
+        (_, true) if !report.paused_left.is_empty() => {
+            "drained every table that is not paused".to_owned()
+        }
         (_, true) => "drained".to_owned(),
         (Some((n, next)), false) => format!(
             "stopped with publishable rows left ({n} waiting for a retry, the next due in {next}; \
@@ -276,10 +309,16 @@ fn print_summary(config: &Config, report: &Report) {
         ),
         (None, false) => "stopped with publishable rows left".to_owned(),
     };
-    let line = format!(
+    let mut line = format!(
         "{state}: {} rows published in {secs:.2}s ({rate:.0} rows/s), {} failed, {} dead-lettered",
         report.published, report.failed, report.dead
     );
+    for (table, paused) in &report.paused_left {
+        line.push_str(&format!(
+            "\n{table}: {paused}; its rows were left alone (`outbox-relay resume --table \
+             {table}`, then drain again)"
+        ));
+    }
     if matches!(config.sink.target, config::SinkTarget::Stdout) {
         say_err(&line);
     } else {

@@ -296,8 +296,8 @@ async fn drain_large_rows(relay: &str) {
 
 /// Contract section 8 (Tables): a relay watching many quiet tables, with NOTIFY working,
 /// costs a few transactions per second in all (each table is looked at every 5 s, its
-/// floor keeper looks every 5 s, the gauges read it every 5 s), and a row in any of them
-/// is still published at once.
+/// floor keeper looks every 5 s; the pause state of all of them is read twice a second),
+/// and a row in any of them is still published at once.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once() {
     const TABLES: usize = 20;

@@ -554,6 +554,32 @@ async fn check_passes_when_ready_and_names_each_problem() {
         text(&out)
     );
 
+    // The pause state table: this role must read and write it.
+    client
+        .batch_execute("REVOKE INSERT ON public.outbox_relay_pauses FROM outbox_relay")
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("cannot read and write \"public\".\"outbox_relay_pauses\""),
+        "{}",
+        text(&out)
+    );
+    client
+        .batch_execute("DROP TABLE public.outbox_relay_pauses")
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("(migration 0005) is missing"),
+        "{}",
+        text(&out)
+    );
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+
     client
         .batch_execute("ALTER TABLE public.outbox DROP COLUMN attempts")
         .await

@@ -518,3 +518,169 @@ async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
     .await;
     terminate_cleanly(&mut relay);
 }
+
+/// SIGTERM, then expect exit 0 within 15 s; the relay's log in the message otherwise.
+fn stop_logged(relay: &mut std::process::Child, log: &std::path::Path) {
+    signal(relay, "TERM");
+    let (code, _) = wait_exit(relay, Duration::from_secs(15));
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    assert_eq!(code, Some(0), "{log}");
+}
+
+/// Inserts one row every 10 ms over 10 keys until `stop`; returns the ids inserted.
+fn spawn_writer(
+    client: tokio_postgres::Client,
+    stop: tokio_util::sync::CancellationToken,
+) -> tokio::task::JoinHandle<Vec<i64>> {
+    tokio::spawn(async move {
+        let mut ids = Vec::new();
+        let mut n = 0;
+        while !stop.is_cancelled() {
+            let row = client
+                .query_one(
+                    "INSERT INTO public.outbox (topic, key, payload) \
+                     VALUES ('events.w', 'k' || ($1::int % 10), 'w') RETURNING id",
+                    &[&n],
+                )
+                .await
+                .unwrap();
+            ids.push(row.get(0));
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ids
+    })
+}
+
+/// Contract sections 3 and 9: `pause` stops every relay of the table within about a
+/// second (two processes here, one restarted while paused), shows in `status`, the
+/// `outbox_relay_table_paused` gauge and an INFO line; `resume` brings every row, once and
+/// in key order.
+#[tokio::test(flavor = "multi_thread")]
+async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
+    let (env, addr) = env_with_http("").await;
+    let log = env.config.with_file_name("relay-a.stderr");
+    let spawn = |http: Option<u16>, log: &std::path::Path| {
+        let mut command = env.command(&["run"]);
+        if let Some(port) = http {
+            command.env("OUTBOX_RELAY__HTTP__LISTEN", format!("127.0.0.1:{port}"));
+        }
+        command
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).unwrap())
+            .spawn()
+            .unwrap()
+    };
+    let mut a = spawn(None, &log);
+    let other_log = env.config.with_file_name("relay-b.stderr");
+    let b_port = testkit::free_port();
+    let mut b = spawn(Some(b_port), &other_log);
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let writer = spawn_writer(env.client().await, stop.clone());
+    wait_until("rows flowing", Duration::from_secs(10), async || {
+        env.stored().await.len() > 20
+    })
+    .await;
+
+    let paused_at = std::time::SystemTime::now();
+    let out = env.relay(&["pause", "--reason", "consumer maintenance"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("public.outbox: paused"),
+        "{}",
+        text(&out)
+    );
+    // Rows keep coming; after a second and a half none is published any more.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let settled = env.stored().await;
+    let last = settled.iter().map(|m| m.stored_at).max().unwrap();
+    let after_pause = last.duration_since(paused_at).unwrap_or_default();
+    eprintln!("the last row was published {after_pause:?} after `pause` started");
+    assert!(
+        after_pause < Duration::from_millis(1200),
+        "a row was published {after_pause:?} after the pause"
+    );
+    // A relay restarted while the table is paused does not claim it either.
+    stop_logged(&mut b, &other_log);
+    let mut b = spawn(Some(b_port), &other_log);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        env.stored().await.len(),
+        settled.len(),
+        "published while paused"
+    );
+    let gauge = r#"outbox_relay_table_paused{table="public.outbox"}"#;
+    assert_eq!(scrape(&addr, gauge), Some(1.0));
+    let status = text(&env.relay(&["status"]));
+    assert!(
+        status.contains("PAUSED: paused since") && status.contains(": consumer maintenance"),
+        "{status}"
+    );
+
+    let out = env.relay(&["resume"]);
+    assert!(
+        text(&out).contains("public.outbox: resumed (was paused since"),
+        "{}",
+        text(&out)
+    );
+    stop.cancel();
+    let inserted = writer.await.unwrap();
+    wait_until(
+        "every row after the resume",
+        Duration::from_secs(20),
+        async || env.stored().await.len() >= inserted.len(),
+    )
+    .await;
+    let audit = audit(&inserted, &env.stored().await);
+    audit.assert_nothing_lost_in_order();
+    assert_eq!(audit.duplicates, 0);
+    wait_until("the gauge to fall", Duration::from_secs(5), async || {
+        scrape(&addr, gauge) == Some(0.0)
+    })
+    .await;
+    stop_logged(&mut a, &log);
+    stop_logged(&mut b, &other_log);
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("Table paused") && log.contains("consumer maintenance"),
+        "{log}"
+    );
+    assert!(log.contains("Table resumed"), "{log}");
+}
+
+/// Contract section 3: `drain` does not wait for a paused table; it names it and exits 3
+/// while its rows remain, 0 once none are left; the rows stay untouched.
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remain() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    assert!(env.relay(&["pause"]).status.success());
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "nothing left: {}", text(&out));
+
+    seed(&client, 50, 5, 0).await;
+    let started = Instant::now();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "drain waited {:?} for a paused table",
+        started.elapsed()
+    );
+    assert!(
+        text(&out).contains("public.outbox: paused since"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        50
+    );
+    assert!(env.stored().await.is_empty(), "published while paused");
+
+    assert!(env.relay(&["resume"]).status.success());
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(env.stored().await.len(), 50);
+}

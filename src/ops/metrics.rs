@@ -65,6 +65,8 @@ pub struct Metrics {
     pub oldest_age_seconds: Family<TableLabel, Gauge<f64, AtomicU64>>,
     /// Dead tuples in the outbox table (`pg_stat_user_tables`, refreshed on an interval).
     pub dead_tuples: Family<TableLabel, Gauge>,
+    /// 1 while the table is paused (`outbox-relay pause`, the bad-row valve), else 0.
+    pub table_paused: Family<TableLabel, Gauge>,
     /// How long the oldest transaction whose snapshot holds back VACUUM has been open, in
     /// this database (refreshed on an interval; sessions this role may see).
     pub oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
@@ -110,6 +112,7 @@ impl Default for Metrics {
             backlog: Family::default(),
             oldest_age_seconds: Family::default(),
             dead_tuples: Family::default(),
+            table_paused: Family::default(),
             oldest_snapshot_age_seconds: Gauge::default(),
             oldest_snapshot_xid_age: Gauge::default(),
             in_flight: Gauge::default(),
@@ -181,6 +184,12 @@ impl Default for Metrics {
             "table_dead_tuples",
             "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval",
             metrics.dead_tuples.clone(),
+        );
+        registry.register(
+            "table_paused",
+            "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
+             valve), else 0; read about twice a second",
+            metrics.table_paused.clone(),
         );
         registry.register(
             "oldest_snapshot_age_seconds",

@@ -1,17 +1,22 @@
 //! When `drain` is done, and what it leaves behind: no worker inside a batch and no row
-//! any relay could publish now; rows that wait for a retry are reported, not waited for.
+//! any relay could publish now in a table that is not paused; rows that wait for a retry
+//! are reported, not waited for, and so are paused tables that still hold rows.
 
 use super::Shared;
 use crate::source::SourceError;
 
 impl Shared {
-    /// True when no worker is inside a batch and no table has a row a relay could publish.
+    /// True when no worker is inside a batch and no table that is not paused has a row a
+    /// relay could publish.
     pub(super) async fn nothing_publishable(&self) -> bool {
         if !self.state.idle() {
             return false;
         }
         let check = self.source.in_transaction(async |tx| {
-            for table in &self.tables {
+            for (t, table) in self.tables.iter().enumerate() {
+                if self.wakes.paused(t) {
+                    continue;
+                }
                 let row = tx.query_one(&table.sql.publishable_exists, &[]).await?;
                 if row.get::<_, bool>(0) {
                     return Ok(false);
@@ -26,6 +31,30 @@ impl Shared {
                 false
             }
         }
+    }
+
+    /// The paused tables that still hold publishable rows, with their pauses.
+    pub(super) async fn paused_left(&self) -> Vec<(String, crate::source::pause::Paused)> {
+        let mut left = Vec::new();
+        for (t, table) in self.tables.iter().enumerate() {
+            let Some(paused) = self.pauses.of(t) else {
+                continue;
+            };
+            let rows = self
+                .source
+                .in_transaction(async |tx| {
+                    Ok(tx
+                        .query_one(&table.sql.publishable_exists, &[])
+                        .await?
+                        .get(0))
+                })
+                .await;
+            // Unknown counts as left: exit 3 rather than claim an empty outbox.
+            if rows.unwrap_or(true) {
+                left.push((table.config.name.to_string(), paused));
+            }
+        }
+        left
     }
 
     /// Rows waiting for their next attempt, over every table, and the earliest due time

@@ -10,6 +10,7 @@ pub mod breaker;
 mod drain;
 mod message;
 pub mod order;
+mod pause;
 mod start;
 mod state;
 mod wake;
@@ -62,6 +63,9 @@ pub struct Report {
     /// Rows still waiting for their next attempt when the run ended: how many, and when
     /// the earliest is due (as PostgreSQL prints an interval from now).
     pub waiting: Option<(i64, String)>,
+    /// `drain` only: paused tables that still hold publishable rows, each with its pause
+    /// (`drain` does not wait for them, and exits 3).
+    pub paused_left: Vec<(String, crate::source::pause::Paused)>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
@@ -76,6 +80,8 @@ struct Shared {
     shutdown: Shutdown,
     /// Which tables are due for a claim; idle workers wait on it (see `wake`).
     wakes: Arc<wake::Wakes>,
+    /// Which tables are paused, for every relay (see `pause`).
+    pauses: pause::PauseState,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
@@ -153,6 +159,7 @@ async fn relay(
         config.relay.poll_interval,
         mode == Mode::Drain,
     ));
+    let names = tables.iter().map(|t| t.config.name.clone()).collect();
     let shared = Arc::new(Shared {
         source,
         sink,
@@ -162,6 +169,7 @@ async fn relay(
         drain: mode == Mode::Drain,
         shutdown: shutdown.clone(),
         wakes,
+        pauses: pause::PauseState::new(names),
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),
@@ -175,6 +183,7 @@ async fn relay(
         ?mode,
         "Relaying"
     );
+    shared.first_pauses().await?;
     spawn_background(&shared, mode, &endpoints.done);
 
     let tracker = TaskTracker::new();
@@ -237,6 +246,10 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) 
     }
     for t in 0..shared.tables.len() {
         tokio::spawn(keep_table(shared.clone(), t, done.clone()));
+    }
+    {
+        let (shared, done) = (shared.clone(), done.clone());
+        tokio::spawn(async move { shared.follow_pauses(done).await });
     }
     if let Some(connection) = shared.sink.connection() {
         let (shared, done) = (shared.clone(), done.clone());
@@ -353,9 +366,28 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
     } else {
         None
     };
+    let paused_left = if mode == Mode::Drain && !aborted {
+        // No answer in time: every paused table counts as holding rows (exit 3).
+        let every = || {
+            (0..shared.tables.len())
+                .filter_map(|t| {
+                    Some((
+                        shared.tables[t].config.name.to_string(),
+                        shared.pauses.of(t)?,
+                    ))
+                })
+                .collect()
+        };
+        tokio::time::timeout(closing, shared.paused_left())
+            .await
+            .unwrap_or_else(|_| every())
+    } else {
+        Vec::new()
+    };
     let totals = shared.state.totals();
     let report = Report {
         waiting,
+        paused_left,
         published: totals.published,
         failed: totals.failed,
         dead: totals.dead,

@@ -14,6 +14,8 @@
 //!    interval by the whole process, not once per worker.
 //! 4. The floor keeper ([`crate::source::floor`]) ticks only while the table was active in
 //!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
+//! 5. A paused table ([`crate::source::pause`]) is never due, in `drain` too; its resume
+//!    raises it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -52,6 +54,8 @@ struct TableWake {
     last_active: Mutex<Instant>,
     /// Pokes the table's floor keeper out of its idle wait.
     keeper: Notify,
+    /// Paused for every relay (rule 5).
+    paused: AtomicBool,
 }
 
 /// A ticket from [`Wakes::begin`]: what a claim saw raised when it began.
@@ -76,6 +80,7 @@ impl Wakes {
                     retry_at: Mutex::new(None),
                     last_active: Mutex::new(now),
                     keeper: Notify::new(),
+                    paused: AtomicBool::new(false),
                 })
                 .collect(),
             workers: Notify::new(),
@@ -124,6 +129,9 @@ impl Wakes {
     /// ticket to hand back with what the claim found.
     pub fn begin(&self, t: usize, now: Instant) -> Option<Ticket> {
         let table = &self.tables[t];
+        if table.paused.load(Ordering::Acquire) {
+            return None;
+        }
         let raised = table.raised.load(Ordering::Acquire);
         if self.always || raised > table.settled.load(Ordering::Acquire) {
             return Some(Ticket(raised));
@@ -172,6 +180,21 @@ impl Wakes {
             .flatten()
             .min()
             .unwrap_or_else(|| Instant::now() + self.poll_interval)
+    }
+
+    /// Rule 5: pauses or resumes table `t`; a resumed table is due at once and the idle
+    /// workers hear of it. Returns whether that changed anything.
+    pub fn set_paused(&self, t: usize, paused: bool) -> bool {
+        let changed = self.tables[t].paused.swap(paused, Ordering::AcqRel) != paused;
+        if changed && !paused {
+            self.raise(t, true);
+        }
+        changed
+    }
+
+    /// Whether table `t` is paused.
+    pub fn paused(&self, t: usize) -> bool {
+        self.tables[t].paused.load(Ordering::Acquire)
     }
 
     /// Rule 4: whether table `t` showed signs of rows lately.

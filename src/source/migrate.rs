@@ -87,6 +87,12 @@ pub const MIGRATIONS: &[Migration] = &[
             sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
         }],
     },
+    Migration {
+        version: 5,
+        name: "pauses",
+        sql: include_str!("../../migrations/0005_pauses.sql"),
+        concurrent_indexes: &[],
+    },
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");

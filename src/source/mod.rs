@@ -11,6 +11,7 @@ pub mod floor;
 pub mod hosts;
 pub mod listen;
 pub mod migrate;
+pub mod pause;
 pub mod retention;
 pub mod schema;
 pub mod session;

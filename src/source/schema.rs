@@ -109,10 +109,46 @@ pub async fn inspect(
     }
     check_indexes(client, table, &mut problems).await?;
     check_privileges(client, table, relay, &types, &mut problems).await?;
+    check_pauses(client, table, &mut problems).await?;
     match shape {
         Some(shape) if problems.is_empty() => Ok(Ok(shape)),
         _ => Ok(Err(problems)),
     }
+}
+
+/// The pause state table of the table's schema (migration 0005): there, and readable and
+/// writable by this role (`pause`, `resume` and the bad-row valve write it).
+async fn check_pauses(
+    client: &impl GenericClient,
+    table: &TableConfig,
+    problems: &mut Vec<String>,
+) -> Result<(), SourceError> {
+    let pauses = super::pause::pauses_of(&table.name);
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1::text) IS NOT NULL, \
+             COALESCE(has_table_privilege(to_regclass($1::text), 'SELECT') \
+             AND has_table_privilege(to_regclass($1::text), 'INSERT') \
+             AND has_table_privilege(to_regclass($1::text), 'DELETE'), false)",
+            &[&pauses],
+        )
+        .await?;
+    let (exists, allowed): (bool, bool) = (row.get(0), row.get(1));
+    if !exists {
+        problems.push(format!(
+            "table {}: the pause state table {pauses} (migration 0005) is missing: run \
+             `outbox-relay migrate` as the table's owner",
+            table.name
+        ));
+    } else if !allowed {
+        problems.push(format!(
+            "table {}: this role cannot read and write {pauses} (pause, resume and the \
+             bad-row valve keep their state there): GRANT SELECT, INSERT, DELETE ON {pauses} \
+             TO <this role> (migrations/outbox_relay_role.sql does)",
+            table.name
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `table` has the NOTIFY trigger `migrate` installs, enabled.

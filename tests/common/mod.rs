@@ -18,8 +18,13 @@ pub const ROLE_SQL: &str = include_str!("../../migrations/outbox_relay_role.sql"
 /// Creates role `outbox_relay` (once per cluster) with exactly the grants of
 /// `migrations/outbox_relay_role.sql` on `table`, as the superuser behind `client`.
 pub async fn grant_relay_role(client: &tokio_postgres::Client, table: &str) {
+    let schema = table.rsplit_once('.').map_or("public", |(s, _)| s);
+    let sql = ROLE_SQL
+        .replace("public.outbox_relay_pauses", "{pauses}")
+        .replace("public.outbox", table)
+        .replace("{pauses}", &format!("{schema}.outbox_relay_pauses"));
     client
-        .batch_execute(&ROLE_SQL.replace("public.outbox", table))
+        .batch_execute(&sql)
         .await
         .expect("apply migrations/outbox_relay_role.sql");
 }
