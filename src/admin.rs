@@ -118,6 +118,44 @@ impl fmt::Display for TableStatus {
     }
 }
 
+/// `status --format json`: one document, `{"tables": [...]}`. The field set only grows
+/// (contract section 3); times are as PostgreSQL prints a `timestamptz`, ages in seconds.
+pub fn status_json(tables: &[TableStatus]) -> serde_json::Value {
+    let tables: Vec<serde_json::Value> = tables
+        .iter()
+        .map(|t| {
+            let mut entry = serde_json::json!({
+                "table": t.table,
+                "pending": t.pending,
+                "oldest_pending_age_seconds": t.oldest_pending.map(|d| d.as_secs_f64()),
+                "failing": t.failing,
+                "waiting_retry": t.waiting,
+                "next_attempt_at": t.next_attempt,
+                "held_back": t.held_back,
+                "dead": t.dead,
+                "published": t.published,
+                "paused": t.paused.is_some(),
+                "held_rows": t.held_rows.iter().map(|r| serde_json::json!({
+                    "id": r.id,
+                    "attempts": r.attempts,
+                    "dead_at": r.dead_at,
+                    "next_attempt_at": r.next_attempt_at,
+                    "last_error": r.last_error,
+                    "key": r.key,
+                    "holds_back": r.holds_back,
+                })).collect::<Vec<_>>(),
+            });
+            if let Some(p) = &t.paused {
+                entry["paused_at"] = p.since.clone().into();
+                entry["paused_by"] = p.by.clone().into();
+                entry["paused_reason"] = p.reason.clone().into();
+            }
+            entry
+        })
+        .collect();
+    serde_json::json!({ "tables": tables })
+}
+
 /// A failure of `status` or `requeue`: bad arguments (exit 2) or the database (exit 1).
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {

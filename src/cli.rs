@@ -30,6 +30,12 @@ pub enum LogFormat {
     Json,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StatusFormat {
+    Text,
+    Json,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay until SIGTERM/SIGINT, then drain in-flight batches and exit
@@ -50,8 +56,13 @@ pub enum Command {
     },
     /// Validate the config, reach PostgreSQL and the broker, verify tables and streams
     Check,
-    /// Per table: pending rows and the oldest one's age, failing rows, dead rows
-    Status,
+    /// Per table: pending rows and the oldest one's age, failing rows, dead rows, paused
+    Status {
+        /// text: one line per table (and its held rows); json: one document
+        /// `{"tables": [...]}` for scripts
+        #[arg(long, value_enum, default_value_t = StatusFormat::Text)]
+        format: StatusFormat,
+    },
     /// Clear dead_at and attempts so dead rows are tried again; --waiting: retries are due now
     Requeue {
         /// The table (schema.table); needed when several are configured

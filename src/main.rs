@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use outbox_relay::cli::{Cli, Command, LogFormat};
+use outbox_relay::cli::{Cli, Command, LogFormat, StatusFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
@@ -53,10 +53,11 @@ async fn execute(command: Command, config: Config) -> u8 {
         }
         Command::Migrate { no_notify } => run_migrate(&config, !no_notify).await,
         Command::Check => run_check(&config).await,
-        Command::Status => match admin::status(&config).await {
+        Command::Status { format } => match admin::status(&config).await {
             Ok(tables) => {
-                for t in &tables {
-                    say(&t.to_string());
+                match format {
+                    StatusFormat::Text => tables.iter().for_each(|t| say(&t.to_string())),
+                    StatusFormat::Json => say(&admin::status_json(&tables).to_string()),
                 }
                 EXIT_OK
             }

@@ -684,3 +684,44 @@ async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remai
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert_eq!(env.stored().await.len(), 50);
 }
+
+/// Contract section 3: `status --format json` prints one JSON document `{"tables": [...]}`
+/// with the contract's fields; the pause fields appear while paused.
+#[tokio::test(flavor = "multi_thread")]
+async fn status_as_json_is_one_document_with_the_contract_fields() {
+    let env = Env::new("").await;
+    let client = env.client().await;
+    seed(&client, 7, 3, 0).await;
+    assert!(env
+        .relay(&["pause", "--reason", "broker upgrade"])
+        .status
+        .success());
+    let parse = |out: std::process::Output| -> serde_json::Value {
+        assert!(out.status.success(), "{}", text(&out));
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        assert_eq!(stdout.lines().count(), 1, "one document: {stdout}");
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    };
+    let doc = parse(env.relay(&["status", "--format", "json"]));
+    let t = &doc["tables"][0];
+    assert_eq!(t["table"], "public.outbox", "{doc}");
+    assert_eq!(t["pending"], 7, "{doc}");
+    assert!(
+        t["oldest_pending_age_seconds"].as_f64().unwrap() >= 0.0,
+        "{doc}"
+    );
+    for (field, value) in [("failing", 0), ("waiting_retry", 0), ("dead", 0)] {
+        assert_eq!(t[field], value, "{field}: {doc}");
+    }
+    assert_eq!(t["paused"], true, "{doc}");
+    assert_eq!(t["paused_reason"], "broker upgrade", "{doc}");
+    assert!(t["paused_at"].as_str().unwrap().starts_with("20"), "{doc}");
+
+    assert!(env.relay(&["resume"]).status.success());
+    let doc = parse(env.relay(&["status", "--format", "json"]));
+    let t = &doc["tables"][0];
+    assert_eq!(t["paused"], false, "{doc}");
+    assert!(t.get("paused_reason").is_none(), "{doc}");
+    let out = env.relay(&["status", "--format", "yaml"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+}
