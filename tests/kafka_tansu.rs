@@ -397,6 +397,20 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
     )
     .unwrap();
     assert_eq!(records.len(), 3_000, "every row once");
+    // No creation-time column: the records carry the producer's clock.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    for r in &records {
+        let rdkafka::Timestamp::CreateTime(ms) = r.timestamp else {
+            panic!("not a CreateTime: {:?}", r.timestamp);
+        };
+        assert!(
+            (now_ms - ms).abs() < 120_000,
+            "{ms} is not the producer's clock"
+        );
+    }
     let mut seen = HashSet::new();
     // (topic, partition, key) -> seq in offset order
     let mut by_key: std::collections::BTreeMap<(String, i32, String), Vec<(i64, i64)>> =
@@ -518,4 +532,41 @@ async fn kafka_a_null_payload_is_a_tombstone_and_a_null_key_with_it_is_a_bad_row
         .unwrap();
     let error: String = dead.get(0);
     assert!(error.contains("tombstone"), "{error}");
+}
+
+/// Contract section 2 (Kafka record time): records carry the row's `created_at` as their
+/// timestamp (CreateTime) to the millisecond, as Debezium's outbox router sets it.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_records_carry_the_rows_created_at_as_their_timestamp() {
+    let env = KafkaEnv::new("").await;
+    let client = env.pg.connect("app").await.unwrap();
+    // Creation times from the past, with sub-millisecond parts (cut, as Java's
+    // toEpochMilli does), none equal to now.
+    let rows = client
+        .query(
+            "INSERT INTO public.outbox (topic, key, payload, created_at) \
+             SELECT 'events.' || (n % 3), 'k' || (n % 7), 'p', \
+                    timestamptz '2026-01-02 03:04:05.678901+00' + n * interval '1.0013 s' \
+             FROM generate_series(1, 200) n \
+             RETURNING id, floor(extract(epoch FROM created_at) * 1000)::int8",
+            &[],
+        )
+        .await
+        .unwrap();
+    let created: std::collections::HashMap<String, i64> = rows
+        .iter()
+        .map(|r| (format!("public.outbox:{}", r.get::<_, i64>(0)), r.get(1)))
+        .collect();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let records = env.read();
+    assert_eq!(records.len(), 200, "every row once");
+    for r in &records {
+        let id = r.header("outbox-id").unwrap();
+        assert_eq!(
+            r.timestamp,
+            rdkafka::Timestamp::CreateTime(created[id]),
+            "{id}: the record's time is its row's created_at"
+        );
+    }
 }

@@ -32,6 +32,7 @@ pub fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, 
         key: row.key.clone(),
         payload: row.payload.take().map(Bytes::from),
         headers,
+        timestamp_ms: row.created_ms,
     })
 }
 

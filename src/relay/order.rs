@@ -145,6 +145,7 @@ mod tests {
             key: None,
             payload: Default::default(),
             headers: vec![],
+            timestamp_ms: None,
         })
     }
 

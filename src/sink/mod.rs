@@ -41,6 +41,9 @@ pub struct Message {
     pub payload: Option<Bytes>,
     /// From the row's `headers` column, in the column's order.
     pub headers: Vec<(String, String)>,
+    /// The row's creation time in milliseconds since the Unix epoch: the Kafka record's
+    /// timestamp (`None`: the producer's clock).
+    pub timestamp_ms: Option<i64>,
 }
 
 /// A publish failure with its class.

@@ -144,6 +144,9 @@ pub struct ClaimedRow {
     pub attempts: i32,
     /// Seconds from the row's creation time to its claim (`None` without that column).
     pub age: Option<f64>,
+    /// The row's creation time, in milliseconds since the Unix epoch (`None` without that
+    /// column).
+    pub created_ms: Option<i64>,
     /// Made pending again by `replay` (its lag is not a delivery lag).
     pub replayed: bool,
     /// Values of the topic template's columns, in template order.
@@ -154,10 +157,10 @@ pub struct ClaimedRow {
 
 impl ClaimedRow {
     fn from_row(row: &Row, layout: &RowLayout) -> ClaimedRow {
-        let mut i = 7;
+        let mut i = 8;
         let message_id = layout.message_id.then(|| {
             i += 1;
-            row.get(7)
+            row.get(8)
         });
         let topic_values = (i..i + layout.topic_columns).map(|n| row.get(n)).collect();
         i += layout.topic_columns;
@@ -171,6 +174,7 @@ impl ClaimedRow {
             attempts: row.get(4),
             age: row.get(5),
             replayed: row.get(6),
+            created_ms: row.get(7),
             topic_values,
             header_values,
         }

@@ -203,9 +203,15 @@ impl TableSql {
             ),
             None => "NULL::float8".to_owned(),
         };
+        // And the creation time in milliseconds since the epoch: the Kafka record's
+        // timestamp (CreateTime), as Debezium's outbox router sets it.
+        let created_ms = match &shape.created_at {
+            Some(c) => format!("floor(extract(epoch FROM {}) * 1000)::int8", c.quoted()),
+            None => "NULL::int8".to_owned(),
+        };
         let mut columns = format!(
             "{id}::bigint, {key}::text, {payload}, {headers}, {attempts}::int4, {age}, \
-             ({next} IS NOT NULL AND {attempts} = 0 AND {last_error} IS NULL)"
+             ({next} IS NOT NULL AND {attempts} = 0 AND {last_error} IS NULL), {created_ms}"
         );
         let extra = layout
             .message_id

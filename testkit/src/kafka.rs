@@ -24,6 +24,9 @@ pub struct KafkaRecord {
     pub headers: Vec<(String, String)>,
     /// `None`: a null value (a tombstone).
     pub payload: Option<Vec<u8>>,
+    /// The record's timestamp in milliseconds, with its type (`CreateTime` is the
+    /// producer's, `LogAppendTime` the broker's).
+    pub timestamp: rdkafka::Timestamp,
 }
 
 impl KafkaRecord {
@@ -66,6 +69,7 @@ pub fn kafka_read_all(
             key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
             headers,
             payload: m.payload().map(<[u8]>::to_vec),
+            timestamp: m.timestamp(),
         });
     })?;
     Ok(out)

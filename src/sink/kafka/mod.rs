@@ -192,6 +192,9 @@ impl KafkaSink {
         if let Some(key) = &message.key {
             record = record.key(key.as_bytes());
         }
+        if let Some(ms) = message.timestamp_ms {
+            record = record.timestamp(ms);
+        }
         loop {
             match self.producer.send_result(record) {
                 Ok(delivery) => return Ok(delivery),

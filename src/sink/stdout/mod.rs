@@ -102,6 +102,7 @@ mod tests {
             key: Some("k".into()),
             payload: payload.map(bytes::Bytes::copy_from_slice),
             headers: vec![],
+            timestamp_ms: None,
         }
     }
 

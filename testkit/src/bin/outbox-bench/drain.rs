@@ -99,6 +99,7 @@ impl Bench {
                             key: Some(format!("k{}", i % keys)),
                             payload: Some(payload.clone()),
                             headers: Vec::new(),
+                            timestamp_ms: None,
                         })
                         .collect();
                     let refs: Vec<&Message> = messages.iter().collect();
