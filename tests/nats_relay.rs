@@ -778,3 +778,72 @@ async fn nats_a_null_payload_is_an_empty_body_with_or_without_a_key() {
         0
     );
 }
+
+/// Contract section 4 (`pause_after_bad_rows`): when a table's destination goes away
+/// (here: no stream captures its subjects), the bad-row valve pauses the table after about
+/// 100 failures instead of dead-lettering it row after row; once the stream is there,
+/// `requeue --all` and `resume` publish every row, once and in key order.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_is_lost() {
+    let relay = "retry_backoff = \"10ms\"\nretry_backoff_max = \"20ms\"\nmax_attempts = 3";
+    let env = Env::new(relay).await;
+    let client = env.client().await;
+    let inserted: Vec<i64> = client
+        .query(
+            "INSERT INTO public.outbox (topic, key, payload) \
+             SELECT 'gone.' || (n % 4), 'k' || (n % 50), 'p' FROM generate_series(1, 1000) n \
+             RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let mut relay = start_connected_relay(&env).await;
+    let paused = "SELECT count(*) FROM public.outbox_relay_pauses";
+    wait_until(
+        "the valve to pause the table",
+        Duration::from_secs(30),
+        async || count(&client, paused).await == 1,
+    )
+    .await;
+    let dead_sql = "SELECT count(*) FROM public.outbox WHERE dead_at IS NOT NULL";
+    let attempts_sql = "SELECT COALESCE(sum(attempts), 0)::int8 FROM public.outbox";
+    let (dead, attempts) = (
+        count(&client, dead_sql).await,
+        count(&client, attempts_sql).await,
+    );
+    // Paused: nothing more is tried.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        count(&client, attempts_sql).await,
+        attempts,
+        "tried while paused"
+    );
+    eprintln!("the valve paused the table after {attempts} failed attempts, {dead} rows dead");
+    assert!(
+        dead <= 100,
+        "{dead} rows dead-lettered before the table paused"
+    );
+    assert!((100..200).contains(&attempts), "{attempts} failed attempts");
+    let status = text(&env.relay(&["status"]));
+    assert!(
+        status.contains("by bad-row valve") && status.contains("rows failed for their own sake"),
+        "{status}"
+    );
+    let log = std::fs::read_to_string(relay_log(&env)).unwrap();
+    assert!(log.contains("Table paused by the bad-row valve"), "{log}");
+
+    env.nats.create_stream("GONE", &["gone.>"]).await.unwrap();
+    assert!(env.relay(&["requeue", "--all"]).status.success());
+    assert!(env.relay(&["resume"]).status.success());
+    wait_for_empty_outbox(&client, "every row after the resume", 30).await;
+    let stored = env.nats.read_stream("GONE").await.unwrap();
+    let audit = audit(&inserted, &stored);
+    audit.assert_nothing_lost_in_order();
+    assert_eq!(audit.duplicates, 0);
+    signal(&relay, "TERM");
+    let (code, _) = wait_exit(&mut relay, Duration::from_secs(10));
+    assert_eq!(code, Some(0));
+}

@@ -87,6 +87,10 @@ pub struct RelayConfig {
     /// Mark mode: published rows whose `published_at` is older than this are deleted
     /// (the source's retention task); `None` (the default) keeps them.
     pub retention: Option<Duration>,
+    /// The bad-row valve: a table whose rows fail for their own sake this many times
+    /// within `bad_row_window`, most of its attempts there, pauses itself. `None`: off
+    /// (`pause_after_bad_rows = 0`). Default 100 within 1 min.
+    pub bad_row_valve: Option<(u32, Duration)>,
 }
 
 /// `[sink]`, checked.
@@ -238,6 +242,10 @@ fn relay(raw: raw::RawRelay) -> Result<RelayConfig, ConfigError> {
         retry_backoff_max,
         max_batch_bytes: raw.max_batch_bytes.0,
         retention,
+        bad_row_valve: match raw.pause_after_bad_rows {
+            0 => None,
+            n => Some((n, positive("relay.bad_row_window", raw.bad_row_window)?)),
+        },
     })
 }
 

@@ -99,6 +99,13 @@ pub struct RawRelay {
     /// Mark mode: published rows older than this are deleted. Default: kept forever.
     #[serde(default)]
     pub retention: Option<DurationValue>,
+    /// A table whose rows fail for their own sake this many times within
+    /// `bad_row_window` (and mostly fail there) pauses itself; 0 turns this off. Default 100.
+    #[serde(default = "defaults::pause_after_bad_rows")]
+    pub pause_after_bad_rows: u32,
+    /// The bad-row valve's window. Default `1m`.
+    #[serde(default = "defaults::bad_row_window")]
+    pub bad_row_window: DurationValue,
 }
 
 impl Default for RawRelay {
@@ -114,6 +121,8 @@ impl Default for RawRelay {
             retry_backoff_max: defaults::retry_backoff_max(),
             max_batch_bytes: defaults::max_batch_bytes(),
             retention: None,
+            pause_after_bad_rows: defaults::pause_after_bad_rows(),
+            bad_row_window: defaults::bad_row_window(),
         }
     }
 }
@@ -488,6 +497,12 @@ mod defaults {
     }
     pub fn max_attempts() -> u32 {
         10
+    }
+    pub fn pause_after_bad_rows() -> u32 {
+        100
+    }
+    pub fn bad_row_window() -> DurationValue {
+        DurationValue(Duration::from_secs(60))
     }
     pub fn publish_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(10))

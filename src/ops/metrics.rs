@@ -67,6 +67,8 @@ pub struct Metrics {
     pub dead_tuples: Family<TableLabel, Gauge>,
     /// 1 while the table is paused (`outbox-relay pause`, the bad-row valve), else 0.
     pub table_paused: Family<TableLabel, Gauge>,
+    /// Times this process's bad-row valve paused the table.
+    pub valve_paused: Family<TableLabel, Counter>,
     /// How long the oldest transaction whose snapshot holds back VACUUM has been open, in
     /// this database (refreshed on an interval; sessions this role may see).
     pub oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
@@ -113,6 +115,7 @@ impl Default for Metrics {
             oldest_age_seconds: Family::default(),
             dead_tuples: Family::default(),
             table_paused: Family::default(),
+            valve_paused: Family::default(),
             oldest_snapshot_age_seconds: Gauge::default(),
             oldest_snapshot_xid_age: Gauge::default(),
             in_flight: Gauge::default(),
@@ -190,6 +193,11 @@ impl Default for Metrics {
             "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
              valve), else 0; read about twice a second",
             metrics.table_paused.clone(),
+        );
+        registry.register(
+            "table_paused_by_valve",
+            "Times this relay's bad-row valve paused the table (relay.pause_after_bad_rows)",
+            metrics.valve_paused.clone(),
         );
         registry.register(
             "oldest_snapshot_age_seconds",

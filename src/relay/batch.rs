@@ -233,6 +233,7 @@ async fn run_phases(
         r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
     };
     record(shared, table, &labels, &settlement, &dead, started);
+    shared.count_bad_rows(table, &settlement).await;
     metrics
         .replayed
         .get_or_create(&labels)

@@ -13,6 +13,7 @@ pub mod order;
 mod pause;
 mod start;
 mod state;
+mod valve;
 mod wake;
 mod worker;
 
@@ -82,6 +83,8 @@ struct Shared {
     wakes: Arc<wake::Wakes>,
     /// Which tables are paused, for every relay (see `pause`).
     pauses: pause::PauseState,
+    /// The bad-row valve, unless turned off (see `valve`).
+    valve: Option<valve::Valve>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
@@ -170,6 +173,7 @@ async fn relay(
         shutdown: shutdown.clone(),
         wakes,
         pauses: pause::PauseState::new(names),
+        valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),

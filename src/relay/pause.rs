@@ -4,14 +4,16 @@
 //! `outbox_relay_table_paused` gauge.
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use super::batch::Settlement;
 use super::Shared;
 use crate::config::TableName;
 use crate::ops::metrics::TableLabel;
 use crate::source::pause::{self, Paused};
+use crate::source::table::TablePlan;
 use crate::source::SourceError;
 
 /// What this process knows of the pause state.
@@ -96,6 +98,58 @@ impl Shared {
             }
             if let Err(e) = self.refresh_pauses().await {
                 tracing::debug!(error = %e, "Could not read the pause state");
+            }
+        }
+    }
+
+    /// Counts a committed batch of `table` in the bad-row valve and, when it trips, pauses
+    /// the table for every relay (at once in this process) and says what to do.
+    pub(super) async fn count_bad_rows(&self, table: &TablePlan, settlement: &Settlement) {
+        let Some(valve) = &self.valve else {
+            return;
+        };
+        let Some(t) = self.tables.iter().position(|p| std::ptr::eq(p, table)) else {
+            return;
+        };
+        let (failed, published) = (settlement.failed.ids.len(), settlement.published.len());
+        let Some(n) = valve.trips(t, failed, published, Instant::now()) else {
+            return;
+        };
+        let name = &table.config.name;
+        let last_error = settlement.failed.errors.last().cloned().unwrap_or_default();
+        let reason = format!(
+            "{n} rows failed for their own sake within {}, most of its attempts; last error: \
+             {last_error}",
+            humantime::format_duration(valve.window())
+        );
+        self.wakes.set_paused(t, true);
+        let by = pause::by_valve();
+        let paused = self
+            .source
+            .in_transaction(async |tx| pause::pause(tx, name, &by, &reason).await)
+            .await;
+        match paused {
+            Ok(_) => {
+                self.ops
+                    .metrics
+                    .valve_paused
+                    .get_or_create(&TableLabel {
+                        table: name.to_string(),
+                    })
+                    .inc();
+                tracing::error!(
+                    table = %name, failed = n, %last_error,
+                    "Table paused by the bad-row valve: its rows keep failing for their own \
+                     sake. Check that its stream or topic exists and this relay may publish \
+                     to it (`outbox-relay check`), and the writing service's last deploy; \
+                     then `outbox-relay requeue --all --table {name}` for rows dead-lettered \
+                     meanwhile, and `outbox-relay resume --table {name}`"
+                );
+            }
+            Err(e) => {
+                // Not paused for the others: neither here (the next look would undo it).
+                self.wakes.set_paused(t, false);
+                tracing::warn!(table = %name, error = %e, "The bad-row valve could not pause the table");
             }
         }
     }

@@ -166,10 +166,18 @@ pub fn by_operator() -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| user_of_process());
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+    format!("outbox-relay pause ({user}@{})", host())
+}
+
+/// Who is pausing when the bad-row valve does: `bad-row valve (host, pid N)`.
+pub fn by_valve() -> String {
+    format!("bad-row valve ({}, pid {})", host(), std::process::id())
+}
+
+fn host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "unknown host".to_owned());
-    format!("outbox-relay pause ({user}@{host})")
+        .unwrap_or_else(|_| "unknown host".to_owned())
 }
 
 /// The process's user name from `/etc/passwd`, else `uid N` (`kubectl exec` and
