@@ -37,6 +37,8 @@ GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
 -- Pause state (migration 0005), one table per schema: `pause` and the bad-row valve insert
 -- a row, `resume` deletes it, every relay reads it.
 GRANT SELECT, INSERT, DELETE ON public.outbox_relay_pauses TO outbox_relay;
+-- Rate buckets (migration 0006), one table per schema: only tables with `max_rate` use it.
+GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_rates TO outbox_relay;
 -- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
 -- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
 -- role that keeps VACUUM from cleaning the table (read-only statistics, no data).

@@ -847,3 +847,59 @@ async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_
     let (code, _) = wait_exit(&mut relay, Duration::from_secs(10));
     assert_eq!(code, Some(0));
 }
+
+/// The publish rate over the stored messages, leaving out the first second (the bucket
+/// starts full: one second's worth goes at once).
+fn steady_rate(stored: &[testkit::StoredMessage]) -> f64 {
+    let first = stored.iter().map(|m| m.stored_at).min().unwrap();
+    let from = first + Duration::from_secs(1);
+    let last = stored.iter().map(|m| m.stored_at).max().unwrap();
+    let after = stored.iter().filter(|m| m.stored_at > from).count();
+    after as f64 / last.duration_since(from).unwrap().as_secs_f64()
+}
+
+/// Contract section 4 (`max_rate`): a table's rate limit holds for all its relays
+/// together: one relay and two relays at once each publish at max_rate (within 25%), every
+/// row once and in key order.
+#[tokio::test(flavor = "multi_thread")]
+async fn max_rate_holds_for_one_relay_and_for_two_together() {
+    const RATE: f64 = 400.0;
+    let env = Env::new("").await;
+    let config = std::fs::read_to_string(&env.config).unwrap();
+    let limited = config.replace(
+        "topic = \"{topic}\"\n",
+        &format!("topic = \"{{topic}}\"\nmax_rate = {RATE}\n"),
+    );
+    assert_ne!(config, limited);
+    std::fs::write(&env.config, limited).unwrap();
+    let client = env.client().await;
+    for relays in [1, 2] {
+        env.nats.client().await.unwrap();
+        let before = env.stored().await.len();
+        seed(&client, 2_400, 30, 0).await;
+        let inserted = ids(&client).await;
+        let drains: Vec<_> = (0..relays)
+            .map(|_| {
+                env.command(&["drain", "--timeout", "60s"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for d in drains {
+            let out = d.wait_with_output().unwrap();
+            assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+        }
+        let stored = env.stored().await;
+        let new = &stored[before..];
+        let audit = audit(&inserted, new);
+        audit.assert_nothing_lost_in_order();
+        let rate = steady_rate(new);
+        eprintln!("{relays} relay(s) at max_rate = {RATE}: {rate:.0} rows/s");
+        assert!(
+            (RATE * 0.75..=RATE * 1.25).contains(&rate),
+            "{relays} relay(s): {rate:.0} rows/s against max_rate {RATE}"
+        );
+    }
+}

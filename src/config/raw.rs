@@ -258,6 +258,9 @@ pub struct RawTable {
     /// `[tables.header_columns]`: header name = column, copied to every message.
     #[serde(default)]
     pub header_columns: BTreeMap<String, String>,
+    /// Rows per second published from this table by all its relays together. Default:
+    /// unlimited.
+    pub max_rate: Option<f64>,
 }
 
 /// Column names per role; each defaults to the role's name in the default table.

@@ -17,6 +17,9 @@ pub struct TableConfig {
     pub columns: Columns,
     /// Extra headers: header name and the column whose value it carries.
     pub header_columns: Vec<(String, Ident)>,
+    /// `max_rate`: rows per second published by all relays of the table together
+    /// (`None`: unlimited).
+    pub max_rate: Option<f64>,
 }
 
 /// The columns the relay reads and writes. The default is the contract's table
@@ -198,11 +201,24 @@ pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigErr
             ));
         }
         let topic = Template::parse(&t.topic).map_err(|e| ConfigError::new(at("topic"), e))?;
+        let max_rate = match t.max_rate {
+            Some(rate) if !(rate.is_finite() && rate > 0.0) => {
+                return Err(ConfigError::new(
+                    at("max_rate"),
+                    format!(
+                        "is {rate}; it is rows per second and must be above 0 (leave it out \
+                         for no limit)"
+                    ),
+                ))
+            }
+            rate => rate,
+        };
         tables.push(TableConfig {
             name,
             topic,
             columns: Columns::from_raw(t.columns, &at("columns"))?,
             header_columns: header_columns(t.header_columns, &at("header_columns"))?,
+            max_rate,
         });
     }
     Ok(tables)

@@ -29,6 +29,7 @@ use crate::ops::Metrics;
 use crate::retry;
 use crate::sink::{Sink, SinkError};
 use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
+use crate::source::rate::Grant;
 use crate::source::table::TablePlan;
 use crate::source::{Source, SourceError, Tx};
 
@@ -56,11 +57,15 @@ pub enum Batch {
     Empty,
     /// Rows are there, but other claimers hold every bucket of them.
     Contended,
+    /// The table's `max_rate` has no token left: the next is due after this long.
+    Throttled(std::time::Duration),
     /// Claimed, published what it could, committed. `trouble` is set when some rows failed
     /// for a transient reason: the worker backs off before claiming again.
     Done {
         trouble: Option<SinkError>,
         published: usize,
+        /// Rows claimed (the tokens a rate-limited table's batch used).
+        claimed: usize,
         /// The soonest retry this batch scheduled, if any row failed for itself.
         retry_in: Option<std::time::Duration>,
     },
@@ -131,6 +136,48 @@ pub(super) async fn relay_batch(
     lane: usize,
     table: &TablePlan,
 ) -> Result<Batch, BatchError> {
+    // A rate-limited table's tokens first, in a statement of their own (`source::rate`).
+    let bucket = shared.bucket(table);
+    let allowed = match bucket {
+        None => shared.relay.batch_size,
+        Some(bucket) => {
+            let want = shared.relay.batch_size;
+            match shared
+                .source
+                .in_transaction(async |tx| bucket.take(tx, want).await)
+                .await?
+            {
+                Grant::Rows(n) => n,
+                Grant::Wait(wait) => return Ok(Batch::Throttled(wait)),
+            }
+        }
+    };
+    let result = relay_batch_of(shared, lane, table, allowed).await;
+    if let Some(bucket) = bucket {
+        let used = match &result {
+            Ok(Batch::Done { claimed, .. }) => *claimed,
+            _ => 0,
+        };
+        if used < allowed {
+            let unused = allowed - used;
+            let given = shared
+                .source
+                .in_transaction(async |tx| bucket.give_back(tx, unused).await);
+            if let Err(e) = given.await {
+                tracing::debug!(error = %e, "Could not give back unused rate tokens");
+            }
+        }
+    }
+    result
+}
+
+/// One batch of at most `allowed` rows.
+async fn relay_batch_of(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    allowed: usize,
+) -> Result<Batch, BatchError> {
     let stop = shared.shutdown.stop_token();
     let mut session = tokio::select! {
         biased;
@@ -144,7 +191,7 @@ pub(super) async fn relay_batch(
         rows = tracing::field::Empty,
         duration_ms = tracing::field::Empty,
     );
-    let result = run_phases(shared, lane, table, &mut session)
+    let result = run_phases(shared, lane, table, &mut session, allowed)
         .instrument(span)
         .await;
     // A session that timed out or broke mid-statement is never handed to the next batch.
@@ -161,11 +208,12 @@ async fn run_phases(
     lane: usize,
     table: &TablePlan,
     session: &mut deadpool_postgres::Object,
+    allowed: usize,
 ) -> Result<Batch, BatchError> {
     let abort = shared.shutdown.abort_token();
     let claim_started = SystemTime::now();
     // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
-    let claim = claim(shared, lane, table, session);
+    let claim = claim(shared, lane, table, session, allowed);
     let (tx, claimed) = tokio::select! {
         biased;
         _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped),
@@ -263,6 +311,7 @@ async fn run_phases(
             .min()
             .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
         published: settlement.published.len(),
+        claimed: rows.len(),
         trouble: settlement.trouble,
     })
 }
@@ -273,10 +322,11 @@ async fn claim<'a>(
     lane: usize,
     table: &TablePlan,
     session: &'a mut deadpool_postgres::Object,
+    rows: usize,
 ) -> Result<(Tx<'a>, Claimed), SourceError> {
     let tx = shared.source.begin(session).await?;
     let budget = Budget {
-        rows: shared.relay.batch_size,
+        rows,
         bytes: shared.relay.max_batch_bytes,
     };
     let (ordering, view) = (shared.relay.ordering, table.floor.view());

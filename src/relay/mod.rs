@@ -85,6 +85,8 @@ struct Shared {
     pauses: pause::PauseState,
     /// The bad-row valve, unless turned off (see `valve`).
     valve: Option<valve::Valve>,
+    /// Each table's `max_rate` bucket, if it has one (see `source::rate`).
+    buckets: Vec<Option<crate::source::rate::Bucket>>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
@@ -96,6 +98,16 @@ struct Shared {
 const OTEL_FLUSH: Duration = Duration::from_secs(2);
 
 impl Shared {
+    /// The index of `table` among this run's tables.
+    fn index_of(&self, table: &TablePlan) -> Option<usize> {
+        self.tables.iter().position(|p| std::ptr::eq(p, table))
+    }
+
+    /// The `max_rate` bucket of `table`, if it has one.
+    fn bucket(&self, table: &TablePlan) -> Option<&crate::source::rate::Bucket> {
+        self.buckets[self.index_of(table)?].as_ref()
+    }
+
     /// Records a fatal error and stops the relay.
     fn fail(&self, message: String) {
         tracing::error!(error = %message, "Stopping: this needs an operator");
@@ -174,6 +186,14 @@ async fn relay(
         wakes,
         pauses: pause::PauseState::new(names),
         valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
+        buckets: config
+            .tables
+            .iter()
+            .map(|t| {
+                t.max_rate
+                    .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
+            })
+            .collect(),
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),

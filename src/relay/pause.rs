@@ -108,7 +108,7 @@ impl Shared {
         let Some(valve) = &self.valve else {
             return;
         };
-        let Some(t) = self.tables.iter().position(|p| std::ptr::eq(p, table)) else {
+        let Some(t) = self.index_of(table) else {
             return;
         };
         let (failed, published) = (settlement.failed.ids.len(), settlement.published.len());

@@ -23,6 +23,8 @@ enum Round {
     /// Nothing claimed, but a table has rows that other claimers hold: wait, longer each
     /// time it happens again.
     Contended,
+    /// Nothing claimed: a table's `max_rate` allows the next row after this long.
+    Throttled(Duration),
     /// Something failed for a transient reason: back off.
     Trouble(String),
     /// The worker is done (stopped, aborted, or the run failed).
@@ -79,6 +81,13 @@ impl Worker {
                     backoff.reset();
                     surplus = poll;
                 }
+                Round::Throttled(wait) => {
+                    backoff.reset();
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
                 Round::Contended => {
                     tokio::select! {
                         _ = stop.cancelled() => return,
@@ -120,6 +129,7 @@ impl Worker {
         let shared = &self.shared;
         let tables = shared.tables.len();
         let mut contended = false;
+        let mut throttled: Option<Duration> = None;
         for k in 0..tables {
             let t = (*next + k) % tables;
             let Some(ticket) = shared.wakes.begin(t, std::time::Instant::now()) else {
@@ -128,7 +138,7 @@ impl Worker {
             let result = relay_batch(shared, self.id, &shared.tables[t]).await;
             if matches!(
                 result,
-                Ok(Batch::Empty | Batch::Contended | Batch::Done { .. })
+                Ok(Batch::Empty | Batch::Contended | Batch::Throttled(_) | Batch::Done { .. })
             ) {
                 shared.ops.health.progress();
             }
@@ -141,10 +151,15 @@ impl Worker {
                     contended = true;
                     continue;
                 }
+                Ok(Batch::Throttled(wait)) => {
+                    throttled = Some(throttled.map_or(wait, |w| w.min(wait)));
+                    continue;
+                }
                 Ok(Batch::Done {
                     trouble,
                     published,
                     retry_in,
+                    ..
                 }) => {
                     // Rows were there: there may be more (`wake`, rule 1).
                     shared.wakes.raise(t, false);
@@ -173,7 +188,9 @@ impl Worker {
                 Err(e) => return Round::Trouble(e.to_string()),
             }
         }
-        if contended {
+        if let Some(wait) = throttled {
+            Round::Throttled(wait)
+        } else if contended {
             Round::Contended
         } else {
             Round::Idle

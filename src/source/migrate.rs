@@ -93,6 +93,12 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0005_pauses.sql"),
         concurrent_indexes: &[],
     },
+    Migration {
+        version: 6,
+        name: "rates",
+        sql: include_str!("../../migrations/0006_rates.sql"),
+        concurrent_indexes: &[],
+    },
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
@@ -403,6 +409,7 @@ mod tests {
             topic: Template::parse("{topic}").unwrap(),
             columns: Columns::default(),
             header_columns: Vec::new(),
+            max_rate: None,
         };
         for sql in MIGRATIONS
             .iter()

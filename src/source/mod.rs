@@ -12,6 +12,7 @@ pub mod hosts;
 pub mod listen;
 pub mod migrate;
 pub mod pause;
+pub mod rate;
 pub mod retention;
 pub mod schema;
 pub mod session;

@@ -116,37 +116,62 @@ pub async fn inspect(
     }
 }
 
-/// The pause state table of the table's schema (migration 0005): there, and readable and
-/// writable by this role (`pause`, `resume` and the bad-row valve write it).
+/// The relay's own tables in the table's schema, there and usable by this role: the pause
+/// state (migration 0005: `pause`, `resume` and the bad-row valve write it), and with
+/// `max_rate` the rate buckets (migration 0006).
 async fn check_pauses(
     client: &impl GenericClient,
     table: &TableConfig,
     problems: &mut Vec<String>,
 ) -> Result<(), SourceError> {
-    let pauses = super::pause::pauses_of(&table.name);
-    let row = client
-        .query_one(
-            "SELECT to_regclass($1::text) IS NOT NULL, \
-             COALESCE(has_table_privilege(to_regclass($1::text), 'SELECT') \
-             AND has_table_privilege(to_regclass($1::text), 'INSERT') \
-             AND has_table_privilege(to_regclass($1::text), 'DELETE'), false)",
-            &[&pauses],
-        )
-        .await?;
-    let (exists, allowed): (bool, bool) = (row.get(0), row.get(1));
-    if !exists {
-        problems.push(format!(
-            "table {}: the pause state table {pauses} (migration 0005) is missing: run \
-             `outbox-relay migrate` as the table's owner",
-            table.name
+    let mut needed = vec![(
+        "outbox_relay_pauses",
+        "0005",
+        "SELECT, INSERT, DELETE",
+        "pause, resume and the bad-row valve keep their state there",
+    )];
+    if table.max_rate.is_some() {
+        needed.push((
+            "outbox_relay_rates",
+            "0006",
+            "SELECT, INSERT, UPDATE",
+            "max_rate keeps its token bucket there",
         ));
-    } else if !allowed {
-        problems.push(format!(
-            "table {}: this role cannot read and write {pauses} (pause, resume and the \
-             bad-row valve keep their state there): GRANT SELECT, INSERT, DELETE ON {pauses} \
-             TO <this role> (migrations/outbox_relay_role.sql does)",
-            table.name
-        ));
+    }
+    for (name, migration, privileges, why) in needed {
+        let quoted = format!(
+            "{}.{}",
+            table.name.schema.quoted(),
+            crate::config::Ident::parse(name).expect("valid").quoted()
+        );
+        let checks: Vec<String> = privileges
+            .split(", ")
+            .map(|p| format!("has_table_privilege(to_regclass($1::text), '{p}')"))
+            .collect();
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT to_regclass($1::text) IS NOT NULL, COALESCE({}, false)",
+                    checks.join(" AND ")
+                ),
+                &[&quoted],
+            )
+            .await?;
+        let (exists, allowed): (bool, bool) = (row.get(0), row.get(1));
+        if !exists {
+            problems.push(format!(
+                "table {}: {quoted} (migration {migration}) is missing: run `outbox-relay \
+                 migrate` as the table's owner",
+                table.name
+            ));
+        } else if !allowed {
+            problems.push(format!(
+                "table {}: this role cannot read and write {quoted} ({why}): GRANT \
+                 {privileges} ON {quoted} TO <this role> (migrations/outbox_relay_role.sql \
+                 does)",
+                table.name
+            ));
+        }
     }
     Ok(())
 }

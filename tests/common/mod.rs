@@ -21,8 +21,10 @@ pub async fn grant_relay_role(client: &tokio_postgres::Client, table: &str) {
     let schema = table.rsplit_once('.').map_or("public", |(s, _)| s);
     let sql = ROLE_SQL
         .replace("public.outbox_relay_pauses", "{pauses}")
+        .replace("public.outbox_relay_rates", "{rates}")
         .replace("public.outbox", table)
-        .replace("{pauses}", &format!("{schema}.outbox_relay_pauses"));
+        .replace("{pauses}", &format!("{schema}.outbox_relay_pauses"))
+        .replace("{rates}", &format!("{schema}.outbox_relay_rates"));
     client
         .batch_execute(&sql)
         .await
