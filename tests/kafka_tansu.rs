@@ -570,3 +570,53 @@ async fn kafka_records_carry_the_rows_created_at_as_their_timestamp() {
         );
     }
 }
+
+/// Contract section 4 (`dead_letter_topic`) against a real Kafka API: the dead-lettered
+/// row is also written to the dead-letter topic once, keyed, with its payload, `outbox-id`
+/// and the error, attempts and original topic in headers; it stays dead in the table.
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_a_dead_lettered_row_is_written_once_to_the_dead_letter_topic() {
+    let env = KafkaEnv::new("retry_backoff = \"10ms\"\nmax_attempts = 2").await;
+    let mut config = std::fs::read_to_string(&env.config).unwrap();
+    config.push_str("dead_letter_topic = \"events.2\"\n");
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.pg.connect("app").await.unwrap();
+    let id: i64 = client
+        .query_one(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES \
+             ('no.such.topic', 'bad', 'b1') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.0', 'good', 'g1')",
+        )
+        .await
+        .unwrap();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let records = env.read();
+    let dead: Vec<_> = records.iter().filter(|r| r.topic == "events.2").collect();
+    assert_eq!(dead.len(), 1, "{records:?}");
+    let r = dead[0];
+    assert_eq!(r.key.as_deref(), Some("bad"));
+    assert_eq!(r.payload.as_deref(), Some(&b"b1"[..]));
+    assert_eq!(
+        r.header("outbox-id"),
+        Some(format!("public.outbox:{id}").as_str())
+    );
+    assert_eq!(r.header("outbox-attempts"), Some("2"));
+    assert_eq!(r.header("outbox-topic"), Some("no.such.topic"));
+    assert!(
+        r.header("outbox-error")
+            .is_some_and(|e| e.contains("does not exist on the brokers")),
+        "{r:?}"
+    );
+    assert!(records.iter().any(|r| r.key.as_deref() == Some("good")));
+    let left = rows_left(&client).await;
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].2, "it stays dead in the table: {left:?}");
+}

@@ -865,13 +865,7 @@ fn steady_rate(stored: &[testkit::StoredMessage]) -> f64 {
 async fn max_rate_holds_for_one_relay_and_for_two_together() {
     const RATE: f64 = 400.0;
     let env = Env::new("").await;
-    let config = std::fs::read_to_string(&env.config).unwrap();
-    let limited = config.replace(
-        "topic = \"{topic}\"\n",
-        &format!("topic = \"{{topic}}\"\nmax_rate = {RATE}\n"),
-    );
-    assert_ne!(config, limited);
-    std::fs::write(&env.config, limited).unwrap();
+    env.table_option(&format!("max_rate = {RATE}"));
     let client = env.client().await;
     for relays in [1, 2] {
         env.nats.client().await.unwrap();
@@ -902,4 +896,87 @@ async fn max_rate_holds_for_one_relay_and_for_two_together() {
             "{relays} relay(s): {rate:.0} rows/s against max_rate {RATE}"
         );
     }
+}
+
+/// Contract section 4 (`dead_letter_topic`): a row dead-lettered is also published to the
+/// dead-letter topic once, with its payload, key and message id and headers naming the
+/// error, the attempts and the original topic; it stays dead in the table; other keys
+/// flow. A dead-letter topic no stream captures does not keep the row from its table's
+/// dead-lettering.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_lettered_row_is_published_once_to_the_dead_letter_topic() {
+    let relay = "retry_backoff = \"10ms\"\nretry_backoff_max = \"20ms\"\nmax_attempts = 2";
+    let env = Env::new(relay).await;
+    env.table_option("dead_letter_topic = \"events.dead.{topic}\"");
+    let client = env.client().await;
+    let ids: Vec<i64> = client
+        .query(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES \
+             ('gone', 'a', 'first of a'), ('gone', 'a', 'second of a'), \
+             ('events.ok', 'b', 'fine') RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let stored = env.stored().await;
+    let dead: Vec<_> = stored
+        .iter()
+        .filter(|m| m.subject == "events.dead.gone")
+        .collect();
+    assert_eq!(
+        dead.len(),
+        1,
+        "once, the held-back row not at all: {stored:?}"
+    );
+    let m = dead[0];
+    assert_eq!(m.payload, b"first of a");
+    assert_eq!(
+        m.header("Nats-Msg-Id"),
+        Some(format!("public.outbox:{}", ids[0]).as_str())
+    );
+    assert_eq!(m.header("outbox-attempts"), Some("2"));
+    assert_eq!(m.header("outbox-topic"), Some("gone"));
+    assert!(
+        m.header("outbox-error")
+            .is_some_and(|e| e.contains("stream")),
+        "{:?}",
+        m.header("outbox-error")
+    );
+    assert!(stored.iter().any(|m| m.payload == b"fine"), "key b flowed");
+    let dead_rows = count(
+        &client,
+        "SELECT count(*) FROM public.outbox WHERE dead_at IS NOT NULL",
+    )
+    .await;
+    assert_eq!(dead_rows, 1, "it stays dead in the table");
+
+    // A dead-letter topic no stream captures: the row is dead-lettered in the table anyway.
+    let env2 = Env::new(relay).await;
+    env2.table_option("dead_letter_topic = \"nowhere.{topic}\"");
+    let client2 = env2.client().await;
+    client2
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('gone', 'a', 'x')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = env2.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains("Could not publish the row to its dead-letter topic"),
+        "{}",
+        text(&out)
+    );
+    let dead_rows = count(
+        &client2,
+        "SELECT count(*) FROM public.outbox WHERE dead_at IS NOT NULL",
+    )
+    .await;
+    assert_eq!(dead_rows, 1);
 }

@@ -261,6 +261,8 @@ pub struct RawTable {
     /// Rows per second published from this table by all its relays together. Default:
     /// unlimited.
     pub max_rate: Option<f64>,
+    /// A template like `topic`: a dead-lettered row is also published there once.
+    pub dead_letter_topic: Option<String>,
 }
 
 /// Column names per role; each defaults to the role's name in the default table.

@@ -20,6 +20,8 @@ pub struct TableConfig {
     /// `max_rate`: rows per second published by all relays of the table together
     /// (`None`: unlimited).
     pub max_rate: Option<f64>,
+    /// `dead_letter_topic`: where a dead-lettered row is also published once.
+    pub dead_letter_topic: Option<Template>,
 }
 
 /// The columns the relay reads and writes. The default is the contract's table
@@ -219,6 +221,11 @@ pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigErr
             columns: Columns::from_raw(t.columns, &at("columns"))?,
             header_columns: header_columns(t.header_columns, &at("header_columns"))?,
             max_rate,
+            dead_letter_topic: t
+                .dead_letter_topic
+                .map(|d| Template::parse(&d))
+                .transpose()
+                .map_err(|e| ConfigError::new(at("dead_letter_topic"), e))?,
         });
     }
     Ok(tables)

@@ -27,7 +27,7 @@ use crate::ops::metrics::TableLabel;
 use crate::ops::otel::BatchTrace;
 use crate::ops::Metrics;
 use crate::retry;
-use crate::sink::{Sink, SinkError};
+use crate::sink::{Message, Sink, SinkError};
 use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
 use crate::source::rate::Grant;
 use crate::source::table::TablePlan;
@@ -243,7 +243,9 @@ async fn run_phases(
         .batch(&table.config.name, lane, rows.len(), claim_started);
 
     // 2. Publish.
-    let Some(outcomes) = publish(shared, table, &mut rows, trace.as_mut(), started).await else {
+    let Some((outcomes, messages)) =
+        publish(shared, table, &mut rows, trace.as_mut(), started).await
+    else {
         return Ok(Batch::Aborted);
     };
     let acked_after = started.elapsed().as_secs_f64();
@@ -267,10 +269,25 @@ async fn run_phases(
 
     // 3. Settle.
     let relay = &shared.relay;
-    let settlement = settle(&rows, &outcomes, |attempts| {
+    let mut settlement = settle(&rows, &outcomes, |attempts| {
         retry::full_jitter(relay.retry_backoff, relay.retry_backoff_max, attempts)
     })
     .map_err(BatchError::Sink)?;
+    // 3b. Rows about to be dead-lettered go to the dead-letter topic first.
+    if let Some(template) = &table.config.dead_letter_topic {
+        let dead_letter = dead_letter(
+            shared,
+            table,
+            template,
+            &mut rows,
+            messages,
+            &mut settlement,
+        );
+        tokio::select! {
+            _ = abort.cancelled() => return Ok(Batch::Aborted),
+            () = dead_letter => {}
+        }
+    }
 
     // 4. Finalize.
     if !settlement.failed.ids.is_empty() {
@@ -334,8 +351,8 @@ async fn claim<'a>(
     Ok((tx, rows))
 }
 
-/// Phase 2: publishes `rows` (consuming their payloads) and returns each row's outcome;
-/// `None` when `abort` fired first. With `trace`, each message gets its send span (and
+/// Phase 2: publishes `rows` (consuming their payloads) and returns each row's outcome and
+/// message; `None` when `abort` fired first. With `trace`, each message gets its send span (and
 /// that span's `traceparent`), ended with the row's outcome.
 async fn publish(
     shared: &Shared,
@@ -343,7 +360,7 @@ async fn publish(
     rows: &mut [ClaimedRow],
     mut trace: Option<&mut BatchTrace<'_>>,
     claimed: Instant,
-) -> Option<Vec<RowOutcome>> {
+) -> Option<(Vec<RowOutcome>, Vec<Result<Message, SinkError>>)> {
     let mut messages: Vec<_> = rows
         .iter_mut()
         .map(|row| to_message(&table.config, row))
@@ -382,7 +399,115 @@ async fn publish(
             trace.sent(i, outcome.as_result());
         }
     }
-    Some(outcomes)
+    Some((outcomes, messages))
+}
+
+/// Phase 3b: publishes the rows this batch is about to dead-letter (their attempt reaches
+/// `max_attempts`) to `template`, once, with their payload, key and message id, and headers
+/// naming the error, the attempts and the original topic. A row whose dead-letter publish
+/// fails for the broker's sake leaves the settlement: it stays pending, its attempt not
+/// counted, and the worker backs off (`trouble`), so it is tried again, dead-letter topic
+/// included, like any row the broker could not take; only its own key waits. One that
+/// fails for its own sake (no such topic, a template column that is NULL) is dead-lettered
+/// all the same, with an ERROR line: the table keeps it either way.
+async fn dead_letter(
+    shared: &Shared,
+    table: &TablePlan,
+    template: &crate::config::Template,
+    rows: &mut [ClaimedRow],
+    mut messages: Vec<Result<Message, SinkError>>,
+    settlement: &mut Settlement,
+) {
+    let max = shared.relay.max_attempts as i32;
+    let by_id: std::collections::HashMap<i64, usize> =
+        rows.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+    let mut letters = Vec::new();
+    for (f, (id, error)) in settlement
+        .failed
+        .ids
+        .iter()
+        .zip(&settlement.failed.errors)
+        .enumerate()
+    {
+        let i = by_id[id];
+        let row = &mut rows[i];
+        if row.attempts + 1 < max {
+            continue;
+        }
+        let original = match std::mem::replace(&mut messages[i], Err(SinkError::bad_row(""))) {
+            Ok(m) => m,
+            // The row could not become a message (its topic or headers are bad): what it
+            // holds still goes, without the headers column.
+            Err(_) => Message {
+                id: format!("{}:{}", table.config.name, row.id),
+                topic: String::new(),
+                key: row.key.clone(),
+                payload: row.payload.take().map(bytes::Bytes::from),
+                headers: Vec::new(),
+                timestamp_ms: row.created_ms,
+            },
+        };
+        let topic = template.render(&row.dead_letter_values);
+        let mut headers = original.headers;
+        headers.push(("outbox-error".to_owned(), error.clone()));
+        headers.push(("outbox-attempts".to_owned(), (row.attempts + 1).to_string()));
+        headers.push(("outbox-topic".to_owned(), original.topic));
+        letters.push((
+            f,
+            *id,
+            topic.map(|topic| Message {
+                topic,
+                headers,
+                ..original
+            }),
+        ));
+    }
+    if letters.is_empty() {
+        return;
+    }
+    let sendable: Vec<&Message> = letters
+        .iter()
+        .filter_map(|(_, _, m)| m.as_ref().ok())
+        .collect();
+    let sent = tokio::time::timeout(shared.publish_timeout, shared.sink.publish_batch(&sendable))
+        .await
+        .unwrap_or_else(|_| {
+            vec![
+                Err(SinkError::transient(
+                    "the dead-letter topic did not acknowledge in time"
+                ));
+                sendable.len()
+            ]
+        });
+    let mut sent = sent.into_iter();
+    let mut retry = Vec::new();
+    for (f, id, message) in &letters {
+        let result = match message {
+            Ok(_) => sent
+                .next()
+                .unwrap_or(Err(SinkError::transient("no answer"))),
+            Err(e) => Err(SinkError::bad_row(e.clone())),
+        };
+        match result {
+            Ok(()) => {}
+            Err(e) if e.class == ErrorClass::BadRow => tracing::error!(
+                table = %table.config.name, id, error = %e,
+                "Could not publish the row to its dead-letter topic; dead-lettered in the table only"
+            ),
+            Err(e) => {
+                tracing::warn!(table = %table.config.name, id, error = %e, "Dead-letter topic unavailable; the row stays pending");
+                retry.push(*f);
+                settlement.trouble.get_or_insert(e);
+            }
+        }
+    }
+    // Back to pending, attempt uncounted: out of the failures, highest index first.
+    retry.sort_unstable();
+    for f in retry.into_iter().rev() {
+        settlement.failed.ids.remove(f);
+        settlement.failed.errors.remove(f);
+        settlement.failed.waits_us.remove(f);
+    }
 }
 
 /// Phase 4: marks or deletes the published rows, records the failed rows' attempts and

@@ -153,6 +153,8 @@ pub struct ClaimedRow {
     pub topic_values: Vec<Option<String>>,
     /// Values of the header columns, in configuration order.
     pub header_values: Vec<Option<String>>,
+    /// Values of the dead-letter topic template's columns, in template order.
+    pub dead_letter_values: Vec<Option<String>>,
 }
 
 impl ClaimedRow {
@@ -165,6 +167,10 @@ impl ClaimedRow {
         let topic_values = (i..i + layout.topic_columns).map(|n| row.get(n)).collect();
         i += layout.topic_columns;
         let header_values = (i..i + layout.header_columns).map(|n| row.get(n)).collect();
+        i += layout.header_columns;
+        let dead_letter_values = (i..i + layout.dead_letter_columns)
+            .map(|n| row.get(n))
+            .collect();
         ClaimedRow {
             id: row.get(0),
             message_id,
@@ -177,6 +183,7 @@ impl ClaimedRow {
             created_ms: row.get(7),
             topic_values,
             header_values,
+            dead_letter_values,
         }
     }
 }

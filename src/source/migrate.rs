@@ -410,6 +410,7 @@ mod tests {
             columns: Columns::default(),
             header_columns: Vec::new(),
             max_rate: None,
+            dead_letter_topic: None,
         };
         for sql in MIGRATIONS
             .iter()

@@ -277,6 +277,13 @@ fn check_columns(
     for (header, column) in &table.header_columns {
         expect(column.as_str(), &format!("copied to header {header}"), &[]);
     }
+    for column in table.dead_letter_topic.iter().flat_map(|d| d.columns()) {
+        expect(
+            column.as_str(),
+            "used in the dead_letter_topic template",
+            &[],
+        );
+    }
     // (A mapped creation-time column that is missing is reported above.)
     if relay.retention.is_some()
         && created_at.is_none()

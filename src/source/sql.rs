@@ -149,6 +149,7 @@ pub struct RowLayout {
     pub message_id: bool,
     pub topic_columns: usize,
     pub header_columns: usize,
+    pub dead_letter_columns: usize,
 }
 
 impl TableSql {
@@ -192,6 +193,10 @@ impl TableSql {
             message_id: c.id != c.order,
             topic_columns: table.topic.columns().len(),
             header_columns: table.header_columns.len(),
+            dead_letter_columns: table
+                .dead_letter_topic
+                .as_ref()
+                .map_or(0, |d| d.columns().len()),
         };
         // Then the row's age when read (for the delivery-lag histogram: NULL without a
         // creation-time column) and whether `replay` made it pending again (the one writer
@@ -218,7 +223,8 @@ impl TableSql {
             .then_some(&c.id)
             .into_iter()
             .chain(table.topic.columns())
-            .chain(table.header_columns.iter().map(|(_, column)| column));
+            .chain(table.header_columns.iter().map(|(_, column)| column))
+            .chain(table.dead_letter_topic.iter().flat_map(|d| d.columns()));
         for column in extra {
             columns.push_str(&format!(", {}::text", column.quoted()));
         }

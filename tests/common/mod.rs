@@ -136,6 +136,21 @@ drain_timeout = "10s"
         std::fs::write(&self.config, config).unwrap();
     }
 
+    /// Adds `line` (e.g. `max_rate = 400`) to the written config's `[[tables]]` entry.
+    pub fn table_option(&self, line: &str) {
+        let config = std::fs::read_to_string(&self.config).unwrap();
+        let with = config.replacen(
+            "topic = \"{topic}\"\n",
+            &format!("topic = \"{{topic}}\"\n{line}\n"),
+            1,
+        );
+        assert_ne!(
+            config, with,
+            "no [[tables]] topic line to add {line:?} after"
+        );
+        std::fs::write(&self.config, with).unwrap();
+    }
+
     /// Sets `sink.publish_timeout` and `shutdown.drain_timeout` in the written config.
     pub fn set_timeouts(&self, publish: &str, drain: &str) {
         let config = std::fs::read_to_string(&self.config)
