@@ -349,3 +349,97 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     terminate_cleanly(&mut relay);
     assert_eq!(analyse(&env.stored().await).counts.len(), 1_000);
 }
+
+/// Contract section 4 (`dead_letter_topic`): when the dead-letter topic cannot take a row
+/// at its last attempt for the broker's sake, the row is not dead-lettered yet and its
+/// attempt is not counted: it waits and is tried again, dead-letter topic included, while
+/// every other key flows; once the topic is back the row is dead-lettered and published
+/// there once. In process, with the memory sink steered by the test.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_other_keys() {
+    use outbox_relay::relay::{self, Mode};
+    use outbox_relay::sink::memory::MemorySink;
+    use outbox_relay::sink::{Sink, SinkError};
+
+    let env =
+        Env::new("retry_backoff = \"10ms\"\nretry_backoff_max = \"50ms\"\nmax_attempts = 2").await;
+    env.table_option("dead_letter_topic = \"dead.{topic}\"");
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let client = env.client().await;
+    let bad: i64 = client
+        .query_one(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.a', 'a', 'x') \
+             RETURNING id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    let sink = MemorySink::new(true);
+    // The row fails for itself on its topic (by topic: the dead letter keeps its id).
+    sink.fail_topic("events.a", SinkError::bad_row("refused for itself"));
+    sink.fail_topic(
+        "dead.events.a",
+        SinkError::transient("dead-letter broker down"),
+    );
+    let shutdown = outbox_relay::shutdown::Shutdown::new();
+    let run = {
+        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
+        })
+    };
+    // Other keys flow meanwhile, batch after batch.
+    for round in 0..5 {
+        client
+            .execute(
+                "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.b', 'b', convert_to($1, 'UTF8'))",
+                &[&format!("b{round}")],
+            )
+            .await
+            .unwrap();
+        wait_until("key b's row", Duration::from_secs(10), async || {
+            sink.published()
+                .iter()
+                .filter(|m| m.topic == "events.b")
+                .count()
+                > round
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let state = "SELECT attempts::int8 * 10 + (dead_at IS NOT NULL)::int::int8 FROM public.outbox \
+                 WHERE id = ";
+    let row = count(&client, &format!("{state}{bad}")).await;
+    assert_eq!(
+        row, 10,
+        "one attempt counted, not dead (attempts*10 + dead): {row}"
+    );
+    assert!(sink
+        .published()
+        .iter()
+        .all(|m| !m.topic.starts_with("dead.")));
+
+    sink.heal_topic("dead.events.a");
+    wait_until(
+        "the row dead-lettered",
+        Duration::from_secs(10),
+        async || count(&client, &format!("{state}{bad}")).await == 21,
+    )
+    .await;
+    let dead: Vec<_> = sink
+        .published()
+        .into_iter()
+        .filter(|m| m.topic == "dead.events.a")
+        .collect();
+    assert_eq!(dead.len(), 1, "published there once");
+    assert!(
+        dead[0]
+            .headers
+            .contains(&("outbox-attempts".to_owned(), "2".to_owned())),
+        "{:?}",
+        dead[0].headers
+    );
+    shutdown.request_stop();
+    run.await.unwrap().unwrap();
+}

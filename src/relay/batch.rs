@@ -86,6 +86,10 @@ pub struct Settlement {
     /// Some rows failed for the broker's sake or got no answer in time: they stay pending
     /// and the worker backs off.
     pub trouble: Option<SinkError>,
+    /// Rows at their last attempt whose dead-letter topic could not take them for the
+    /// broker's sake: not dead-lettered yet, their attempt not counted; each waits (like a
+    /// retry) before it is tried again, dead-letter topic included.
+    pub postponed: Failures,
 }
 
 /// Failed rows as the failure statement takes them: three arrays, index-aligned.
@@ -290,7 +294,7 @@ async fn run_phases(
     }
 
     // 4. Finalize.
-    if !settlement.failed.ids.is_empty() {
+    if !settlement.failed.ids.is_empty() || !settlement.postponed.ids.is_empty() {
         table.floor.note_retrying();
     }
     let dead = tokio::select! {
@@ -325,6 +329,7 @@ async fn run_phases(
             .failed
             .waits_us
             .iter()
+            .chain(&settlement.postponed.waits_us)
             .min()
             .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
         published: settlement.published.len(),
@@ -495,18 +500,21 @@ async fn dead_letter(
                 "Could not publish the row to its dead-letter topic; dead-lettered in the table only"
             ),
             Err(e) => {
-                tracing::warn!(table = %table.config.name, id, error = %e, "Dead-letter topic unavailable; the row stays pending");
-                retry.push(*f);
-                settlement.trouble.get_or_insert(e);
+                tracing::warn!(table = %table.config.name, id, error = %e, "Dead-letter topic unavailable; the row waits for its next attempt");
+                retry.push((*f, e.message));
             }
         }
     }
-    // Back to pending, attempt uncounted: out of the failures, highest index first.
-    retry.sort_unstable();
-    for f in retry.into_iter().rev() {
-        settlement.failed.ids.remove(f);
+    // Postponed, attempt uncounted: out of the failures (highest index first).
+    retry.sort_unstable_by_key(|(f, _)| *f);
+    let postponed = &mut settlement.postponed;
+    for (f, error) in retry.into_iter().rev() {
+        postponed.ids.push(settlement.failed.ids.remove(f));
         settlement.failed.errors.remove(f);
-        settlement.failed.waits_us.remove(f);
+        postponed.errors.push(format!("dead-letter topic: {error}"));
+        postponed
+            .waits_us
+            .push(settlement.failed.waits_us.remove(f));
     }
 }
 
@@ -526,6 +534,12 @@ async fn finalize(
         tx.execute(sql, &[&settlement.published]).await?;
     }
     let mut dead = Vec::new();
+    let postponed = &settlement.postponed;
+    if !postponed.ids.is_empty() {
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&postponed.ids, &postponed.errors, &postponed.waits_us];
+        tx.execute(&table.sql.postpone, &params).await?;
+    }
     let failed = &settlement.failed;
     if !failed.ids.is_empty() {
         let max = shared.relay.max_attempts as i32;

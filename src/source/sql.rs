@@ -69,6 +69,9 @@ pub struct TableSql {
     /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
     /// now. Returns each row's order value and whether it is now dead.
     pub record_failures: String,
+    /// A row at its last attempt that could not reach its dead-letter topic: waits like a
+    /// retry (`$1` ids, `$2` errors, `$3` microseconds), its attempt not counted.
+    pub postpone: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
     pub publishable_exists: String,
@@ -422,6 +425,12 @@ impl TableSql {
                  FROM unnest($1::bigint[], $2::text[], $4::int8[]) AS f(id, err, wait) \
                  WHERE o.{id} = f.id \
                  RETURNING o.{id}::bigint, o.{dead_at} IS NOT NULL"
+            ),
+            postpone: format!(
+                "UPDATE {t} AS o SET {last_error} = f.err, \
+                 {next} = clock_timestamp() + f.wait * interval '1 microsecond' \
+                 FROM unnest($1::bigint[], $2::text[], $3::int8[]) AS f(id, err, wait) \
+                 WHERE o.{id} = f.id"
             ),
             publishable_exists: match ordering {
                 Ordering::Key => format!(

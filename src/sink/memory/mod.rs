@@ -2,19 +2,22 @@
 //! test tells it to, so the relay's handling of failures can be checked exactly.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{Message, SinkError, SinkService};
 
-/// Records what it acknowledged; fails or rejects the messages it is told to.
-#[derive(Default)]
+/// Records what it acknowledged; fails or rejects the messages it is told to. A clone
+/// shares all of it: a test keeps one to steer the sink the relay holds.
+#[derive(Default, Clone)]
 pub struct MemorySink {
-    published: Mutex<Vec<Message>>,
+    published: Arc<Mutex<Vec<Message>>>,
     /// Message id -> the error its publish returns (each time).
-    failures: Mutex<HashMap<String, SinkError>>,
+    failures: Arc<Mutex<HashMap<String, SinkError>>>,
+    /// Topic -> the error a publish to it returns (each time).
+    topic_failures: Arc<Mutex<HashMap<String, SinkError>>>,
     /// Message id -> the error `check` returns.
-    rejections: Mutex<HashMap<String, SinkError>>,
+    rejections: Arc<Mutex<HashMap<String, SinkError>>>,
     keeps_order: bool,
     /// Acknowledge without recording (benchmarks: the database's limit, no broker).
     discard: bool,
@@ -49,6 +52,19 @@ impl MemorySink {
         self.rejections.lock().unwrap().insert(id.to_owned(), error);
     }
 
+    /// Makes every publish to `topic` fail with `error`.
+    pub fn fail_topic(&self, topic: &str, error: SinkError) {
+        self.topic_failures
+            .lock()
+            .unwrap()
+            .insert(topic.to_owned(), error);
+    }
+
+    /// Stops failing publishes to `topic`.
+    pub fn heal_topic(&self, topic: &str) {
+        self.topic_failures.lock().unwrap().remove(topic);
+    }
+
     /// Stops failing message `id`.
     pub fn heal(&self, id: &str) {
         self.failures.lock().unwrap().remove(id);
@@ -80,16 +96,19 @@ impl SinkService for MemorySink {
             return messages.iter().map(|_| Ok(())).collect();
         }
         let failures = self.failures.lock().unwrap().clone();
+        let topic_failures = self.topic_failures.lock().unwrap().clone();
         let mut published = self.published.lock().unwrap();
         messages
             .iter()
-            .map(|m| match failures.get(&m.id) {
-                Some(e) => Err(e.clone()),
-                None => {
-                    published.push((*m).clone());
-                    Ok(())
-                }
-            })
+            .map(
+                |m| match topic_failures.get(&m.topic).or(failures.get(&m.id)) {
+                    Some(e) => Err(e.clone()),
+                    None => {
+                        published.push((*m).clone());
+                        Ok(())
+                    }
+                },
+            )
             .collect()
     }
 
