@@ -35,7 +35,7 @@ fn alert_rules_pass_promtool_check_and_their_unit_tests() {
     let check = promtool(&["check", "rules", repo(RULES).to_str().unwrap()]);
     assert!(check.status.success(), "{}", text(&check));
     assert!(
-        text(&check).contains("SUCCESS: 10 rules found"),
+        text(&check).contains("SUCCESS: 11 rules found"),
         "{}",
         text(&check)
     );
