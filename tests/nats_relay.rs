@@ -554,40 +554,36 @@ async fn check_passes_when_ready_and_names_each_problem() {
         text(&out)
     );
 
+    // Each change below makes `check` fail (exit 1) naming the problem.
+    let check_says = async |sql: &str, says: &str| {
+        client.batch_execute(sql).await.unwrap();
+        let out = env.relay(&["check"]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains(says),
+            "{}",
+            text(&out)
+        );
+    };
     // The pause state table: this role must read and write it.
-    client
-        .batch_execute("REVOKE INSERT ON public.outbox_relay_pauses FROM outbox_relay")
-        .await
-        .unwrap();
-    let out = env.relay(&["check"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(
-        String::from_utf8_lossy(&out.stdout)
-            .contains("cannot read and write \"public\".\"outbox_relay_pauses\""),
-        "{}",
-        text(&out)
-    );
-    client
-        .batch_execute("DROP TABLE public.outbox_relay_pauses")
-        .await
-        .unwrap();
-    let out = env.relay(&["check"]);
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("(migration 0005) is missing"),
-        "{}",
-        text(&out)
-    );
+    check_says(
+        "REVOKE INSERT ON public.outbox_relay_pauses FROM outbox_relay",
+        "cannot read and write \"public\".\"outbox_relay_pauses\"",
+    )
+    .await;
+    check_says(
+        "DROP TABLE public.outbox_relay_pauses",
+        "(migration 0005) is missing",
+    )
+    .await;
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
 
-    client
-        .batch_execute("ALTER TABLE public.outbox DROP COLUMN attempts")
-        .await
-        .unwrap();
-    let out = env.relay(&["check"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stdout)
-        .contains("column attempts (failed attempts) is missing"));
+    check_says(
+        "ALTER TABLE public.outbox DROP COLUMN attempts",
+        "column attempts (failed attempts) is missing",
+    )
+    .await;
     // `run` refuses the table too, with the same reason, exit 1.
     let out = env.relay(&["drain", "--timeout", "60s"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
@@ -788,18 +784,14 @@ async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_
     let relay = "retry_backoff = \"10ms\"\nretry_backoff_max = \"20ms\"\nmax_attempts = 3";
     let env = Env::new(relay).await;
     let client = env.client().await;
-    let inserted: Vec<i64> = client
-        .query(
-            "INSERT INTO public.outbox (topic, key, payload) \
+    let inserted: Vec<i64> = column(
+        &client,
+        "INSERT INTO public.outbox (topic, key, payload) \
              SELECT 'gone.' || (n % 4), 'k' || (n % 50), 'p' FROM generate_series(1, 1000) n \
              RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     let mut relay = start_connected_relay(&env).await;
     let paused = "SELECT count(*) FROM public.outbox_relay_pauses";
     wait_until(
@@ -909,18 +901,14 @@ async fn a_dead_lettered_row_is_published_once_to_the_dead_letter_topic() {
     let env = Env::new(relay).await;
     env.table_option("dead_letter_topic = \"events.dead.{topic}\"");
     let client = env.client().await;
-    let ids: Vec<i64> = client
-        .query(
-            "INSERT INTO public.outbox (topic, key, payload) VALUES \
+    let ids: Vec<i64> = column(
+        &client,
+        "INSERT INTO public.outbox (topic, key, payload) VALUES \
              ('gone', 'a', 'first of a'), ('gone', 'a', 'second of a'), \
              ('events.ok', 'b', 'fine') RETURNING id",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+        &[],
+    )
+    .await;
     let out = env.relay(&["drain", "--timeout", "30s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let stored = env.stored().await;
