@@ -286,6 +286,27 @@ mod tests {
     }
 
     #[test]
+    fn a_paused_table_is_never_due_and_its_resume_raises_it() {
+        let w = wakes();
+        let now = Instant::now();
+        w.set_listening(true);
+        w.found_nothing(0, w.begin(0, now).unwrap());
+        assert!(w.set_paused(0, true));
+        w.rows_committed("public.a");
+        assert!(
+            w.begin(0, now).is_none(),
+            "a NOTIFY does not wake a paused table"
+        );
+        assert!(
+            w.begin(0, now + IDLE_RECHECK * 2).is_none(),
+            "nor does its recheck"
+        );
+        assert!(!w.set_paused(0, true), "no change, nothing to log");
+        assert!(w.set_paused(0, false));
+        assert!(w.begin(0, now).is_some(), "resumed: due at once");
+    }
+
+    #[test]
     fn a_notify_for_another_table_wakes_nothing() {
         let w = wakes();
         let now = Instant::now();

@@ -396,3 +396,16 @@ impl Source {
             .map_err(|_| SourceError::Timeout(limit))?
     }
 }
+
+/// The quoted name of the relay's own table `name` (`outbox_relay_pauses`,
+/// `outbox_relay_rates`) in the schema of `table`: one per schema, shared by its outbox
+/// tables.
+pub fn schema_table(table: &crate::config::TableName, name: &str) -> String {
+    format!(
+        "{}.{}",
+        table.schema.quoted(),
+        crate::config::Ident::parse(name)
+            .expect("the relay's table names are valid")
+            .quoted()
+    )
+}

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use super::{SourceError, Tx};
-use crate::config::{Ident, TableName};
+use crate::config::TableName;
 
 /// How often a relay reads the pause state: "within about a second" (contract section 3).
 pub const POLL: Duration = Duration::from_millis(500);
@@ -39,11 +39,16 @@ impl std::fmt::Display for Paused {
 
 /// The quoted name of the pause table of `table`'s schema.
 pub fn pauses_of(table: &TableName) -> String {
-    format!(
-        "{}.{}",
-        table.schema.quoted(),
-        Ident::parse("outbox_relay_pauses").expect("valid").quoted()
-    )
+    super::schema_table(table, "outbox_relay_pauses")
+}
+
+/// A pause read as `(paused_at, paused_by, reason)` from column `first` on.
+fn paused_from(row: &tokio_postgres::Row, first: usize) -> Paused {
+    Paused {
+        since: row.get(first),
+        by: row.get(first + 1),
+        reason: row.get(first + 2),
+    }
 }
 
 /// One statement that reads the pause rows of `tables`: `(table_name, paused_at, by,
@@ -92,11 +97,7 @@ pub async fn read(
         .map(|name| {
             rows.iter()
                 .find(|r| r.get::<_, &str>(0) == name)
-                .map(|r| Paused {
-                    since: r.get(1),
-                    by: r.get(2),
-                    reason: r.get(3),
-                })
+                .map(|r| paused_from(r, 1))
         })
         .collect())
 }
@@ -130,11 +131,7 @@ pub async fn pause(
             &[&name],
         )
         .await?;
-    Ok(Some(Paused {
-        since: row.get(0),
-        by: row.get(1),
-        reason: row.get(2),
-    }))
+    Ok(Some(paused_from(&row, 0)))
 }
 
 /// Resumes `table`: the pause it ended, `None` when it was not paused. Wakes idle relays
@@ -154,11 +151,7 @@ pub async fn resume(tx: &Tx<'_>, table: &TableName) -> Result<Option<Paused>, So
         .map_err(missing)?;
     tx.execute("SELECT pg_notify('outbox_relay', $1)", &[&name])
         .await?;
-    Ok(rows.first().map(|r| Paused {
-        since: r.get(0),
-        by: r.get(1),
-        reason: r.get(2),
-    }))
+    Ok(rows.first().map(|r| paused_from(r, 0)))
 }
 
 /// Who is pausing: `outbox-relay pause (user@host)`.

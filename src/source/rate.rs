@@ -15,7 +15,7 @@
 use std::time::Duration;
 
 use super::{SourceError, Tx};
-use crate::config::{Ident, TableName};
+use crate::config::TableName;
 
 /// One table's bucket: its statements and rate.
 pub struct Bucket {
@@ -38,11 +38,7 @@ pub enum Grant {
 
 impl Bucket {
     pub fn new(table: &TableName, rate: f64) -> Bucket {
-        let r = format!(
-            "{}.{}",
-            table.schema.quoted(),
-            Ident::parse("outbox_relay_rates").expect("valid").quoted()
-        );
+        let r = super::schema_table(table, "outbox_relay_rates");
         // $1 table, $2 burst, $3 rows wanted, $4 rate. `now()` is this statement's own
         // start (it runs alone): one instant for the refill and the new `at`.
         let avail =

@@ -109,7 +109,7 @@ pub async fn inspect(
     }
     check_indexes(client, table, &mut problems).await?;
     check_privileges(client, table, relay, &types, &mut problems).await?;
-    check_pauses(client, table, &mut problems).await?;
+    check_relay_tables(client, table, &mut problems).await?;
     match shape {
         Some(shape) if problems.is_empty() => Ok(Ok(shape)),
         _ => Ok(Err(problems)),
@@ -119,7 +119,7 @@ pub async fn inspect(
 /// The relay's own tables in the table's schema, there and usable by this role: the pause
 /// state (migration 0005: `pause`, `resume` and the bad-row valve write it), and with
 /// `max_rate` the rate buckets (migration 0006).
-async fn check_pauses(
+async fn check_relay_tables(
     client: &impl GenericClient,
     table: &TableConfig,
     problems: &mut Vec<String>,
@@ -139,11 +139,7 @@ async fn check_pauses(
         ));
     }
     for (name, migration, privileges, why) in needed {
-        let quoted = format!(
-            "{}.{}",
-            table.name.schema.quoted(),
-            crate::config::Ident::parse(name).expect("valid").quoted()
-        );
+        let quoted = super::schema_table(&table.name, name);
         let checks: Vec<String> = privileges
             .split(", ")
             .map(|p| format!("has_table_privilege(to_regclass($1::text), '{p}')"))
