@@ -5,9 +5,11 @@
 //! which leads JetStream's meta group and which hold a named client connection, and read a stream back from any server
 //! still alive.
 //!
-//! [`NatsCluster::start`] returns once every server listens and the cluster has elected a
-//! JetStream meta leader; [`NatsCluster::create_stream`] once the stream has a leader and
-//! every replica is current. [`NatsCluster::kill`] (SIGKILL) and [`NatsCluster::restart`]
+//! [`NatsCluster::start`] returns once every server listens and the JetStream meta leader
+//! counts every other server as a current peer (before that, a replicated stream can be
+//! refused with "no suitable peers for placement"); [`NatsCluster::create_stream`] once
+//! the stream has a leader and every replica is current. Each cluster has its own name, so
+//! servers of two clusters started side by side never join each other. [`NatsCluster::kill`] (SIGKILL) and [`NatsCluster::restart`]
 //! (same ports, same store) play a server's crash in a test.
 //!
 //! Torn down by `Drop`: every server is killed and the directory removed; the servers
@@ -46,9 +48,14 @@ struct Node {
 }
 
 impl NatsCluster {
-    /// Starts `n` servers routed to each other and waits for a JetStream meta leader.
+    /// Starts `n` servers routed to each other and waits until the JetStream meta leader
+    /// counts all of them.
     pub fn start(n: usize) -> Result<NatsCluster> {
         let dir = scratch_dir("nats-cluster")?;
+        let cluster_name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "outbox-test".into());
         let routes: Vec<u16> = (0..n).map(|_| free_port()).collect();
         let route_urls: Vec<String> = routes
             .iter()
@@ -71,9 +78,10 @@ impl NatsCluster {
                     "server_name: {name}\nlisten: \"127.0.0.1:{port}\"\n\
                      http: \"127.0.0.1:{http}\"\n\
                      jetstream {{\n  store_dir: \"{store}\"\n}}\n\
-                     cluster {{\n  name: outbox-test\n  listen: \"127.0.0.1:{route_port}\"\n  \
+                     cluster {{\n  name: {cluster}\n  listen: \"127.0.0.1:{route_port}\"\n  \
                      routes: [{routes}]\n  no_advertise: true\n}}\n",
                     name = node.name,
+                    cluster = cluster_name,
                     port = node.port,
                     http = node.http_port,
                     store = dir.join(format!("js-{}", node.name)).display(),
@@ -86,7 +94,7 @@ impl NatsCluster {
         for i in 0..n {
             cluster.spawn(i)?;
         }
-        cluster.wait_for_meta_leader()?;
+        cluster.wait_for_meta_group()?;
         Ok(cluster)
     }
 
@@ -109,20 +117,47 @@ impl NatsCluster {
         Ok(())
     }
 
-    /// Polls the monitoring endpoint `/jsz` of a live server until it names a meta leader.
-    fn wait_for_meta_leader(&self) -> Result<()> {
+    /// Polls the monitoring endpoint `/jsz` until the JetStream meta leader reports every
+    /// other server as a current replica of the meta group. On timeout, the error carries
+    /// each server's log tail.
+    fn wait_for_meta_group(&self) -> Result<()> {
         let deadline = Instant::now() + ELECTION_LIMIT;
+        let mut last = String::from("no server answered /jsz");
         while Instant::now() < deadline {
             for i in self.alive() {
-                if let Ok(body) = self.monitor(i, "/jsz") {
-                    if body.contains("\"leader\": \"n") {
-                        return Ok(());
-                    }
+                let Ok(body) = self.monitor(i, "/jsz") else {
+                    continue;
+                };
+                let Ok(jsz) = serde_json::from_str::<serde_json::Value>(&body) else {
+                    continue;
+                };
+                let meta = &jsz["meta_cluster"];
+                if meta["leader"].as_str() != Some(self.nodes[i].name.as_str()) {
+                    continue;
                 }
+                let replicas = meta["replicas"]
+                    .as_array()
+                    .map(Vec::as_slice)
+                    .unwrap_or(&[]);
+                let current = replicas
+                    .iter()
+                    .filter(|r| r["current"].as_bool() == Some(true))
+                    .count();
+                if current + 1 == self.nodes.len() {
+                    return Ok(());
+                }
+                last = format!(
+                    "meta leader {} counts {current} of {} other servers as current",
+                    self.nodes[i].name,
+                    self.nodes.len() - 1
+                );
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        bail!("the NATS cluster elected no JetStream meta leader within {ELECTION_LIMIT:?}")
+        bail!(
+            "the NATS cluster did not form within {ELECTION_LIMIT:?} ({last})\n{}",
+            self.log_tails()
+        )
     }
 
     /// The index of the JetStream meta leader, as the first live server's `/jsz` names it
@@ -192,7 +227,9 @@ impl NatsCluster {
         loop {
             match js.create_stream(config.clone()).await {
                 Ok(_) => break,
-                Err(e) if Instant::now() > deadline => bail!("create stream {name}: {e}"),
+                Err(e) if Instant::now() > deadline => {
+                    bail!("create stream {name}: {e}\n{}", self.log_tails())
+                }
                 Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
@@ -322,6 +359,14 @@ impl NatsCluster {
         let log = std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default();
         let all: Vec<&str> = log.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Every server's last log lines, headed by its name.
+    fn log_tails(&self) -> String {
+        let tails: Vec<String> = (0..self.nodes.len())
+            .map(|i| format!("--- {} ---\n{}", self.nodes[i].name, self.log_tail(i, 15)))
+            .collect();
+        tails.join("\n")
     }
 
     /// The body of a plain HTTP GET of `path` on server `i`'s monitoring port.
