@@ -304,12 +304,17 @@ pub fn is_secret(name: &str) -> bool {
 
 /// Properties the relay sets on the producer unless the operator sets them: the first two
 /// are what the delivery promise needs ([`refused_properties`] refuses other values), the
-/// partitioner puts a key where a Java producer would.
+/// partitioner puts a key where a Java producer would, and the last two let the relay see
+/// which partitions can take records now: statistics twice a second, and a connection to
+/// every broker, so a broker that went down is retried and seen coming back (see
+/// `sink::kafka::health`).
 pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("enable.idempotence", "true"),
     ("acks", "all"),
     ("partitioner", "murmur2_random"),
     ("client.id", "outbox-relay"),
+    ("statistics.interval.ms", "500"),
+    ("enable.sparse.connections", "false"),
 ];
 
 /// Joins dotted property names back together. Unquoted, `compression.type = "lz4"` is in

@@ -86,9 +86,10 @@ pub struct Settlement {
     /// Some rows failed for the broker's sake or got no answer in time: they stay pending
     /// and the worker backs off.
     pub trouble: Option<SinkError>,
-    /// Rows at their last attempt whose dead-letter topic could not take them for the
-    /// broker's sake: not dead-lettered yet, their attempt not counted; each waits (like a
-    /// retry) before it is tried again, dead-letter topic included.
+    /// Rows not sent because their destination could not take them now, and rows at their
+    /// last attempt whose dead-letter topic could not take them for the broker's sake: no
+    /// attempt counted; each waits (like a retry, holding its key back) before it is tried
+    /// again.
     pub postponed: Failures,
 }
 
@@ -100,6 +101,11 @@ pub struct Failures {
     /// Microseconds until each row's next attempt.
     pub waits_us: Vec<i64>,
 }
+
+/// How long a row whose destination could not take it ([`RowOutcome::Unavailable`]) waits
+/// before it is claimed again, holding its key back meanwhile: about as long as the sink
+/// takes to notice its destination is back.
+pub const UNAVAILABLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Decides what to write back for `rows` given their `outcomes` (index-aligned).
 /// `retry_wait(n)` is the wait before the next attempt of a row that has failed `n` times
@@ -127,6 +133,14 @@ pub fn settle(
             RowOutcome::Pending => {
                 s.trouble
                     .get_or_insert_with(|| SinkError::transient("publish timed out"));
+            }
+            // Not the broker's failure to answer: no backoff, the other keys go on.
+            RowOutcome::Unavailable(reason) => {
+                s.postponed.ids.push(row.id);
+                s.postponed.errors.push(reason.clone());
+                s.postponed
+                    .waits_us
+                    .push(UNAVAILABLE_WAIT.as_micros() as i64);
             }
             RowOutcome::HeldBack => {}
         }
@@ -703,6 +717,27 @@ mod tests {
                 errors: vec!["a".into(), "b".into(), "c".into()],
                 // 0 and 3 previous attempts; a negative count (edited by hand) counts as 0
                 waits_us: vec![1_000_000, 4_000_000, 1_000_000],
+            }
+        );
+    }
+
+    #[test]
+    fn an_unavailable_destination_postpones_the_row_without_an_attempt_or_a_backoff() {
+        let outcomes = [
+            RowOutcome::Unavailable("held back: partition 1 has no leader".into()),
+            RowOutcome::HeldBack,
+            RowOutcome::Published,
+        ];
+        let s = settle(&rows(3), &outcomes, wait).unwrap();
+        assert_eq!(s.published, [3]);
+        assert_eq!(s.failed, Failures::default(), "no attempt counted");
+        assert_eq!(s.trouble, None, "the worker does not back off");
+        assert_eq!(
+            s.postponed,
+            Failures {
+                ids: vec![1],
+                errors: vec!["held back: partition 1 has no leader".into()],
+                waits_us: vec![UNAVAILABLE_WAIT.as_micros() as i64],
             }
         );
     }

@@ -10,7 +10,10 @@
 //! 2. Once a row of a key fails (rejected before sending, or refused by the broker), the
 //!    later rows of that key are held back: not sent, or if already sent, not counted.
 //!    They stay pending behind the failed row, which stays the key's head.
-//! 3. Only [`RowOutcome::Published`] rows are deleted or marked.
+//! 3. A row whose destination cannot take it now ([`Sink::unavailable`]: a Kafka
+//!    partition without a reachable leader) is not sent, and stops its key like a failed
+//!    row ([`RowOutcome::Unavailable`]); the other keys go on.
+//! 4. Only [`RowOutcome::Published`] rows are deleted or marked.
 //!
 //! For a sink without in-flight order (NATS) the batch is sent in *waves*: wave n holds
 //! the n-th row of every key, so wave n+1 leaves only after wave n's acks are in. Keys
@@ -31,6 +34,9 @@ pub enum RowOutcome {
     HeldBack,
     /// Failed for the given reason. Stays pending; a bad row counts an attempt.
     Failed(SinkError),
+    /// Not sent: its destination cannot take it now (the reason). Stays pending and holds
+    /// its key back for a short while, no attempt counted.
+    Unavailable(String),
 }
 
 impl RowOutcome {
@@ -41,6 +47,7 @@ impl RowOutcome {
             RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
             RowOutcome::HeldBack => Err("not counted: an earlier row of its key failed"),
             RowOutcome::Failed(e) => Err(&e.message),
+            RowOutcome::Unavailable(reason) => Err(reason),
         }
     }
 }
@@ -98,8 +105,16 @@ pub async fn publish_in_order(
                 .as_ref()
                 .map_err(Clone::clone)
                 .and_then(|m| sink.check(m));
-            if let Err(e) = checked {
-                outcomes[i] = RowOutcome::Failed(e);
+            let refused = match checked {
+                Err(e) => Some(RowOutcome::Failed(e)),
+                Ok(()) => messages[i]
+                    .as_ref()
+                    .ok()
+                    .and_then(|m| sink.unavailable(m))
+                    .map(RowOutcome::Unavailable),
+            };
+            if let Some(outcome) = refused {
+                outcomes[i] = outcome;
                 if let Some(k) = keys[i] {
                     stopped.insert(k);
                 }
@@ -138,11 +153,11 @@ mod tests {
     use crate::error::ErrorClass;
     use crate::sink::memory::MemorySink;
 
-    fn message(id: i64) -> Result<Message, SinkError> {
+    fn message(id: i64, key: Option<&str>) -> Result<Message, SinkError> {
         Ok(Message {
             id: format!("t:{id}"),
             topic: "t".into(),
-            key: None,
+            key: key.map(str::to_owned),
             payload: Default::default(),
             headers: vec![],
             timestamp_ms: None,
@@ -156,7 +171,11 @@ mod tests {
     }
 
     async fn run(sink: &Sink, keys: &[Option<&str>]) -> Vec<RowOutcome> {
-        let messages: Vec<_> = (0..keys.len() as i64).map(message).collect();
+        let messages: Vec<_> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| message(i as i64, *k))
+            .collect();
         let mut outcomes = vec![RowOutcome::Pending; keys.len()];
         publish_in_order(sink, keys, &messages, &mut outcomes).await;
         outcomes
@@ -203,5 +222,21 @@ mod tests {
             unreachable!()
         };
         assert_eq!(m.published().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_key_whose_destination_is_unavailable_is_not_sent_and_the_others_go() {
+        for keeps_order in [false, true] {
+            let memory = MemorySink::new(keeps_order);
+            memory.set_available("a", false);
+            let sink = Sink::Memory(memory.clone());
+            let outcomes = run(&sink, &[Some("a"), Some("b"), Some("a"), None]).await;
+            assert!(matches!(&outcomes[0], RowOutcome::Unavailable(r) if r.contains("\"a\"")));
+            assert_eq!(outcomes[1], RowOutcome::Published);
+            assert_eq!(outcomes[2], RowOutcome::HeldBack);
+            assert_eq!(outcomes[3], RowOutcome::Published);
+            let sent: Vec<String> = memory.published().into_iter().map(|m| m.id).collect();
+            assert_eq!(sent, ["t:1", "t:3"], "nothing of key a was sent");
+        }
     }
 }

@@ -101,6 +101,13 @@ pub trait SinkService {
         Ok(())
     }
 
+    /// Why `message` cannot be sent now for its destination's sake (a Kafka partition
+    /// whose leader is unreachable), so the relay holds its key back without sending it
+    /// and without counting an attempt. Default: every destination can take it.
+    fn unavailable(&self, _message: &Message) -> Option<String> {
+        None
+    }
+
     /// Publishes `messages` and waits for every acknowledgement; the result at index i
     /// belongs to message i, `Ok` only for a positive acknowledgement.
     fn publish_batch(
@@ -173,6 +180,11 @@ impl Sink {
     /// See [`SinkService::check`].
     pub fn check(&self, message: &Message) -> Result<(), SinkError> {
         dispatch!(self, s => s.check(message))
+    }
+
+    /// See [`SinkService::unavailable`].
+    pub fn unavailable(&self, message: &Message) -> Option<String> {
+        dispatch!(self, s => s.unavailable(message))
     }
 
     /// See [`SinkService::publish_batch`].

@@ -6,9 +6,13 @@
 //! The idempotent producer keeps each partition's records in order through its own
 //! retries, so the relay may put a whole batch in flight at once
 //! ([`super::Sink::keeps_order_in_flight`]).
+//!
+//! A key whose partition cannot take records now (its leader broker unreachable, or no
+//! leader) is not sent: [`SinkService::unavailable`] says so and the relay holds the key
+//! back, so the other partitions keep flowing ([`health`]).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::config::ClientConfig;
@@ -19,18 +23,25 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use super::{scrub, Message, SinkError, SinkService};
 
 mod errors;
+pub mod health;
 
 use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
 pub use errors::check_topic;
 use errors::{classify_code, missing_topic, Class};
+use health::{Health, HealthContext};
 
 /// The header that carries the message id.
 pub use crate::config::headers::ID_HEADER;
 
 /// An idempotent Kafka producer and what the brokers said about topics.
 pub struct KafkaSink {
-    producer: FutureProducer,
+    producer: FutureProducer<HealthContext>,
+    /// Which partitions can take a record now.
+    health: Arc<Health>,
+    /// Whether the producer's partitioner is `murmur2_random` (or `murmur2`), so the relay
+    /// knows where a key lands; with another, no key is held back.
+    knows_partitions: bool,
     secrets: Vec<String>,
     /// The producer's `message.max.bytes`: larger records are refused before sending.
     max_message_bytes: usize,
@@ -87,16 +98,26 @@ impl KafkaSink {
         }
         let secrets = secret_values(config);
         let client = client_config(config, publish_timeout);
-        let producer: FutureProducer = client.create().map_err(|e| {
+        let health = Arc::new(Health::default());
+        let context = HealthContext {
+            health: health.clone(),
+        };
+        let producer = client.create_with_context(context).map_err(|e| {
             SinkError::fatal(format!(
                 "cannot create the Kafka producer: {}",
                 scrub(&e.to_string(), &secrets)
             ))
         })?;
+        let knows_partitions = matches!(
+            client.get("partitioner"),
+            Some("murmur2_random" | "murmur2")
+        );
         let max_message_bytes =
             max_message_bytes(&config.properties).map_err(|e| SinkError::fatal(e.to_string()))?;
         Ok(KafkaSink {
             producer,
+            health,
+            knows_partitions,
             secrets,
             max_message_bytes,
             topics: Mutex::default(),
@@ -189,8 +210,14 @@ impl KafkaSink {
         if let Some(payload) = &message.payload {
             record = record.payload(payload.as_ref());
         }
-        if let Some(key) = &message.key {
-            record = record.key(key.as_bytes());
+        match &message.key {
+            Some(key) => record = record.key(key.as_bytes()),
+            // No order to keep: to a partition that can take it, while some cannot.
+            None => {
+                if let Some(p) = self.health.available_partition(&message.topic) {
+                    record = record.partition(p);
+                }
+            }
         }
         if let Some(ms) = message.timestamp_ms {
             record = record.timestamp(ms);
@@ -261,6 +288,17 @@ impl SinkService for KafkaSink {
     /// The idempotent producer keeps a partition's records in order through its retries.
     fn keeps_order_in_flight(&self) -> bool {
         true
+    }
+
+    /// A keyed record whose partition has no reachable leader now (see [`health`]).
+    fn unavailable(&self, message: &Message) -> Option<String> {
+        let key = message.key.as_ref()?;
+        if !self.knows_partitions {
+            return None;
+        }
+        self.health
+            .unavailable(&message.topic, key.as_bytes())
+            .map(|u| u.to_string())
     }
 
     /// Rejects records Kafka would refuse for themselves, before anything of the batch is

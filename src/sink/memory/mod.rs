@@ -1,7 +1,7 @@
 //! An in-memory sink for tests: records what it acknowledged and fails the messages a
 //! test tells it to, so the relay's handling of failures can be checked exactly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +18,8 @@ pub struct MemorySink {
     topic_failures: Arc<Mutex<HashMap<String, SinkError>>>,
     /// Message id -> the error `check` returns.
     rejections: Arc<Mutex<HashMap<String, SinkError>>>,
+    /// Keys whose destination cannot take a message now (`unavailable`).
+    unavailable: Arc<Mutex<HashSet<String>>>,
     keeps_order: bool,
     /// Acknowledge without recording (benchmarks: the database's limit, no broker).
     discard: bool,
@@ -65,6 +67,17 @@ impl MemorySink {
         self.topic_failures.lock().unwrap().remove(topic);
     }
 
+    /// Makes the destination of `key`'s messages unavailable (`None`) or available again,
+    /// as a Kafka partition whose leader is down and back.
+    pub fn set_available(&self, key: &str, available: bool) {
+        let mut unavailable = self.unavailable.lock().unwrap();
+        if available {
+            unavailable.remove(key);
+        } else {
+            unavailable.insert(key.to_owned());
+        }
+    }
+
     /// Stops failing message `id`.
     pub fn heal(&self, id: &str) {
         self.failures.lock().unwrap().remove(id);
@@ -89,6 +102,15 @@ impl SinkService for MemorySink {
             Some(e) => Err(e.clone()),
             None => Ok(()),
         }
+    }
+
+    fn unavailable(&self, message: &Message) -> Option<String> {
+        let key = message.key.as_ref()?;
+        self.unavailable
+            .lock()
+            .unwrap()
+            .contains(key)
+            .then(|| format!("held back: the destination of key {key:?} is unavailable"))
     }
 
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {

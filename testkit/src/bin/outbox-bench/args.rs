@@ -48,6 +48,9 @@ pub(crate) struct Args {
     /// process behind a held snapshot); see `scale.rs`.
     #[arg(long)]
     pub(crate) scale: bool,
+    /// Only the partial failures: K (one Kafka broker down); see `partial.rs`.
+    #[arg(long)]
+    pub(crate) partial: bool,
     /// With `--scale`: only these of S, I and E3 (comma-separated, e.g. `S,E3`).
     #[arg(long, value_name = "PARTS", default_value = "S,I,E3")]
     pub(crate) scale_parts: String,

@@ -39,6 +39,8 @@
 //! shipped) unless `--fast`; shared_buffers and checkpoints are sized for the data set
 //! ([`PG_SETTINGS`]), and the settings used are printed with the results.
 //!
+//! `--scale` runs only S, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`).
+//!
 //! Flags and their defaults: `outbox-bench --help` ([`args::Args`]). One idea per module:
 //! `args` (the command line), `drain` (A, B, C, C', E and F: the limits and the timed
 //! drains), `steady` (D, G and H: `outbox-relay run` with a writer and a consumer), `cpu`
@@ -48,6 +50,7 @@
 mod args;
 mod cpu;
 mod drain;
+mod partial;
 mod report;
 mod scale;
 mod steady;
@@ -245,6 +248,12 @@ impl Bench {
 #[tokio::main]
 async fn main() -> Result<()> {
     let bench = Bench::start(Args::parse()).await?;
+    if bench.a.partial {
+        let partial = bench.partial().await?;
+        let _ = std::fs::remove_dir_all(&bench.dir);
+        partial::print(&partial);
+        return Ok(());
+    }
     if bench.a.scale {
         let scale = bench.scale().await?;
         let settings = report::settings(&bench.pg).await?;

@@ -219,7 +219,7 @@ impl Bench {
     /// With `pg_stat_statements` loaded (`BENCH_PG_SETTINGS`), a profile of one drain:
     /// `None` resets the counts and says whether the module is there; `Some(true)` then
     /// prints the statements that took the most time since, to stderr.
-    async fn statements(
+    pub(crate) async fn statements(
         &self,
         client: &tokio_postgres::Client,
         print: Option<bool>,

@@ -1,0 +1,205 @@
+//! K: partial failures that must stay partial (issue 29). `outbox-bench --partial` runs
+//! only these.
+//!
+//! - K. One Kafka broker down: librdkafka's mock cluster of three brokers, the benchmark's
+//!   8 topics with 6 partitions each, partition `p` led by broker `p % 3 + 1`. The table
+//!   is filled with [`K_ROWS`] rows over `--keys` keys and drained by the relay in this
+//!   process (the mock cluster lives here), first with every broker up, then with broker 1
+//!   down before the relay starts (its leaders stay there, as with replication factor 1 or
+//!   a slow election). The rate of the other partitions' rows while it is down, as a
+//!   ratio to the rate of all rows with every broker up (goal: >= 0.8), both over the
+//!   middle 80% of those rows (10% to 90% delivered: the relay's start-up and the first
+//!   records that wait out the publish timeout before the outage is seen are left out,
+//!   and reported as the time to the first 10%); then how long the held rows took once the
+//!   broker was back.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use outbox_relay::config;
+use outbox_relay::relay::{self, Mode};
+use outbox_relay::shutdown::Shutdown;
+use outbox_relay::sink::kafka::health::partition_of;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
+
+use crate::{Bench, TOPICS};
+
+/// Rows of each K drain.
+const K_ROWS: i64 = 100_000;
+const BROKERS: i32 = 3;
+const PARTITIONS: i32 = 6;
+/// The broker K takes down.
+const DOWN: i32 = 1;
+
+type Mock = MockCluster<'static, DefaultProducerContext>;
+
+/// One K run: how the relay got through the rows it could deliver.
+pub(crate) struct Flow {
+    /// Rows it had to deliver (all, or those of the partitions that stayed up).
+    pub(crate) rows: i64,
+    /// From the relay's start to 10% of them delivered.
+    pub(crate) to_first_tenth: Duration,
+    /// Rows per second from 10% to 90% of them delivered.
+    pub(crate) rate: f64,
+}
+
+/// What `--partial` measured.
+pub(crate) struct Partial {
+    pub(crate) all_up: Flow,
+    pub(crate) one_down: Flow,
+    /// Rows held back while the broker was down.
+    pub(crate) held: i64,
+    /// From the broker's return to the table empty.
+    pub(crate) held_drained_in: Duration,
+}
+
+fn leader(p: i32) -> i32 {
+    p % BROKERS + 1
+}
+
+impl Bench {
+    fn k_config(&self, brokers: &str) -> Result<config::Config> {
+        let text = format!(
+            "[postgres]\nurl = \"{}\"\npool_size = {}\n[relay]\nworkers = {}\nbatch_size = {}\n\
+             [sink]\nkind = \"kafka\"\npublish_timeout = \"3s\"\n[sink.kafka]\n\
+             brokers = \"{brokers}\"\n[[tables]]\nname = \"public.outbox\"\n",
+            self.db_url,
+            self.a.workers + 4,
+            self.a.workers,
+            self.a.batch,
+        );
+        config::from_str(&text, |_| None, Vec::<(String, String)>::new())
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    /// K, both runs.
+    pub(crate) async fn partial(&self) -> Result<Partial> {
+        let mock = Mock::new(BROKERS)?;
+        for t in 0..TOPICS {
+            let topic = format!("bench.{t}");
+            mock.create_topic(&topic, PARTITIONS, 1)?;
+            for p in 0..PARTITIONS {
+                mock.partition_leader(&topic, p, Some(leader(p)))?;
+            }
+        }
+        // Rows of key `k{n % keys}` whose partition the down broker leads.
+        let keys = self.a.keys;
+        let on_down = |n: i64| {
+            let key = format!("k{}", n % keys);
+            leader(partition_of(key.as_bytes(), PARTITIONS as usize).unwrap()) == DOWN
+        };
+        let held = (1..=K_ROWS).filter(|n| on_down(*n)).count() as i64;
+        let config = self.k_config(&mock.bootstrap_servers())?;
+
+        eprintln!("==> K: {K_ROWS} rows, every broker up");
+        self.seed_rows(0, K_ROWS).await?;
+        let (all_up, shutdown, relay) = self.flow(&config, K_ROWS, 0).await?;
+        shutdown.request_stop();
+        relay.await??;
+
+        eprintln!("==> K: {K_ROWS} rows, broker {DOWN} down ({held} rows on its partitions)");
+        self.seed_rows(0, K_ROWS).await?;
+        mock.broker_down(DOWN)?;
+        let (one_down, shutdown, relay) = self.flow(&config, K_ROWS - held, held).await?;
+        mock.broker_up(DOWN)?;
+        let up = Instant::now();
+        let client = self.pg.connect("app").await?;
+        while left(&client).await? > 0 {
+            if up.elapsed() > Duration::from_secs(120) {
+                bail!("K: the held rows did not drain within 2 minutes of the broker's return");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let held_drained_in = up.elapsed();
+        shutdown.request_stop();
+        relay.await??;
+        Ok(Partial {
+            all_up,
+            one_down,
+            held,
+            held_drained_in,
+        })
+    }
+
+    /// Starts `outbox-relay run` in this process and times how it delivers `rows` rows,
+    /// the table keeping `held` others; returns the relay still running.
+    async fn flow(
+        &self,
+        config: &config::Config,
+        rows: i64,
+        held: i64,
+    ) -> Result<(
+        Flow,
+        Shutdown,
+        tokio::task::JoinHandle<Result<relay::Report, relay::RelayError>>,
+    )> {
+        let client = self.pg.connect("app").await?;
+        let profiled = self.statements(&client, None).await?;
+        let shutdown = Shutdown::new();
+        let started = Instant::now();
+        let relay = {
+            let (config, shutdown) = (config.clone(), shutdown.clone());
+            tokio::spawn(async move { relay::run(&config, Mode::Run, shutdown).await })
+        };
+        let delivered = async || -> Result<i64> { Ok(rows + held - left(&client).await?) };
+        let at = |fraction: f64| {
+            let target = (rows as f64 * fraction) as i64;
+            async move {
+                loop {
+                    if delivered().await? >= target {
+                        return Ok::<Instant, anyhow::Error>(Instant::now());
+                    }
+                    if started.elapsed() > Duration::from_secs(300) {
+                        bail!("K: {target} of {rows} rows not delivered within 5 minutes");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        let tenth = at(0.1).await?;
+        let ninetieth = at(0.9).await?;
+        if profiled {
+            self.statements(&client, Some(true)).await?;
+        }
+        let flow = Flow {
+            rows,
+            to_first_tenth: tenth - started,
+            rate: rows as f64 * 0.8 / (ninetieth - tenth).as_secs_f64(),
+        };
+        eprintln!(
+            "    {rows} rows: 10% after {:.2?}, then {:.0} rows/s",
+            flow.to_first_tenth, flow.rate
+        );
+        Ok((flow, shutdown, relay))
+    }
+}
+
+async fn left(client: &tokio_postgres::Client) -> Result<i64> {
+    Ok(client
+        .query_one("SELECT count(*) FROM public.outbox", &[])
+        .await?
+        .get(0))
+}
+
+pub(crate) fn print(p: &Partial) {
+    println!("| K. one Kafka broker of 3 down (mock cluster) | rows | to 10% | rows/s (10-90%) | vs all up |");
+    println!("|---|---|---|---|---|");
+    for (name, f) in [
+        ("every broker up: all rows", &p.all_up),
+        ("broker 1 down: the other partitions' rows", &p.one_down),
+    ] {
+        println!(
+            "| {name} | {} | {:.2}s | {:.0} | {:.2} |",
+            f.rows,
+            f.to_first_tenth.as_secs_f64(),
+            f.rate,
+            f.rate / p.all_up.rate
+        );
+    }
+    println!(
+        "\n{} rows held back while it was down; once it was back they drained in {:.2}s.",
+        p.held,
+        p.held_drained_in.as_secs_f64()
+    );
+}
