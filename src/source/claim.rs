@@ -49,11 +49,28 @@
 //! transaction-level advisory lock `(table tag, bucket)` of the first bucket(s) no other
 //! transaction holds and reads each one's pending rows after the first window, through
 //! the index. Each bucket's part of that read continues the first window for that bucket's
-//! keys: the first window holds every pending row up to its end, the bucket's part every
-//! pending row of the bucket's keys after it up to where it stops, so a key the first
-//! window did not hold has its head there, and a key it held continues there unbroken. The claim plans the
-//! rows of all buckets got in id order and locks them exactly as above; a key's rows are
-//! all in its bucket, so no key is cut short by where another bucket's read stopped.
+//! keys: the first window holds every pending row up to its end that nothing holds back,
+//! the bucket's part every pending row of the bucket's keys after it up to where it stops,
+//! so a key the first window did not hold has its head there, and a key it held continues
+//! there unbroken. The claim plans the rows of all buckets got in id order and locks them
+//! exactly as above; a key's rows are all in its bucket, so no key is cut short by where
+//! another bucket's read stopped.
+//!
+//! *Two statements, two snapshots.* The first window and a bucket read are separate
+//! statements, and under READ COMMITTED each sees the commits made before it began. A key
+//! the first window left out because a held row held it back (one waiting for its next
+//! attempt: `now()` is each transaction's own start, so a row due for a claimer that began
+//! later is not yet due for this one) may meanwhile have had that row published by the
+//! other claimer, leaving a row before the first window's end as its head: a bucket read,
+//! which starts after that end, would then offer the key's later rows as if the first were
+//! its head. Found by `ordering::keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose_nothing`
+//! (a key's row published ahead of 21,000 earlier ids of its key). So the bucket read also
+//! returns, from its own snapshot, every key of its buckets with a pending row (held or
+//! not) up to the first window's end - through the bucket index from the floor, and the
+//! stragglers and retry index below it - and the claim blocks those keys unless it already
+//! owns them. Then in the bucket read's snapshot a key planned from it has no pending row
+//! up to the first window's end, and its rows after it are read in id order as far as the
+//! read goes, any held one holding back the rest: its first row there is its head.
 //!
 //! Why order still follows: nothing above changed. The bucket lock is a hint about where
 //! to look, never a right to publish: a row is published only under its head's row lock,
@@ -368,7 +385,10 @@ async fn claim_by_key(
                     ],
                 )
                 .await?;
-            let (mut window, got): (Vec<Candidate>, Vec<i32>) = split_picked(&read);
+            let (mut window, got, early) = split_picked(&read);
+            // Keys with a pending row up to the first window's end, as this read sees
+            // them: their rows here are not their heads (unless this claim owns the key).
+            plan.block(early.iter().map(String::as_str));
             if got.is_empty() {
                 contended = picks == 1; // every bucket is another claimer's
                 break;
@@ -456,18 +476,21 @@ fn ranked_buckets(window: &[Candidate]) -> Vec<i32> {
     ranked
 }
 
-/// A pick's rows, and the buckets it got (the rows with a NULL order value), in the order
-/// they were got.
-fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>) {
+/// A pick's rows; the buckets it got (rows with a NULL order value), in the order they
+/// were got; and the keys with a pending row up to the first window's end (NULL order
+/// value, bucket -1).
+fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>, Vec<String>) {
     let mut window = Vec::new();
     let mut got = Vec::new();
+    let mut early = Vec::new();
     for r in read {
-        match r.get::<_, Option<i64>>(0) {
-            Some(_) => window.push(Candidate::from_row(r)),
-            None => got.push(r.get(3)),
+        match (r.get::<_, Option<i64>>(0), r.get::<_, i32>(3)) {
+            (Some(_), _) => window.push(Candidate::from_row(r)),
+            (None, -1) => early.push(r.get(1)),
+            (None, b) => got.push(b),
         }
     }
-    (window, got)
+    (window, got, early)
 }
 
 /// What this process has seen of a table's buckets lately, from its picks: how many
@@ -670,6 +693,13 @@ impl KeyPlan {
     pub fn leave_to_lower_lanes(&mut self, prefix: &[Candidate]) {
         for key in prefix.iter().filter_map(|row| row.key.as_ref()) {
             self.keys.entry(key.clone()).or_insert(KeyState::Blocked);
+        }
+    }
+
+    /// Blocks `keys` for this claim, except those it already owns.
+    pub fn block<'k>(&mut self, keys: impl Iterator<Item = &'k str>) {
+        for key in keys {
+            self.keys.entry(key.to_owned()).or_insert(KeyState::Blocked);
         }
     }
 

@@ -46,7 +46,9 @@ pub struct TableSql {
     /// transaction holds, and returns each one's pending rows after `$1` (the end of the
     /// claim's first window), at most `$2` a bucket, read through the bucket index as a
     /// later [`TableSql::window`] reads rows (floor `$4`, stragglers `$5`), in no
-    /// particular order, and one row per bucket got with a NULL order value.
+    /// particular order; one row per bucket got with a NULL order value; and, with a NULL
+    /// order value and bucket -1, each key of those buckets that has a pending row (held
+    /// or not) up to `$1` in this statement's snapshot (see *Buckets* in `claim.rs`).
     pub pick_window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
@@ -380,13 +382,22 @@ impl TableSql {
                  WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
                  AND o.{id} >= (SELECT $4::bigint) \
                  AND o.{id} > (SELECT $1::bigint) AND {bucket_filter} \
-                 ORDER BY o.{id} LIMIT $2) w) \
+                 ORDER BY o.{id} LIMIT $2) w), \
+                 early AS MATERIALIZED (SELECT e.key FROM pick, LATERAL (SELECT o.{key}::text \
+                 AS key FROM {t} o WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
+                 AND o.{id} >= (SELECT $4::bigint) AND o.{id} <= (SELECT $1::bigint) \
+                 AND {pending_o}) e \
+                 UNION ALL SELECT o.{key}::text FROM {t} o WHERE ({stragglers} OR {retrying}) \
+                 AND (o.{id} + 0) <= $1 AND {pending_o} AND {obucket} IN (SELECT b FROM pick)) \
                  SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
                  UNION ALL SELECT id, key, size, bucket FROM main \
-                 UNION ALL SELECT NULL, NULL, NULL, b FROM pick",
+                 UNION ALL SELECT NULL, NULL, NULL, b FROM pick \
+                 UNION ALL SELECT NULL, k.key, NULL, -1 FROM (SELECT DISTINCT key FROM early \
+                 WHERE key IS NOT NULL) k",
                 osize = size_of("o."),
                 stragglers = stragglers_part("o.", "$5::bigint[]"),
                 retrying = retry_part("o.", "$4", "$5::bigint[]"),
+                pending_o = format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL"),
             ),
             // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
             // The candidate is the first fresh row not held back; the rows before it are
