@@ -41,14 +41,14 @@ pub struct TableSql {
     /// next attempt). Rows are read from the floor `$4` on, and below it only the
     /// stragglers `$5` and rows with a failure history (see [`super::floor`]).
     pub window: String,
-    /// `ordering = "key"`, a claim past a deep first window: takes the advisory locks
-    /// (table tag `$6`) of the first `$7` buckets in `$3` (in that order) that no other
-    /// transaction holds, and returns each one's pending rows after `$1` (the end of the
-    /// claim's first window), at most `$2` a bucket, read through the bucket index as a
-    /// later [`TableSql::window`] reads rows (floor `$4`, stragglers `$5`), in no
-    /// particular order; one row per bucket got with a NULL order value; and, with a NULL
-    /// order value and bucket -1, each key of those buckets that has a pending row (held
-    /// or not) up to `$1` in this statement's snapshot (see *Buckets* in `claim.rs`).
+    /// `ordering = "key"`, a claim past a deep first window (ending at `$1`): takes the
+    /// advisory locks (table tag `$6`) of the first `$7` buckets in `$3` (in that order)
+    /// that no other transaction holds, and returns each one's pending rows from the floor
+    /// `$4` on, at most `$2` a bucket, read through the bucket index as a later
+    /// [`TableSql::window`] reads rows, with the stragglers `$5` and the rows with a
+    /// failure history below the floor, in no particular order; and one row per bucket
+    /// got with a NULL order value. Rows up to `$1` are read again on purpose (see
+    /// *Buckets* in `claim.rs`).
     pub pick_window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
@@ -373,31 +373,21 @@ impl TableSql {
                  WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), \
                  low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
                  {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-                 AND (o.{id} + 0) > $1 AND {bucket_filter} \
+                 AND {bucket_filter} \
                  UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-                 WHERE {retrying} AND (o.{id} + 0) > $1 AND {bucket_filter}), \
+                 WHERE {retrying} AND {bucket_filter}), \
                  main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket \
                  FROM pick, LATERAL (SELECT o.{id}::bigint AS id, \
                  o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
                  WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
-                 AND o.{id} >= (SELECT $4::bigint) \
-                 AND o.{id} > (SELECT $1::bigint) AND {bucket_filter} \
-                 ORDER BY o.{id} LIMIT $2) w), \
-                 early AS MATERIALIZED (SELECT e.key FROM pick, LATERAL (SELECT o.{key}::text \
-                 AS key FROM {t} o WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
-                 AND o.{id} >= (SELECT $4::bigint) AND o.{id} <= (SELECT $1::bigint) \
-                 AND {pending_o}) e \
-                 UNION ALL SELECT o.{key}::text FROM {t} o WHERE ({stragglers} OR {retrying}) \
-                 AND (o.{id} + 0) <= $1 AND {pending_o} AND {obucket} IN (SELECT b FROM pick)) \
+                 AND o.{id} >= (SELECT $4::bigint) AND {bucket_filter} \
+                 ORDER BY o.{id} LIMIT $2) w) \
                  SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
                  UNION ALL SELECT id, key, size, bucket FROM main \
-                 UNION ALL SELECT NULL, NULL, NULL, b FROM pick \
-                 UNION ALL SELECT NULL, k.key, NULL, -1 FROM (SELECT DISTINCT key FROM early \
-                 WHERE key IS NOT NULL) k",
+                 UNION ALL SELECT NULL, NULL, NULL, b FROM pick",
                 osize = size_of("o."),
                 stragglers = stragglers_part("o.", "$5::bigint[]"),
                 retrying = retry_part("o.", "$4", "$5::bigint[]"),
-                pending_o = format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL"),
             ),
             // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
             // The candidate is the first fresh row not held back; the rows before it are
