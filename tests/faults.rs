@@ -310,7 +310,7 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     );
     std::fs::write(&env.config, config).unwrap();
     let client = env.client().await;
-    let mut relay = env.spawn_run();
+    let (mut relay, log) = env.spawn_run_logged();
     wait_until(
         "the relay's sessions",
         Duration::from_secs(10),
@@ -337,7 +337,21 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     }
     seed(&client, 1_000, 10, 0).await;
     let started = Instant::now();
-    wait_for_empty_outbox(&client, "the relay to move to fresh connections", 40).await;
+    // The NOTIFY went to the frozen listener, so the rows are found by the table's idle
+    // look (`wake::IDLE_RECHECK`, 5 s), whose claim may meet one frozen connection (the
+    // session deadline, 4 s): ~9 s. Every later claim must get a fresh connection, or the
+    // frozen ones cost 4 s each (measured before the pool was emptied on a hang: 5-31 s
+    // here, over 40 s once in CI; 10-19 s with the pool emptied but a failed claim
+    // not retried until the next idle look).
+    let limit = Duration::from_secs(15);
+    while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
+        assert!(
+            started.elapsed() < limit,
+            "rows still pending {limit:?} after the freeze; the relay's log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     eprintln!(
         "{} frozen backends; rows relayed {:?} after the freeze",
         frozen.len(),
@@ -348,6 +362,57 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     }
     terminate_cleanly(&mut relay);
     assert_eq!(analyse(&env.stored().await).counts.len(), 1_000);
+}
+
+/// A LISTEN connection whose path goes silent (here: its server process frozen) is found
+/// out by its own check and replaced, so NOTIFY wake-ups are prompt again: each of three
+/// rows inserted one at a time afterwards is published within a second, well inside the
+/// 5 s idle look that is all a relay with a deaf listener has left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
+    let env = Env::new("workers = 2").await;
+    let client = env.client().await;
+    let (mut relay, log) = env.spawn_run_logged();
+    let listener = "SELECT pid FROM pg_stat_activity \
+                    WHERE application_name = 'outbox-relay' AND query = 'LISTEN outbox_relay'";
+    let mut first: Vec<i32> = Vec::new();
+    wait_until(
+        "the relay's LISTEN session",
+        Duration::from_secs(10),
+        async || {
+            first = column(&client, listener, &[]).await;
+            first.len() == 1
+        },
+    )
+    .await;
+    signal_pid(first[0], "STOP");
+    // Its check (every 5 s, answered within `connect_timeout`, 10 s) gives up on it.
+    wait_until(
+        "a new LISTEN session",
+        Duration::from_secs(30),
+        async || {
+            let now: Vec<i32> = column(&client, listener, &[]).await;
+            now.iter().any(|pid| *pid != first[0])
+        },
+    )
+    .await;
+    signal_pid(first[0], "CONT");
+    for i in 0..3 {
+        seed(&client, 1, 1, 0).await;
+        let inserted = Instant::now();
+        while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
+            assert!(
+                inserted.elapsed() < Duration::from_secs(1),
+                "row {i} not published within 1 s of its NOTIFY; the relay's log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Land the next insert at another point of the idle look's cycle.
+        tokio::time::sleep(Duration::from_millis(1_300)).await;
+    }
+    terminate_cleanly(&mut relay);
+    assert_eq!(analyse(&env.stored().await).counts.len(), 3);
 }
 
 /// Contract section 4 (`dead_letter_topic`): when the dead-letter topic cannot take a row

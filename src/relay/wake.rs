@@ -4,7 +4,8 @@
 //!
 //! 1. A table is *due* after something says it may have rows: a NOTIFY naming it, the
 //!    LISTEN connection (re)subscribing (rows may have committed unheard), a batch of it
-//!    that published rows (there may be more), its floor lowered by the sweep, or a retry
+//!    that published rows (there may be more) or failed before it knew (a claim that
+//!    timed out finds out nothing), its floor lowered by the sweep, or a retry
 //!    this process scheduled coming due.
 //! 2. A claim that finds nothing settles the table, but only for what was raised before
 //!    the claim began: a NOTIFY during the claim keeps it due (a counter, not a flag).

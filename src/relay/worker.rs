@@ -185,7 +185,12 @@ impl Worker {
                     shared.fail(format!("table {}: {e}", shared.tables[t].config.name));
                     return Round::Exit;
                 }
-                Err(e) => return Round::Trouble(e.to_string()),
+                Err(e) => {
+                    // The claim found out nothing: the table stays due for the retry
+                    // after the back-off, not for its next idle look (`wake`, rule 1).
+                    shared.wakes.raise(t, false);
+                    return Round::Trouble(e.to_string());
+                }
             }
         }
         if let Some(wait) = throttled {

@@ -5,6 +5,12 @@
 //! (every `relay.poll_interval` while this connection is down or a table has no trigger),
 //! so a lost notification, a dropped listener connection or `migrate --no-notify` only
 //! costs latency.
+//!
+//! A LISTEN connection only receives, so a dead path under it (a frozen server, a
+//! firewall dropping the flow without a reset) would go unnoticed and every NOTIFY with
+//! it. While subscribed it asks `SELECT 1` every [`LISTEN_CHECK`]; no answer within
+//! `postgres.connect_timeout` ends the connection, and the next one's subscription
+//! raises every table (rows may have committed unheard).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +26,11 @@ use crate::retry::Backoff;
 
 /// The channel the trigger in `migrations/notify.sql` notifies.
 pub const CHANNEL: &str = "outbox_relay";
+
+/// How often a subscribed LISTEN connection proves it still answers: as often as a table
+/// NOTIFY covers is looked at anyway ([`crate::relay::wake::IDLE_RECHECK`]), so a silent
+/// listener costs no more than that.
+pub const LISTEN_CHECK: Duration = Duration::from_secs(5);
 
 /// What the listener tells the relay.
 pub trait Wake: Send + Sync {
@@ -98,6 +109,10 @@ async fn listen_once(
     let subscribe = client.batch_execute(&statement);
     tokio::pin!(subscribe);
     let mut subscribed = false;
+    // As long as a new connection may take to open: a server that cannot answer
+    // `SELECT 1` in that time is not hearing NOTIFY either.
+    let answer_within = session::connect_timeout(pg);
+    let mut next_check = tokio::time::Instant::now() + LISTEN_CHECK;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return Ok(()),
@@ -107,6 +122,35 @@ async fn listen_once(
                 tracing::debug!(channel = CHANNEL, "Listening for new outbox rows");
                 // Rows may have committed while we were not listening.
                 wake.listening(true);
+            }
+            _ = tokio::time::sleep_until(next_check), if subscribed => {
+                // The query's answer comes through `connection`, which only the message
+                // stream polls: drive both until the answer or the deadline.
+                let check = tokio::time::timeout(answer_within, client.simple_query("SELECT 1"));
+                tokio::pin!(check);
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return Ok(()),
+                        answer = &mut check => match answer {
+                            Ok(Ok(_)) => break,
+                            Ok(Err(e)) => return Err(Stop::Failed(describe(&e))),
+                            Err(_) => {
+                                return Err(Stop::Failed(format!(
+                                    "no answer to a check within {answer_within:?}"
+                                )))
+                            }
+                        },
+                        message = messages.next() => match message {
+                            Some(Ok(AsyncMessage::Notification(n))) => {
+                                wake.rows_committed(n.payload());
+                            }
+                            Some(Ok(_)) => {}
+                            Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
+                            None => return Err(Stop::Failed("connection closed".to_owned())),
+                        },
+                    }
+                }
+                next_check = tokio::time::Instant::now() + LISTEN_CHECK;
             }
             message = messages.next() => {
                 // Debounce: a burst of commits arrives as a burst of notifications; every

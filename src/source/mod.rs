@@ -360,9 +360,24 @@ impl Source {
 
     /// Returns `session` to the pool, or discards it when `error` says the connection may
     /// be half-dead (a timed-out statement may still be running on it, or never end).
+    ///
+    /// A half-dead connection is rarely alone: a dead network path, a frozen server or a
+    /// failed-over address leaves every connection opened before it the same way, and a
+    /// pool that hands them out one by one costs a full [`Source::deadline`] each. So every
+    /// idle connection goes with it (the pool opens new ones as they are needed, a few
+    /// milliseconds each); those in use prove themselves or time out on their own.
     pub fn release(session: deadpool_postgres::Object, error: Option<&SourceError>) {
-        if error.is_some_and(SourceError::connection_suspect) {
-            drop(deadpool_postgres::Object::take(session));
+        if !error.is_some_and(SourceError::connection_suspect) {
+            return;
+        }
+        let pool = deadpool_postgres::Object::pool(&session);
+        drop(deadpool_postgres::Object::take(session));
+        if let Some(pool) = pool {
+            let idle = pool.retain(|_, _| false).removed.len();
+            tracing::debug!(
+                idle,
+                "A connection stopped answering: discarded it and every idle one"
+            );
         }
     }
 

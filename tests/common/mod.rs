@@ -190,6 +190,21 @@ drain_timeout = "10s"
             .expect("start outbox-relay run")
     }
 
+    /// Starts `outbox-relay run` in the background with its debug log in a file of this
+    /// env's directory, for a test that shows it when it fails: the child and the path.
+    pub fn spawn_run_logged(&self) -> (Child, PathBuf) {
+        let path = self.config.with_file_name("relay.log");
+        let log = std::fs::File::create(&path).expect("create relay.log");
+        let child = self
+            .command(&["run"])
+            .env("RUST_LOG", "outbox_relay=debug")
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start outbox-relay run");
+        (child, path)
+    }
+
     pub async fn client(&self) -> tokio_postgres::Client {
         self.pg.connect("app").await.expect("connect")
     }
