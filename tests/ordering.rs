@@ -349,3 +349,54 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
         started.elapsed()
     );
 }
+
+/// A claim whose lane would leave the window's first batches to lower lanes, made while
+/// no lower lane claims (one worker took an idle table's look), takes the oldest rows
+/// itself: claimed here directly, each lane alone, on 1,000 rows over 10 keys (every key
+/// is in the first batch, so a lane that left it to lane 0 found nothing, and the rows
+/// waited for lane 0's next look; for good when lane 0 never looked).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lone_claimer_of_any_lane_takes_the_oldest_rows() {
+    use outbox_relay::config::Ordering;
+    use outbox_relay::source::claim::{claim_batch, Budget};
+    use outbox_relay::source::floor::FloorView;
+    use outbox_relay::source::{table, SessionLimits, Source};
+
+    let env = Env::new("workers = 4\nbatch_size = 100").await;
+    let client = env.client().await;
+    seed(&client, 1_000, 10, 0).await;
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let limits = SessionLimits::one_shot(&config.postgres);
+    let source = Source::open(&config.postgres, limits).await.unwrap();
+    let plans = table::prepare(&source, &config).await.unwrap();
+    let plan = &plans[0];
+    let budget = Budget {
+        rows: 100,
+        bytes: u64::MAX,
+    };
+    for lane in 0..4 {
+        // The transaction commits without touching the rows: each lane claims alone.
+        let claimed = source
+            .in_transaction(async |tx| {
+                let floor = FloorView::default();
+                claim_batch(
+                    tx,
+                    &plan.sql,
+                    Ordering::Key,
+                    budget,
+                    lane,
+                    &floor,
+                    &plan.depth,
+                )
+                .await
+            })
+            .await
+            .unwrap();
+        let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
+        assert_eq!(
+            ids,
+            (1..=100).collect::<Vec<i64>>(),
+            "lane {lane} alone must take the 100 oldest rows"
+        );
+    }
+}

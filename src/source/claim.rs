@@ -305,6 +305,15 @@ async fn claim_unordered(
 ///
 /// A deep first window (more pending rows than it holds) only ranks the buckets: the claim
 /// takes buckets instead, see *Buckets* in the module doc.
+///
+/// A lane's offset assumes the lanes below it claim too. When they do not (one worker
+/// took an idle table's look, the others are elsewhere) and every key of the window's
+/// first batches was left to them, the claim would take nothing and call the table empty:
+/// on a deep backlog of few keys, its rows then waited for a lower lane's next look, and
+/// when a lane above 0 kept taking the looks they waited for good (found by
+/// `faults::a_hung_database_connection_is_discarded_not_reused`: 1,000 rows over 10 keys,
+/// worker 1 claiming alone every 5 s and finding nothing, 1 run in 10). So a claim that
+/// left keys to lower lanes and took nothing plans again as lane 0, from the oldest row.
 async fn claim_by_key(
     tx: &Tx<'_>,
     sql: &TableSql,
@@ -313,6 +322,24 @@ async fn claim_by_key(
     floor: &FloorView,
     depth: &BucketDepth,
 ) -> Result<Claimed, SourceError> {
+    let (claimed, deferred) = claim_by_key_in(tx, sql, budget, lane, floor, depth).await?;
+    if claimed.rows.is_empty() && deferred {
+        let (claimed, _) = claim_by_key_in(tx, sql, budget, 0, floor, depth).await?;
+        return Ok(claimed);
+    }
+    Ok(claimed)
+}
+
+/// [`claim_by_key`] in one lane; also says whether it left the window's first keys to
+/// lower lanes.
+async fn claim_by_key_in(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    budget: Budget,
+    lane: usize,
+    floor: &FloorView,
+    depth: &BucketDepth,
+) -> Result<(Claimed, bool), SourceError> {
     let limit = budget.rows;
     let mut contended = false;
     let stragglers: &[i64] = &floor.stragglers;
@@ -341,7 +368,8 @@ async fn claim_by_key(
         .collect();
     let offset = (lane % WINDOW_FACTOR) * limit;
     let mut cursor = 0;
-    if first.len() >= offset + limit {
+    let deferred = offset > 0 && first.len() >= offset + limit;
+    if deferred {
         plan.leave_to_lower_lanes(&first[..offset]);
         cursor = offset;
     }
@@ -431,10 +459,11 @@ async fn claim_by_key(
         .filter_map(|id| rows.remove(&id))
         .collect();
     batch.sort_unstable_by_key(|r| r.id);
-    Ok(Claimed {
+    let claimed = Claimed {
         contended: contended && batch.is_empty(),
         rows: batch,
-    })
+    };
+    Ok((claimed, deferred))
 }
 
 /// Plans `window` from `cursor` in rounds, locking each round's heads, until the batch is

@@ -1,7 +1,8 @@
 //! A TCP proxy for network faults between the relay and a server: it forwards bytes both
 //! ways and, on request, freezes every connection (bytes stop, sockets stay open, as a
 //! stalled network or a silent firewall does), drops them all (both sockets closed), or
-//! delays every chunk by a fixed latency.
+//! delays every chunk by a fixed latency; or freezes only the connections open now, new
+//! ones flowing (a path that lost its established flows: a NAT or firewall table reset).
 //!
 //! It runs on a thread of its own with its own Tokio runtime, so it works the same under
 //! any test runtime; dropping the [`Proxy`] stops it and closes every connection.
@@ -32,6 +33,8 @@ pub struct Proxy {
     fault: watch::Sender<Fault>,
     /// Bumped by [`Proxy::drop_connections`]: connections of an older generation close.
     generation: watch::Sender<u64>,
+    /// Connections numbered up to this one (from 1, in accept order) are frozen.
+    frozen_upto: watch::Sender<u64>,
     accepted: Arc<Mutex<u64>>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -45,6 +48,7 @@ impl Proxy {
         let addr = std_listener.local_addr()?;
         let (fault, fault_rx) = watch::channel(Fault::None);
         let (generation, generation_rx) = watch::channel(0u64);
+        let (frozen_upto, frozen_rx) = watch::channel(0u64);
         let accepted = Arc::new(Mutex::new(0));
         let (stop, stop_rx) = tokio::sync::oneshot::channel();
         let counter = accepted.clone();
@@ -57,7 +61,12 @@ impl Proxy {
                     .expect("proxy runtime");
                 runtime.block_on(async move {
                     let listener = TcpListener::from_std(std_listener).expect("proxy listener");
-                    let accept = accept_loop(listener, upstream, fault_rx, generation_rx, counter);
+                    let watches = Watches {
+                        fault: fault_rx,
+                        generation: generation_rx,
+                        frozen_upto: frozen_rx,
+                    };
+                    let accept = accept_loop(listener, upstream, watches, counter);
                     tokio::select! {
                         _ = accept => {}
                         _ = stop_rx => {}
@@ -68,6 +77,7 @@ impl Proxy {
             addr,
             fault,
             generation,
+            frozen_upto,
             accepted,
             stop: Some(stop),
             thread: Some(thread),
@@ -93,6 +103,13 @@ impl Proxy {
         self.generation.send_modify(|g| *g += 1);
     }
 
+    /// Freezes every connection open now, for good: their bytes stop and their sockets stay
+    /// open, while connections accepted later flow.
+    pub fn freeze_open_connections(&self) {
+        let upto = self.accepted();
+        self.frozen_upto.send_modify(|n| *n = (*n).max(upto));
+    }
+
     /// Connections accepted since start.
     pub fn accepted(&self) -> u64 {
         *self.accepted.lock().unwrap()
@@ -111,16 +128,31 @@ impl Drop for Proxy {
     }
 }
 
+/// What every connection watches.
+#[derive(Clone)]
+struct Watches {
+    fault: watch::Receiver<Fault>,
+    generation: watch::Receiver<u64>,
+    frozen_upto: watch::Receiver<u64>,
+}
+
 async fn accept_loop(
     listener: TcpListener,
     upstream: SocketAddr,
-    fault: watch::Receiver<Fault>,
-    generation: watch::Receiver<u64>,
+    watches: Watches,
     accepted: Arc<Mutex<u64>>,
 ) {
     while let Ok((client, _)) = listener.accept().await {
-        *accepted.lock().unwrap() += 1;
-        let (fault, generation) = (fault.clone(), generation.clone());
+        let serial = {
+            let mut n = accepted.lock().unwrap();
+            *n += 1;
+            *n
+        };
+        let Watches {
+            fault,
+            generation,
+            frozen_upto,
+        } = watches.clone();
         tokio::spawn(async move {
             let Ok(server) = TcpStream::connect(upstream).await else {
                 return; // the client sees its connection closed, as with a dead server
@@ -130,8 +162,12 @@ async fn accept_loop(
             let born = *generation.borrow();
             let (client_read, client_write) = client.into_split();
             let (server_read, server_write) = server.into_split();
-            let up = pump(client_read, server_write, fault.clone());
-            let down = pump(server_read, client_write, fault);
+            let frozen = Frozen {
+                serial,
+                upto: frozen_upto,
+            };
+            let up = pump(client_read, server_write, fault.clone(), frozen.clone());
+            let down = pump(server_read, client_write, fault, frozen);
             let mut generation = generation;
             // Either direction ending (EOF, error) or a newer generation closes both.
             tokio::select! {
@@ -146,10 +182,18 @@ async fn accept_loop(
 /// Copies `from` to `to`, applying the fault: a chunk read at time t is written at
 /// t + latency (chunks keep their order and overlap their waits, as on a long link), and
 /// nothing is written while frozen.
+/// Connection `serial`'s part of [`Proxy::freeze_open_connections`].
+#[derive(Clone)]
+struct Frozen {
+    serial: u64,
+    upto: watch::Receiver<u64>,
+}
+
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut fault: watch::Receiver<Fault>,
+    mut frozen: Frozen,
 ) {
     // Bounded: a frozen or slow writer pushes back on the reader, as TCP would.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Vec<u8>)>(64);
@@ -168,6 +212,11 @@ async fn pump(
     };
     let write = async move {
         while let Some((read_at, chunk)) = rx.recv().await {
+            while frozen.serial <= *frozen.upto.borrow_and_update() {
+                if frozen.upto.changed().await.is_err() {
+                    return;
+                }
+            }
             loop {
                 let now = *fault.borrow_and_update();
                 match now {
