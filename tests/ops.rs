@@ -219,9 +219,12 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
     assert_eq!(code, Some(0));
 }
 
-#[test]
-fn the_systemd_unit_verifies() {
-    let unit = include_str!("../systemd/outbox-relay.service");
+const UNIT: &str = include_str!("../systemd/outbox-relay.service");
+const TEMPLATE: &str = include_str!("../systemd/outbox-relay@.service");
+
+/// What the contract asks of a unit (section 9): `Type=notify` with a watchdog, `check`
+/// before start, hardening, and a stop timeout above the default drain_timeout of 25s.
+fn assert_hardened_notify_unit(name: &str, unit: &str) {
     for directive in [
         "Type=notify",
         "ExecStartPre=/usr/bin/outbox-relay check",
@@ -234,29 +237,93 @@ fn the_systemd_unit_verifies() {
         "RestrictAddressFamilies=",
         "SystemCallFilter=@system-service",
     ] {
-        assert!(unit.contains(directive), "missing {directive}");
+        assert!(unit.contains(directive), "{name}: missing {directive}");
     }
-    // TimeoutStopSec above the default drain_timeout of 25s.
     let stop: u64 = unit
         .lines()
         .find_map(|l| l.strip_prefix("TimeoutStopSec="))
         .unwrap()
         .parse()
         .unwrap();
-    assert!(stop > 25);
-    // systemd-analyze checks the binary paths exist: point them at the built binary.
-    let dir = std::env::temp_dir().join(format!("outbox-relay-unit-{}", std::process::id()));
+    assert!(stop > 25, "{name}: TimeoutStopSec={stop}");
+}
+
+/// `systemd-analyze verify` on `verified` (a unit, or an instance of a template), with
+/// `file_name` holding `unit` in an otherwise empty directory; it must pass without a
+/// word. systemd-analyze checks that the binary paths exist: they point at the built one.
+fn assert_systemd_analyze_verifies(file_name: &str, unit: &str, verified: &str) {
+    let dir = std::env::temp_dir().join(format!(
+        "outbox-relay-unit-{}-{}",
+        std::process::id(),
+        file_name.replace('@', "-at-")
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let _cleanup = TempDir(dir.clone());
-    let path = dir.join("outbox-relay.service");
-    std::fs::write(&path, unit.replace("/usr/bin/outbox-relay", BIN)).unwrap();
+    std::fs::write(
+        dir.join(file_name),
+        unit.replace("/usr/bin/outbox-relay", BIN),
+    )
+    .unwrap();
     let out = std::process::Command::new("systemd-analyze")
         .arg("verify")
-        .arg(&path)
+        .arg(dir.join(verified))
         .output_within(RUN_LIMIT)
         .expect("systemd-analyze (package systemd; scripts/install-deps installs it)");
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(out.stderr.is_empty(), "{}", text(&out));
+    assert!(out.status.success(), "{verified}: {}", text(&out));
+    assert!(out.stderr.is_empty(), "{verified}: {}", text(&out));
+}
+
+/// The lines systemd reads: no comments, no blank lines.
+fn directives(unit: &str) -> Vec<&str> {
+    unit.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect()
+}
+
+#[test]
+fn the_systemd_unit_verifies() {
+    assert_hardened_notify_unit("outbox-relay.service", UNIT);
+    assert_systemd_analyze_verifies("outbox-relay.service", UNIT, "outbox-relay.service");
+}
+
+/// Several databases on one VM: instance NAME of `outbox-relay@.service` reads
+/// `/etc/outbox-relay/NAME.toml` (contract section 9), and is otherwise the single unit,
+/// directive for directive, so the template can never fall behind on hardening.
+#[test]
+fn the_template_unit_runs_one_relay_per_config_with_the_units_hardening() {
+    assert_hardened_notify_unit("outbox-relay@.service", TEMPLATE);
+    let per_instance = [
+        (
+            "Description=outbox-relay: ",
+            "Description=outbox-relay %i: ",
+        ),
+        (
+            "Environment=OUTBOX_RELAY_CONFIG=/etc/outbox-relay/relay.toml",
+            "Environment=OUTBOX_RELAY_CONFIG=/etc/outbox-relay/%i.toml",
+        ),
+        (
+            "EnvironmentFile=-/etc/outbox-relay/relay.env",
+            "EnvironmentFile=-/etc/outbox-relay/%i.env",
+        ),
+    ];
+    let mut expected = UNIT.to_owned();
+    for (single, instance) in per_instance {
+        assert!(UNIT.contains(single), "outbox-relay.service lacks {single}");
+        assert!(TEMPLATE.contains(instance), "the template lacks {instance}");
+        expected = expected.replace(single, instance);
+    }
+    assert_eq!(
+        directives(TEMPLATE),
+        directives(&expected),
+        "outbox-relay@.service must be outbox-relay.service but for the instance's config"
+    );
+    // Verified as systemd loads it: an instance, with %i expanded.
+    assert_systemd_analyze_verifies(
+        "outbox-relay@.service",
+        TEMPLATE,
+        "outbox-relay@payments.service",
+    );
 }
 
 #[test]
