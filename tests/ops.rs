@@ -359,6 +359,87 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
     assert!(grace > 25);
 }
 
+/// Kubernetes versions the examples are validated against: 1.29, the first with native
+/// sidecars on by default (an init container's `restartPolicy: Always`, which the schema
+/// of 1.27 refuses), and the newest the pinned kubernetes-validate bundles.
+const KUBERNETES_VERSIONS: [&str; 2] = ["1.29.0", "1.37.0"];
+
+/// kubernetes-validate (PyPI), as `scripts/install-deps --kubernetes-validate` installs it:
+/// `$KUBERNETES_VALIDATE`, else its venv under ~/.cache, else the one on PATH.
+fn kubernetes_validate() -> std::process::Command {
+    let program = std::env::var_os("KUBERNETES_VALIDATE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            let home = std::env::var_os("HOME")?;
+            let venv = std::path::Path::new(&home)
+                .join(".cache/outbox-relay/kubernetes-validate/bin/kubernetes-validate");
+            venv.exists().then_some(venv)
+        })
+        .unwrap_or_else(|| "kubernetes-validate".into());
+    std::process::Command::new(program)
+}
+
+/// Runs kubernetes-validate in strict mode (an unknown field is an error) on `file`.
+fn validate_manifest(file: &std::path::Path, version: &str) -> std::process::Output {
+    kubernetes_validate()
+        .args(["--strict", "--quiet", "--kubernetes-version", version])
+        .arg(file)
+        .output_within(RUN_LIMIT)
+        .expect("kubernetes-validate (scripts/install-deps --kubernetes-validate installs it)")
+}
+
+/// Every manifest in examples/ is valid against the Kubernetes schema (strict: a misspelt
+/// field fails), offline, with the schemas kubernetes-validate bundles.
+#[test]
+fn the_kubernetes_examples_validate_against_the_kubernetes_schema() {
+    let examples = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut manifests: Vec<_> = std::fs::read_dir(&examples)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .collect();
+    manifests.sort();
+    assert!(
+        !manifests.is_empty(),
+        "no manifest in {}",
+        examples.display()
+    );
+    for manifest in &manifests {
+        for version in KUBERNETES_VERSIONS {
+            let out = validate_manifest(manifest, version);
+            assert!(
+                out.status.success(),
+                "{} against Kubernetes {version}: {}",
+                manifest.display(),
+                text(&out)
+            );
+        }
+    }
+    // The check can fail: the sidecar example with one field misspelt does.
+    let dir = std::env::temp_dir().join(format!("outbox-relay-k8s-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let _cleanup = TempDir(dir.clone());
+    let broken = dir.join("misspelt.yaml");
+    let sidecar = std::fs::read_to_string(examples.join("kubernetes-sidecar.yaml")).unwrap();
+    let misspelt = sidecar.replace(
+        "terminationGracePeriodSeconds:",
+        "terminationGracePeriodSecond:",
+    );
+    assert_ne!(misspelt, sidecar);
+    std::fs::write(&broken, misspelt).unwrap();
+    let out = validate_manifest(&broken, KUBERNETES_VERSIONS[0]);
+    assert!(
+        !out.status.success(),
+        "a misspelt field passed: {}",
+        text(&out)
+    );
+    assert!(
+        text(&out).contains("terminationGracePeriodSecond"),
+        "{}",
+        text(&out)
+    );
+}
+
 /// A relay whose stderr was closed (its log reader went away) loses log lines, nothing
 /// else: it still relays, and still stops on SIGTERM. A failed log write used to panic the
 /// thread that logged, the signal thread included, and SIGTERM then did nothing.
