@@ -15,12 +15,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-/// A free TCP port on 127.0.0.1 (bound, read, released).
+/// A free TCP port on 127.0.0.1 (bound, read, released), never one this process was given
+/// before: the kernel may hand out a released port again at once, and a server given the
+/// same port for two listeners fails to start (CI: a NATS cluster node's monitor and route
+/// ports, both 35185, "address already in use").
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind an ephemeral port on 127.0.0.1")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("bind an ephemeral port on 127.0.0.1");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A fresh empty directory under the system temp dir, removed by the server's Drop.
