@@ -239,7 +239,8 @@ async fn run_phases(
     };
     let mut rows = claimed.rows;
     if rows.is_empty() {
-        shared.source.bounded(tx.rollback()).await?;
+        // Sent, not waited for: the session's next transaction follows the ROLLBACK.
+        tx.rollback()?;
         return Ok(if claimed.contended {
             Batch::Contended
         } else {
@@ -540,13 +541,6 @@ async fn finalize(
     table: &TablePlan,
     settlement: &Settlement,
 ) -> Result<Vec<i64>, SourceError> {
-    if !settlement.published.is_empty() {
-        let sql = match shared.relay.on_publish {
-            OnPublish::Delete => &table.sql.delete,
-            OnPublish::Mark => &table.sql.mark,
-        };
-        tx.execute(sql, &[&settlement.published]).await?;
-    }
     let mut dead = Vec::new();
     let postponed = &settlement.postponed;
     if !postponed.ids.is_empty() {
@@ -565,7 +559,16 @@ async fn finalize(
             }
         }
     }
-    tx.commit().await?;
+    // The published rows' delete or mark travels with the COMMIT: one round trip.
+    if settlement.published.is_empty() {
+        tx.commit().await?;
+    } else {
+        let sql = match shared.relay.on_publish {
+            OnPublish::Delete => &table.sql.delete,
+            OnPublish::Mark => &table.sql.mark,
+        };
+        tx.execute_and_commit(sql, &[&settlement.published]).await?;
+    }
     Ok(dead)
 }
 

@@ -126,11 +126,26 @@ pub fn describe(e: &tokio_postgres::Error) -> String {
 /// `postgres.prepared_statements = false` (PgBouncer before 1.21 in transaction mode, which
 /// cannot keep a prepared statement across transactions) every call runs as the unnamed
 /// statement with its parameter types given, learnt once per process (see [`Tx::typed`]).
+///
+/// # Round trips
+///
+/// A database in another zone pays each round trip in full, so the transaction's own
+/// statements share them: `BEGIN` goes out with the first statement ([`Tx::begin`] does not
+/// wait for its answer), the last statement goes out with `COMMIT`
+/// ([`Tx::execute_and_commit`]), and a transaction dropped unfinished (an empty claim, a
+/// claim cancelled by `stop`) sends `ROLLBACK` without waiting for it. PostgreSQL runs what
+/// one connection sends in order, so this changes when the client waits, never what runs:
+/// a statement sent before `COMMIT` is inside the transaction (if it fails, the transaction
+/// is aborted and the `COMMIT` that follows rolls it back), and a session's next `BEGIN`
+/// comes after its `ROLLBACK`. `tokio-postgres` puts a request on the wire when its future
+/// is first polled; the code below polls each statement once before creating the next.
 pub struct Tx<'a> {
-    tx: deadpool_postgres::Transaction<'a>,
+    client: &'a deadpool_postgres::ClientWrapper,
     /// `None`: cached mode. Else the parameter types of each SQL text, for the unnamed
     /// statement.
     typed: Option<Arc<ParamTypes>>,
+    /// `COMMIT` or `ROLLBACK` was sent.
+    done: bool,
 }
 
 /// The parameter types of each SQL text the relay runs, learnt from its first prepare in
@@ -138,26 +153,47 @@ pub struct Tx<'a> {
 pub type ParamTypes = std::sync::RwLock<std::collections::HashMap<String, Arc<[Type]>>>;
 
 impl<'a> Tx<'a> {
+    /// Sends `BEGIN` without waiting for its answer: the first statement follows it in the
+    /// same round trip. (`BEGIN` fails only when the connection does, which that statement
+    /// reports.) In [`SessionMode::Pooled`] the `SET LOCAL` settings are waited for: a
+    /// setting the server refused must be reported as itself.
     async fn begin(
         session: &'a mut deadpool_postgres::Object,
         typed: Option<Arc<ParamTypes>>,
         set_local: Option<&str>,
     ) -> Result<Tx<'a>, SourceError> {
-        let tx = session.transaction().await?;
+        let client: &'a deadpool_postgres::ClientWrapper = session;
+        let tx = Tx {
+            client,
+            typed,
+            done: false,
+        };
+        tx.send_only("BEGIN")?;
         if let Some(settings) = set_local {
-            tx.batch_execute(settings).await?;
+            tx.client.batch_execute(settings).await?;
         }
-        Ok(Tx { tx, typed })
+        Ok(tx)
+    }
+
+    /// Puts `sql` (a simple query) on the wire and lets its answer go unread.
+    fn send_only(&self, sql: &str) -> Result<(), SourceError> {
+        use futures_util::FutureExt as _;
+        // The first poll sends the query; it can only be ready at once with an error (the
+        // connection is closed).
+        match self.client.batch_execute(sql).now_or_never() {
+            Some(Err(e)) => Err(e.into()),
+            _ => Ok(()),
+        }
     }
 
     /// The transaction as a plain client, for code that takes any client (catalog reads).
-    pub fn client(&self) -> &tokio_postgres::Transaction<'a> {
-        &self.tx
+    pub fn client(&self) -> &tokio_postgres::Client {
+        self.client
     }
 
     /// The session's prepared statement for `sql` (cached mode only).
     async fn cached(&self, sql: &str) -> Result<tokio_postgres::Statement, SourceError> {
-        Ok(self.tx.prepare_cached(sql).await?)
+        Ok(self.client.prepare_cached(sql).await?)
     }
 
     /// `params` with their types, for the unnamed statement (uncached mode).
@@ -188,7 +224,7 @@ impl<'a> Tx<'a> {
         let types = match known {
             Some(types) => types,
             None => {
-                let types: Arc<[Type]> = self.tx.prepare(sql).await?.params().into();
+                let types: Arc<[Type]> = self.client.prepare(sql).await?.params().into();
                 cache
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
@@ -205,9 +241,9 @@ impl<'a> Tx<'a> {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, SourceError> {
         Ok(if self.typed.is_none() {
-            self.tx.query(&self.cached(sql).await?, params).await?
+            self.client.query(&self.cached(sql).await?, params).await?
         } else {
-            self.tx
+            self.client
                 .query_typed(sql, &self.typed(sql, params).await?)
                 .await?
         })
@@ -219,10 +255,12 @@ impl<'a> Tx<'a> {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<tokio_postgres::Row, SourceError> {
         Ok(if self.typed.is_none() {
-            self.tx.query_one(&self.cached(sql).await?, params).await?
+            self.client
+                .query_one(&self.cached(sql).await?, params)
+                .await?
         } else {
             let typed = self.typed(sql, params).await?;
-            self.tx.query_typed_one(sql, &typed).await?
+            self.client.query_typed_one(sql, &typed).await?
         })
     }
 
@@ -232,19 +270,84 @@ impl<'a> Tx<'a> {
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, SourceError> {
         Ok(if self.typed.is_none() {
-            self.tx.execute(&self.cached(sql).await?, params).await?
+            self.client
+                .execute(&self.cached(sql).await?, params)
+                .await?
         } else {
             let typed = self.typed(sql, params).await?;
-            self.tx.execute_typed(sql, &typed).await?
+            self.client.execute_typed(sql, &typed).await?
         })
     }
 
-    pub async fn commit(self) -> Result<(), SourceError> {
-        Ok(self.tx.commit().await?)
+    /// Runs `sql` and commits, in one round trip: the statement is sent, then `COMMIT`,
+    /// then both answers are read. When the statement fails the transaction is aborted, so
+    /// the `COMMIT` behind it rolls back: the statement's error is returned and nothing of
+    /// the transaction took effect.
+    pub async fn execute_and_commit(
+        mut self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> Result<u64, SourceError> {
+        // What may wait on the server (a statement's first prepare on the session, the
+        // process's first look at its parameter types) is done before anything is sent.
+        let typed = match self.typed {
+            None => Err(self.cached(sql).await?),
+            Some(_) => Ok(self.typed(sql, params).await?),
+        };
+        let run = async {
+            match &typed {
+                Err(statement) => self.client.execute(statement, params).await,
+                Ok(typed) => self.client.execute_typed(sql, typed).await,
+            }
+        };
+        let mut run = std::pin::pin!(run);
+        // The first poll puts the statement on the wire. It may also finish it: the
+        // connection's task runs on another thread, and a worker thread descheduled between
+        // sending and reading finds the whole answer there (seen under load: 1 batch in a few
+        // thousand). Finished or not, the COMMIT must still be sent; a transaction dropped
+        // here rolls back what it published, and its rows go out again (caught by
+        // `nats_relay::same_key_rows_arrive_in_id_order_across_workers_and_processes`).
+        let first = futures_util::poll!(run.as_mut());
+        if let std::task::Poll::Ready(Err(e)) = first {
+            return Err(e.into()); // dropped: ROLLBACK
+        }
+        self.done = true;
+        let commit = self.client.batch_execute("COMMIT");
+        let n = match first {
+            std::task::Poll::Ready(ran) => {
+                let n = ran?;
+                commit.await?;
+                n
+            }
+            std::task::Poll::Pending => {
+                let (ran, committed) = futures_util::future::join(run, commit).await;
+                // A failed statement aborted the transaction: the COMMIT rolled it back.
+                let n = ran?;
+                committed?;
+                n
+            }
+        };
+        Ok(n)
     }
 
-    pub async fn rollback(self) -> Result<(), SourceError> {
-        Ok(self.tx.rollback().await?)
+    pub async fn commit(mut self) -> Result<(), SourceError> {
+        self.done = true;
+        Ok(self.client.batch_execute("COMMIT").await?)
+    }
+
+    /// Ends the transaction without waiting for the server: `ROLLBACK` is sent, and the
+    /// session's next statement follows it.
+    pub fn rollback(mut self) -> Result<(), SourceError> {
+        self.done = true;
+        self.send_only("ROLLBACK")
+    }
+}
+
+impl Drop for Tx<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.send_only("ROLLBACK");
+        }
     }
 }
 

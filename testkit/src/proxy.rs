@@ -8,6 +8,7 @@
 //! any test runtime; dropping the [`Proxy`] stops it and closes every connection.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,6 +37,8 @@ pub struct Proxy {
     /// Connections numbered up to this one (from 1, in accept order) are frozen.
     frozen_upto: watch::Sender<u64>,
     accepted: Arc<Mutex<u64>>,
+    /// See [`Proxy::round_trips`].
+    turns: Arc<AtomicU64>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -52,6 +55,8 @@ impl Proxy {
         let accepted = Arc::new(Mutex::new(0));
         let (stop, stop_rx) = tokio::sync::oneshot::channel();
         let counter = accepted.clone();
+        let turns = Arc::new(AtomicU64::new(0));
+        let turns_counted = turns.clone();
         let thread = std::thread::Builder::new()
             .name(format!("proxy-{}", addr.port()))
             .spawn(move || {
@@ -66,7 +71,7 @@ impl Proxy {
                         generation: generation_rx,
                         frozen_upto: frozen_rx,
                     };
-                    let accept = accept_loop(listener, upstream, watches, counter);
+                    let accept = accept_loop(listener, upstream, watches, counter, turns_counted);
                     tokio::select! {
                         _ = accept => {}
                         _ = stop_rx => {}
@@ -79,6 +84,7 @@ impl Proxy {
             generation,
             frozen_upto,
             accepted,
+            turns,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -108,6 +114,15 @@ impl Proxy {
     pub fn freeze_open_connections(&self) {
         let upto = self.accepted();
         self.frozen_upto.send_modify(|n| *n = (*n).max(upto));
+    }
+
+    /// Round trips so far, over every connection: the times a client sent something after
+    /// the last thing it sent was answered (its first send included). Requests sent one
+    /// behind the other without waiting for an answer (pipelined) count once, as long as
+    /// their answers take longer to come back than the client takes to send them: count
+    /// with a latency set.
+    pub fn round_trips(&self) -> u64 {
+        self.turns.load(Ordering::SeqCst)
     }
 
     /// Connections accepted since start.
@@ -141,6 +156,7 @@ async fn accept_loop(
     upstream: SocketAddr,
     watches: Watches,
     accepted: Arc<Mutex<u64>>,
+    turns: Arc<AtomicU64>,
 ) {
     while let Ok((client, _)) = listener.accept().await {
         let serial = {
@@ -153,6 +169,7 @@ async fn accept_loop(
             generation,
             frozen_upto,
         } = watches.clone();
+        let turns = turns.clone();
         tokio::spawn(async move {
             let Ok(server) = TcpStream::connect(upstream).await else {
                 return; // the client sees its connection closed, as with a dead server
@@ -166,8 +183,26 @@ async fn accept_loop(
                 serial,
                 upto: frozen_upto,
             };
-            let up = pump(client_read, server_write, fault.clone(), frozen.clone());
-            let down = pump(server_read, client_write, fault, frozen);
+            // The client was answered (or has yet to speak): its next send is a new turn.
+            let answered = Arc::new(AtomicBool::new(true));
+            let up_turns = Turns::Up {
+                answered: answered.clone(),
+                turns,
+            };
+            let up = pump(
+                client_read,
+                server_write,
+                fault.clone(),
+                frozen.clone(),
+                up_turns,
+            );
+            let down = pump(
+                server_read,
+                client_write,
+                fault,
+                frozen,
+                Turns::Down(answered),
+            );
             let mut generation = generation;
             // Either direction ending (EOF, error) or a newer generation closes both.
             tokio::select! {
@@ -179,9 +214,6 @@ async fn accept_loop(
     }
 }
 
-/// Copies `from` to `to`, applying the fault: a chunk read at time t is written at
-/// t + latency (chunks keep their order and overlap their waits, as on a long link), and
-/// nothing is written while frozen.
 /// Connection `serial`'s part of [`Proxy::freeze_open_connections`].
 #[derive(Clone)]
 struct Frozen {
@@ -189,14 +221,30 @@ struct Frozen {
     upto: watch::Receiver<u64>,
 }
 
+/// A connection's part of [`Proxy::round_trips`], by direction.
+enum Turns {
+    /// Client to server: a chunk read while `answered` is a new turn.
+    Up {
+        answered: Arc<AtomicBool>,
+        turns: Arc<AtomicU64>,
+    },
+    /// Server to client: a chunk delivered sets `answered`.
+    Down(Arc<AtomicBool>),
+}
+
+/// Copies `from` to `to`, applying the fault: a chunk read at time t is written at
+/// t + latency (chunks keep their order and overlap their waits, as on a long link), and
+/// nothing is written while frozen.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     mut fault: watch::Receiver<Fault>,
     mut frozen: Frozen,
+    turns: Turns,
 ) {
     // Bounded: a frozen or slow writer pushes back on the reader, as TCP would.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Vec<u8>)>(64);
+    let turns = &turns;
     let read = async move {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
@@ -204,6 +252,11 @@ async fn pump(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if let Turns::Up { answered, turns } = turns {
+                if answered.swap(false, Ordering::SeqCst) {
+                    turns.fetch_add(1, Ordering::SeqCst);
+                }
+            }
             let chunk = (tokio::time::Instant::now(), buf[..n].to_vec());
             if tx.send(chunk).await.is_err() {
                 return;
@@ -234,6 +287,9 @@ async fn pump(
             }
             if to.write_all(&chunk).await.is_err() {
                 return;
+            }
+            if let Turns::Down(answered) = turns {
+                answered.store(true, Ordering::SeqCst);
             }
         }
     };

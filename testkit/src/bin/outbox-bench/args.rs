@@ -51,6 +51,10 @@ pub(crate) struct Args {
     /// Only the partial failures: K (one Kafka broker down); see `partial.rs`.
     #[arg(long)]
     pub(crate) partial: bool,
+    /// Only the distant database: L (the NATS drain with 1, 5, 10 and 20 ms round trips to
+    /// PostgreSQL); see `distant.rs`.
+    #[arg(long)]
+    pub(crate) distant: bool,
     /// With `--scale`: only these of S, I and E3 (comma-separated, e.g. `S,E3`).
     #[arg(long, value_name = "PARTS", default_value = "S,I,E3")]
     pub(crate) scale_parts: String,

@@ -267,9 +267,34 @@ impl Bench {
         extra: &str,
         left: i64,
     ) -> Result<Row> {
+        let text = self.config_text(sink, ordering) + extra;
+        self.timed_drain_of_config(sink, ordering, rows, &text, left)
+            .await
+    }
+
+    /// L: the NATS key-ordered drain of `rows` rows with the database at `url`.
+    pub(crate) async fn timed_drain_at(&self, url: &str, rows: i64) -> Result<Row> {
+        let text = self.config_text("nats", "key").replace(
+            &format!("url = \"{}\"", self.db_url),
+            &format!("url = \"{url}\""),
+        );
+        self.timed_drain_of_config("nats", "key", rows, &text, 0)
+            .await
+    }
+
+    /// Runs `outbox-relay drain` with the config `text`; checks that the broker stored
+    /// `rows` messages more and that `left` rows stay in the table.
+    async fn timed_drain_of_config(
+        &self,
+        sink: &'static str,
+        ordering: &'static str,
+        rows: i64,
+        text: &str,
+        left: i64,
+    ) -> Result<Row> {
         let stored_before = self.stored_before(sink).await?;
         let path = self.dir.join(format!("{sink}-{ordering}.toml"));
-        std::fs::write(&path, self.config_text(sink, ordering) + extra)?;
+        std::fs::write(&path, text)?;
         let started = Instant::now();
         let machine = MachineCpu::now();
         let child = Command::new(&self.a.relay)

@@ -39,7 +39,8 @@
 //! shipped) unless `--fast`; shared_buffers and checkpoints are sized for the data set
 //! ([`PG_SETTINGS`]), and the settings used are printed with the results.
 //!
-//! `--scale` runs only S, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`).
+//! `--scale` runs only S, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`),
+//! `--distant` only L (`distant.rs`: the database behind a proxy adding 1-20 ms).
 //!
 //! Flags and their defaults: `outbox-bench --help` ([`args::Args`]). One idea per module:
 //! `args` (the command line), `drain` (A, B, C, C', E and F: the limits and the timed
@@ -49,6 +50,7 @@
 
 mod args;
 mod cpu;
+mod distant;
 mod drain;
 mod partial;
 mod report;
@@ -252,6 +254,14 @@ async fn main() -> Result<()> {
         let partial = bench.partial().await?;
         let _ = std::fs::remove_dir_all(&bench.dir);
         partial::print(&partial);
+        return Ok(());
+    }
+    if bench.a.distant {
+        let runs = bench.distant().await?;
+        let settings = report::settings(&bench.pg).await?;
+        let _ = std::fs::remove_dir_all(&bench.dir);
+        println!("PostgreSQL: {settings}");
+        distant::print(&runs);
         return Ok(());
     }
     if bench.a.scale {

@@ -244,7 +244,7 @@ impl Bench {
             .query(
                 "SELECT calls, total_exec_time::float8, shared_blks_hit + shared_blks_read, \
                  left(regexp_replace(query, '\\s+', ' ', 'g'), 100) FROM pg_stat_statements \
-                 WHERE calls > 1 ORDER BY total_exec_time DESC LIMIT 8",
+                 WHERE calls > 1 ORDER BY total_exec_time DESC LIMIT 12",
                 &[],
             )
             .await?;

@@ -1,0 +1,161 @@
+//! A database in another zone: a batch's transaction shares its round trips. `BEGIN` goes
+//! out with the claim's first statement, the published rows' delete with the `COMMIT`, and
+//! an empty claim's `ROLLBACK` with the next transaction's `BEGIN` (see `source::Tx`).
+//! Counted through `testkit::Proxy` with a latency, which counts the times a client spoke
+//! again after being answered; the speed-up itself is measured by `outbox-bench --distant`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_relay::source::{SessionLimits, Source};
+
+/// A `Source` for `env`'s database through `proxy` (its `[postgres]` gets `extra`).
+async fn source_through(env: &Env, proxy: &testkit::Proxy, extra: &str) -> Source {
+    let text = std::fs::read_to_string(&env.config)
+        .unwrap()
+        .replace(
+            &format!(":{}/", env.pg.port()),
+            &format!(":{}/", proxy.port()),
+        )
+        .replace("pool_size = 16", &format!("pool_size = 16\n{extra}"));
+    std::fs::write(&env.config, text).unwrap();
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let limits = SessionLimits::one_shot(&config.postgres);
+    Source::open(&config.postgres, limits).await.unwrap()
+}
+
+/// Waits until the relay's sessions have no transaction open: a `ROLLBACK` sent unwaited
+/// has reached the server (so it is counted before what follows, not with it).
+async fn settled(client: &tokio_postgres::Client) {
+    wait_until("the sessions idle", Duration::from_secs(5), async || {
+        count(
+            client,
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = 'outbox-relay' AND state = 'idle in transaction'",
+        )
+        .await
+            == 0
+    })
+    .await;
+}
+
+/// One claim-shaped transaction that found rows: read them, then delete them with the
+/// commit.
+async fn claim_and_delete(source: &Source, ids: &[i64]) {
+    let mut session = source.session().await.unwrap();
+    let tx = source.begin(&mut session).await.unwrap();
+    let found = tx
+        .query(
+            "SELECT id FROM public.outbox WHERE id = ANY($1) FOR UPDATE SKIP LOCKED",
+            &[&ids],
+        )
+        .await
+        .unwrap();
+    assert_eq!(found.len(), ids.len());
+    let deleted = tx
+        .execute_and_commit("DELETE FROM public.outbox WHERE id = ANY($1)", &[&ids])
+        .await
+        .unwrap();
+    assert_eq!(deleted, ids.len() as u64);
+}
+
+/// One claim-shaped transaction that found nothing.
+async fn empty_claim(source: &Source) {
+    let mut session = source.session().await.unwrap();
+    let tx = source.begin(&mut session).await.unwrap();
+    let found = tx
+        .query("SELECT id FROM public.outbox WHERE id < 0", &[])
+        .await
+        .unwrap();
+    assert!(found.is_empty());
+    tx.rollback().unwrap();
+}
+
+/// Before: `BEGIN`, the claim, the delete and `COMMIT` each waited a round trip (4), and
+/// two empty claims on one session cost 5 (`BEGIN`, claim, `ROLLBACK`, twice, less nothing).
+/// Now: 2 for the batch; 3 sends-after-an-answer for the two empty claims (the first
+/// `ROLLBACK` is sent after the claim's answer, the second transaction's `BEGIN` goes with
+/// it), of which only the two claims are waited for.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_the_commit() {
+    for prepared in ["true", "false"] {
+        let env = Env::new("").await;
+        let client = env.client().await;
+        seed(&client, 4, 2, 0).await;
+        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+        let source =
+            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        // The statements' first use prepares them (or learns their types): not counted.
+        claim_and_delete(&source, &[1]).await;
+        empty_claim(&source).await;
+        settled(&client).await;
+        proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
+        let before = proxy.round_trips();
+        claim_and_delete(&source, &[2, 3]).await;
+        let batch = proxy.round_trips() - before;
+        let before = proxy.round_trips();
+        empty_claim(&source).await;
+        empty_claim(&source).await;
+        settled(&client).await;
+        let empty = proxy.round_trips() - before;
+        assert_eq!(
+            (batch, empty),
+            (2, 3),
+            "round trips of a batch and of two empty claims (prepared_statements = {prepared})"
+        );
+        assert_eq!(
+            count(&client, "SELECT count(*) FROM public.outbox").await,
+            1,
+            "rows 1-3 deleted, 4 left"
+        );
+    }
+}
+
+/// The delete sent with the `COMMIT` is inside the transaction: when it fails, the
+/// transaction is rolled back whole (the `COMMIT` behind it answers as a rollback) and the
+/// error is the statement's; when it succeeds, everything commits.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction() {
+    for prepared in ["true", "false"] {
+        let env = Env::new("").await;
+        let client = env.client().await;
+        seed(&client, 3, 3, 0).await;
+        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+        let source =
+            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        proxy.set(testkit::Fault::Latency(Duration::from_millis(5)));
+        let failing = async |source: &Source| {
+            let mut session = source.session().await.unwrap();
+            let tx = source.begin(&mut session).await.unwrap();
+            let deleted = tx
+                .execute("DELETE FROM public.outbox WHERE id = 1", &[])
+                .await
+                .unwrap();
+            assert_eq!(deleted, 1);
+            // Division by zero for row 2, raised by the server while deleting.
+            tx.execute_and_commit(
+                "DELETE FROM public.outbox WHERE id = $1 AND 1 / (id - 2) = 0",
+                &[&2i64],
+            )
+            .await
+        };
+        let error = failing(&source).await.unwrap_err().to_string();
+        assert!(
+            error.contains("division by zero"),
+            "the statement's own error, got: {error}"
+        );
+        assert_eq!(
+            column::<i64, Vec<i64>>(&client, "SELECT id FROM public.outbox ORDER BY id", &[]).await,
+            vec![1, 2, 3],
+            "nothing of the failed transaction committed (prepared_statements = {prepared})"
+        );
+        // The session is usable afterwards and the next transaction commits whole.
+        claim_and_delete(&source, &[1, 2]).await;
+        assert_eq!(
+            column::<i64, Vec<i64>>(&client, "SELECT id FROM public.outbox ORDER BY id", &[]).await,
+            vec![3]
+        );
+    }
+}
