@@ -802,6 +802,24 @@ async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_
     .await;
     let dead_sql = "SELECT count(*) FROM public.outbox WHERE dead_at IS NOT NULL";
     let attempts_sql = "SELECT COALESCE(sum(attempts), 0)::int8 FROM public.outbox";
+    // Batches claimed before the pause finish (the contract: a paused table stops being
+    // claimed; what is in flight settles): the count is read once they have (it held still
+    // for 300 ms; one run read it while the last batch's commit was on its way).
+    let mut last = -1;
+    wait_until(
+        "the batches in flight to settle",
+        Duration::from_secs(10),
+        async || {
+            let now = count(&client, attempts_sql).await;
+            let settled = now == last;
+            last = now;
+            if !settled {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            settled
+        },
+    )
+    .await;
     let (dead, attempts) = (
         count(&client, dead_sql).await,
         count(&client, attempts_sql).await,
