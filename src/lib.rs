@@ -24,7 +24,7 @@
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.
 //! - [`check`]: the `check` command's findings.
-//! - [`admin`]: the `status` and `requeue` commands.
+//! - [`admin`]: the `status`, `requeue`, `replay` and `pause`/`resume` commands.
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
 //! - [`retry`]: the one capped exponential backoff with full jitter everyone uses.
 

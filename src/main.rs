@@ -260,8 +260,6 @@ async fn relay_until_stopped(
     }
 }
 
-/// How the process reports the error that ends it: `error: ...` on stderr, or one JSON
-/// log line with `--log-format json`, so log pipelines see it like any other event.
 /// A line on stdout; lost, not a panic, when stdout is closed (`outbox-relay status | head`).
 fn say(line: &str) {
     use std::io::Write;
@@ -276,6 +274,8 @@ fn say_err(line: &str) {
 
 static LOG_FORMAT: std::sync::OnceLock<LogFormat> = std::sync::OnceLock::new();
 
+/// How the process reports the error that ends it: `error: ...` on stderr, or one JSON
+/// log line with `--log-format json`, so log pipelines see it like any other event.
 fn fail(message: &str) {
     match LOG_FORMAT.get() {
         Some(LogFormat::Json) => tracing::error!(error = %message, "Exiting on an error"),
