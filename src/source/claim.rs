@@ -234,7 +234,14 @@ pub async fn claim_batch(
             rows: claim_unordered(tx, sql, budget, floor).await?,
             contended: false,
         }),
-        Ordering::Key => claim_by_key(tx, sql, budget, lane, floor, depth).await,
+        Ordering::Key => {
+            let (claimed, deferred) = claim_by_key(tx, sql, budget, lane, floor, depth).await?;
+            if claimed.rows.is_empty() && deferred {
+                // Left everything to lower lanes that may not be claiming: see claim_by_key.
+                return Ok(claim_by_key(tx, sql, budget, 0, floor, depth).await?.0);
+            }
+            Ok(claimed)
+        }
     }
 }
 
@@ -306,33 +313,18 @@ async fn claim_unordered(
 /// A deep first window (more pending rows than it holds) only ranks the buckets: the claim
 /// takes buckets instead, see *Buckets* in the module doc.
 ///
+/// Also says whether the claim left the window's first keys to lower lanes.
+///
 /// A lane's offset assumes the lanes below it claim too. When they do not (one worker
 /// took an idle table's look, the others are elsewhere) and every key of the window's
 /// first batches was left to them, the claim would take nothing and call the table empty:
 /// on a deep backlog of few keys, its rows then waited for a lower lane's next look, and
 /// when a lane above 0 kept taking the looks they waited for good (found by
 /// `faults::a_hung_database_connection_is_discarded_not_reused`: 1,000 rows over 10 keys,
-/// worker 1 claiming alone every 5 s and finding nothing, 1 run in 10). So a claim that
-/// left keys to lower lanes and took nothing plans again as lane 0, from the oldest row.
+/// worker 1 claiming alone every 5 s and finding nothing, 1 run in 10). So
+/// [`claim_batch`] plans again as lane 0, from the oldest row, when a claim that left
+/// keys to lower lanes took nothing.
 async fn claim_by_key(
-    tx: &Tx<'_>,
-    sql: &TableSql,
-    budget: Budget,
-    lane: usize,
-    floor: &FloorView,
-    depth: &BucketDepth,
-) -> Result<Claimed, SourceError> {
-    let (claimed, deferred) = claim_by_key_in(tx, sql, budget, lane, floor, depth).await?;
-    if claimed.rows.is_empty() && deferred {
-        let (claimed, _) = claim_by_key_in(tx, sql, budget, 0, floor, depth).await?;
-        return Ok(claimed);
-    }
-    Ok(claimed)
-}
-
-/// [`claim_by_key`] in one lane; also says whether it left the window's first keys to
-/// lower lanes.
-async fn claim_by_key_in(
     tx: &Tx<'_>,
     sql: &TableSql,
     budget: Budget,

@@ -290,14 +290,18 @@ impl<'a> Tx<'a> {
     ) -> Result<u64, SourceError> {
         // What may wait on the server (a statement's first prepare on the session, the
         // process's first look at its parameter types) is done before anything is sent.
-        let typed = match self.typed {
-            None => Err(self.cached(sql).await?),
-            Some(_) => Ok(self.typed(sql, params).await?),
+        enum Ready<'p> {
+            Cached(tokio_postgres::Statement),
+            Typed(Vec<(&'p (dyn tokio_postgres::types::ToSql + Sync), Type)>),
+        }
+        let ready = match self.typed {
+            None => Ready::Cached(self.cached(sql).await?),
+            Some(_) => Ready::Typed(self.typed(sql, params).await?),
         };
         let run = async {
-            match &typed {
-                Err(statement) => self.client.execute(statement, params).await,
-                Ok(typed) => self.client.execute_typed(sql, typed).await,
+            match &ready {
+                Ready::Cached(statement) => self.client.execute(statement, params).await,
+                Ready::Typed(typed) => self.client.execute_typed(sql, typed).await,
             }
         };
         let mut run = std::pin::pin!(run);
