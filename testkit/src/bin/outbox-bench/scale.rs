@@ -34,6 +34,28 @@ const IDLE_SECS: u64 = 15;
 /// Rows of each E3 drain.
 const E3_ROWS: i64 = 300_000;
 
+/// S's shapes as (keys, relays, workers): every one of [`SHAPES`] on 2,000 and on 20 keys,
+/// or the list in `BENCH_SCALE_SHAPES`.
+fn chosen_shapes() -> Result<Vec<(i64, usize, usize)>> {
+    let Ok(list) = std::env::var("BENCH_SCALE_SHAPES") else {
+        return Ok([2_000, 20]
+            .into_iter()
+            .flat_map(|k| SHAPES.map(|(r, w)| (k, r, w)))
+            .collect());
+    };
+    list.split(',')
+        .map(|item| {
+            let parsed = item.trim().split_once(':').and_then(|(k, rw)| {
+                let (r, w) = rw.split_once('x')?;
+                Some((k.parse().ok()?, r.parse().ok()?, w.parse().ok()?))
+            });
+            parsed.with_context(|| {
+                format!("BENCH_SCALE_SHAPES: {item:?} is not KEYS:RELAYSxWORKERS (e.g. 2000:8x4)")
+            })
+        })
+        .collect()
+}
+
 /// One S line.
 pub(crate) struct Shape {
     pub(crate) keys: i64,
@@ -181,16 +203,54 @@ impl Bench {
         for _ in 0..relays {
             pids.push(self.spawn_relay("drain", &path)?.id() as i32);
         }
+        // When the stream held every row (the last publish), polled beside the waits: the
+        // drains' exits after it are the tail (each relay noticing the table is empty).
+        let last_stored = {
+            let js = async_nats::jetstream::new(self.nats.client().await?);
+            tokio::spawn(async move {
+                loop {
+                    let stored = match js.get_stream("BENCH").await {
+                        Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
+                        Err(_) => 0,
+                    };
+                    if stored as i64 >= rows {
+                        return started.elapsed().as_secs_f64();
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+        };
+        let waits: Vec<_> = pids
+            .into_iter()
+            .map(|pid| {
+                tokio::task::spawn_blocking(move || {
+                    testkit::wait_with_usage(pid).map(|u| (u, started.elapsed().as_secs_f64()))
+                })
+            })
+            .collect();
         let mut relay_cpu = 0.0;
-        for pid in pids {
-            let usage =
-                tokio::task::spawn_blocking(move || testkit::wait_with_usage(pid)).await??;
+        let mut exits = Vec::new();
+        for wait in waits {
+            let (usage, at) = wait.await??;
             if usage.code != 0 {
                 bail!("a drain of {relays} x {workers} exited with {}", usage.code);
             }
             relay_cpu += usage.cpu_secs;
+            exits.push(at);
         }
         let secs = started.elapsed().as_secs_f64();
+        let mut last_stored = last_stored;
+        let stored_at = tokio::time::timeout(Duration::from_secs(1), &mut last_stored).await;
+        last_stored.abort();
+        let last_stored = stored_at.ok().and_then(Result::ok);
+        exits.sort_by(f64::total_cmp);
+        if let Some(stored_at) = last_stored {
+            eprintln!(
+                "    {relays} x {workers}: every row stored at {stored_at:.2} s; exits {:.2} s to {:.2} s",
+                exits[0],
+                exits[exits.len() - 1]
+            );
+        }
         let machine_cpu = machine.busy_since() * secs;
         let stored = self.nats.stream_state("BENCH").await?.0 as i64;
         let left: i64 = self
@@ -243,7 +303,8 @@ impl Bench {
         let rows = client
             .query(
                 "SELECT calls, total_exec_time::float8, shared_blks_hit + shared_blks_read, \
-                 left(regexp_replace(query, '\\s+', ' ', 'g'), 100) FROM pg_stat_statements \
+                 left(regexp_replace(query, '\\s+', ' ', 'g'), 100), plans, \
+                 total_plan_time::float8 FROM pg_stat_statements \
                  WHERE calls > 1 ORDER BY total_exec_time DESC LIMIT 12",
                 &[],
             )
@@ -251,29 +312,34 @@ impl Bench {
         for r in rows {
             let (calls, ms, blocks, query): (i64, f64, i64, String) =
                 (r.get(0), r.get(1), r.get(2), r.get(3));
-            eprintln!("      {calls:>7} calls {ms:>8.0} ms {blocks:>9} blocks  {query}");
+            // Plans are counted with `pg_stat_statements.track_planning = on` only.
+            let (plans, plan_ms): (i64, f64) = (r.get(4), r.get(5));
+            eprintln!(
+                "      {calls:>7} calls {ms:>8.0} ms {blocks:>9} blocks {plans:>7} plans \
+                 {plan_ms:>6.0} ms  {query}"
+            );
         }
         Ok(true)
     }
 
-    /// S: every shape on 2,000 keys and on 20.
+    /// S: every shape on 2,000 keys and on 20, or those `BENCH_SCALE_SHAPES` names
+    /// (`KEYS:RxW` items, comma-separated, e.g. `2000:1x4,2000:8x4`: for profiling one
+    /// shape against its reference).
     async fn shapes(&self) -> Result<Vec<Shape>> {
         let mut out = Vec::new();
-        for keys in [2_000, 20] {
-            for (relays, workers) in SHAPES {
-                self.fill(S_ROWS, keys, self.a.payload as i32).await?;
-                let drained = self.drains_at_once(relays, workers, 500, S_ROWS).await?;
-                eprintln!(
-                    "    S. {keys} keys, {relays} x {workers}: {:.0} rows/s",
-                    drained.rate
-                );
-                out.push(Shape {
-                    keys,
-                    relays,
-                    workers,
-                    drained,
-                });
-            }
+        for (keys, relays, workers) in chosen_shapes()? {
+            self.fill(S_ROWS, keys, self.a.payload as i32).await?;
+            let drained = self.drains_at_once(relays, workers, 500, S_ROWS).await?;
+            eprintln!(
+                "    S. {keys} keys, {relays} x {workers}: {:.0} rows/s",
+                drained.rate
+            );
+            out.push(Shape {
+                keys,
+                relays,
+                workers,
+                drained,
+            });
         }
         Ok(out)
     }
