@@ -400,3 +400,89 @@ async fn a_lone_claimer_of_any_lane_takes_the_oldest_rows() {
         );
     }
 }
+
+/// A claimer that found a deep backlog's keys all taken (contended) starts its next claims
+/// with the buckets, skipping the first window: it still takes nothing another claimer
+/// owns, and once the owner is gone it takes each key's oldest rows, in an unbroken run
+/// from the head. Claimed here directly: claim A holds the heads of all 4 keys of 5,000
+/// rows; B, in another transaction, is contended twice (once planning from the first
+/// window, once trying buckets first); after A ends, B's next claim (buckets first) takes
+/// for every key it got exactly that key's oldest rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_surplus_claimer_trying_buckets_first_takes_only_heads_and_their_runs() {
+    use outbox_relay::config::Ordering;
+    use outbox_relay::source::claim::{claim_batch, Budget, Claimed};
+    use outbox_relay::source::floor::FloorView;
+    use outbox_relay::source::{table, SessionLimits, Source, SourceError, Tx};
+
+    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let client = env.client().await;
+    seed(&client, 5_000, 4, 0).await;
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let limits = SessionLimits::one_shot(&config.postgres);
+    let source = Source::open(&config.postgres, limits).await.unwrap();
+    let plans = table::prepare(&source, &config).await.unwrap();
+    let plan = &plans[0];
+    let budget = Budget {
+        rows: 100,
+        bytes: u64::MAX,
+    };
+    let floor = FloorView::default();
+    let claim = async |tx: &Tx<'_>, lane: usize| -> Result<Claimed, SourceError> {
+        claim_batch(
+            tx,
+            &plan.sql,
+            Ordering::Key,
+            budget,
+            lane,
+            &floor,
+            &plan.depth,
+        )
+        .await
+    };
+    // Lanes 0 and 4 plan from the window's start alike (4 lanes a window), with their own
+    // surplus marks.
+    let mut session_a = source.session().await.unwrap();
+    let tx_a = source.begin(&mut session_a).await.unwrap();
+    let a = claim(&tx_a, 0).await.unwrap();
+    let a_keys: std::collections::BTreeSet<_> = a.rows.iter().map(|r| r.key.clone()).collect();
+    assert_eq!(a_keys.len(), 4, "claim A holds every key: {a_keys:?}");
+    for attempt in ["planning from the first window", "trying buckets first"] {
+        let b = source.in_transaction(async |tx| claim(tx, 4).await).await;
+        let b = b.unwrap();
+        assert!(
+            b.rows.is_empty() && b.contended,
+            "{attempt}: B took {} rows (contended: {}) while A holds every key",
+            b.rows.len(),
+            b.contended
+        );
+    }
+    // Waited for: a dropped transaction's ROLLBACK is only sent, and B could claim first.
+    tx_a.commit().await.unwrap();
+    drop(session_a);
+    let b = source
+        .in_transaction(async |tx| claim(tx, 4).await)
+        .await
+        .unwrap();
+    assert!(
+        !b.rows.is_empty() && !b.contended,
+        "B takes rows once A is gone"
+    );
+    // Key 'k{r}' holds the ids n with n % 4 == r: its oldest pending rows are r, r+4, ...
+    let mut by_key: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+    for row in &b.rows {
+        by_key
+            .entry(row.key.clone().unwrap())
+            .or_default()
+            .push(row.id);
+    }
+    for (key, ids) in by_key {
+        let r: i64 = key[1..].parse().unwrap();
+        let first = if r == 0 { 4 } else { r };
+        let oldest: Vec<i64> = (0..ids.len() as i64).map(|i| first + 4 * i).collect();
+        assert_eq!(
+            ids, oldest,
+            "key {key}: B must take its oldest rows, in a run"
+        );
+    }
+}

@@ -80,8 +80,13 @@
 //! that does still exclude each other key by key.
 //!
 //! Why it scales: claimers in different buckets never meet on a key. A claimer that finds
-//! every bucket taken learns it from one statement and goes idle, instead of walking the
-//! table. A hot key's backlog fills only its bucket: the other buckets are read through the
+//! every bucket taken, or every key it met held by others, learns it from one statement
+//! and goes idle, instead of walking the table. It is *surplus* then, and its next claims
+//! start with that one statement ([`claim_as_surplus`]: buckets first, in the order the
+//! last deep first window ranked them), not with the first window and the heads other
+//! claimers own in it, until one takes rows: measured on 8 relays of 4 workers, 20 hot
+//! keys, first windows read fell from 1,483 to 586 per 200,000 rows. A hot key's backlog
+//! fills only its bucket: the other buckets are read through the
 //! index without passing its rows. How many buckets a claim asks for at once follows how
 //! deep they have been lately ([`BucketDepth`]): one when a bucket fills a batch, several
 //! when the backlog is spread thin.
@@ -136,7 +141,8 @@
 //! high-water mark, it always scans from the lowest pending id.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::Mutex;
 
 use tokio_postgres::Row;
 
@@ -235,11 +241,22 @@ pub async fn claim_batch(
             contended: false,
         }),
         Ordering::Key => {
-            let (claimed, deferred) = claim_by_key(tx, sql, budget, lane, floor, depth).await?;
-            if claimed.rows.is_empty() && deferred {
-                // Left everything to lower lanes that may not be claiming: see claim_by_key.
-                return Ok(claim_by_key(tx, sql, budget, 0, floor, depth).await?.0);
-            }
+            let surplus = match depth.is_surplus(lane) {
+                true => claim_as_surplus(tx, sql, budget, floor, depth).await?,
+                false => None,
+            };
+            let claimed = match surplus {
+                Some(claimed) => claimed,
+                None => match claim_by_key(tx, sql, budget, lane, floor, depth).await? {
+                    // Left everything to lower lanes that may not be claiming: see
+                    // claim_by_key.
+                    (claimed, true) if claimed.rows.is_empty() => {
+                        claim_by_key(tx, sql, budget, 0, floor, depth).await?.0
+                    }
+                    (claimed, _) => claimed,
+                },
+            };
+            depth.note_claim(lane, claimed.contended);
             Ok(claimed)
         }
     }
@@ -250,8 +267,9 @@ pub async fn claim_batch(
 pub struct Claimed {
     /// The rows, in id order.
     pub rows: Vec<ClaimedRow>,
-    /// Nothing was taken because other claimers hold every bucket of a deep backlog: the
-    /// table has rows, and this claimer is one too many for now.
+    /// Nothing was taken because other claimers hold every bucket of a deep backlog, or
+    /// every key this claim met in it: the table has rows, and this claimer is one too
+    /// many for now.
     pub contended: bool,
 }
 
@@ -332,16 +350,15 @@ async fn claim_by_key(
     floor: &FloorView,
     depth: &BucketDepth,
 ) -> Result<(Claimed, bool), SourceError> {
+    let mut plan = KeyPlan::new(budget);
+    let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
     let limit = budget.rows;
-    let mut contended = false;
     let stragglers: &[i64] = &floor.stragglers;
     // Past a few rows per bucket the first window only ranks buckets: a deep claim reads
     // its rows from the buckets it gets. Every claim reads it, idle claimers' included
     // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
     // claim, most of them by claimers that then found every bucket taken).
     let window_size = ((limit * WINDOW_FACTOR) as i64).min(SCOUT);
-    let mut plan = KeyPlan::new(budget);
-    let mut rows: HashMap<i64, ClaimedRow> = HashMap::new();
     let no_keys: &[&str] = &[];
     let first: Vec<Candidate> = tx
         .query(
@@ -370,73 +387,179 @@ async fn claim_by_key(
     // claimers'): take buckets, read after the first window. Only once the rounds went
     // through the whole window: a key with rows left in it unplanned must not get tails
     // after it (its run would have a gap).
-    let deep = (first.len() as i64) >= window_size && reached == first.len();
-    if let (Some(last), true) = (first.last(), deep) {
-        let after = last.id;
+    let deep = (first.len() as i64) >= window_size;
+    let mut contended = false;
+    if let (Some(last), true) = (first.last(), deep && reached == first.len()) {
         // Keys of the first window that the rounds did not reach (the round limit) have
         // rows there that were not planned: their rows after it are not their heads.
         plan.leave_to_lower_lanes(&first);
-        let mut candidates = ranked_buckets(&first);
+        let candidates = ranked_buckets(&first);
+        depth.remember_ranking(&candidates[..buckets_met(&first)]);
         // A bucket read starts at the floor: room for the first window's rows it reads
         // again (the most any one bucket had there).
         let reread = most_in_one_bucket(&first);
-        let mut picks = 0;
-        while plan.has_room() && !candidates.is_empty() && picks < MAX_PICKS {
-            picks += 1;
-            let room = plan.room();
-            let want = depth.buckets_for(room);
-            // Enough rows of each bucket to fill the batch from a few of them (other
-            // claimers may hold most of the buckets asked for: with an eighth of the room
-            // a bucket, a claim on 50 keys after a database restart took batches of 12-40
-            // rows of 100), not so many that a pick of many buckets reads many batches.
-            let per_bucket = room
-                .div_ceil(want)
-                .saturating_mul(2)
-                .max(room / 2)
-                .min(room)
-                .max(1)
-                + reread;
-            let read = tx
-                .query(
-                    &sql.pick_window,
-                    &[
-                        &after,
-                        &(per_bucket as i64),
-                        &candidates,
-                        &floor.value,
-                        &stragglers,
-                        &sql.tag,
-                        &(want as i64),
-                    ],
-                )
-                .await?;
-            let (window, got) = split_picked(&read);
-            // The read starts at the floor, in its own snapshot: its rows up to the first
-            // window's end of keys this claim met there are theirs already (planned, or
-            // left to others); those of other keys are their heads now.
-            let mut window: Vec<Candidate> = window
-                .into_iter()
-                .filter(|c| c.id > after || c.key.as_deref().is_some_and(|k| !plan.knows(k)))
-                .collect();
-            if got.is_empty() {
-                contended = picks == 1; // every bucket is another claimer's
-                break;
-            }
-            // Buckets before the last one got were tried and are held elsewhere.
-            let last = candidates.iter().position(|b| Some(b) == got.last());
-            candidates.drain(..=last.unwrap_or(candidates.len() - 1));
-            window.sort_unstable_by_key(|c| c.id);
-            let keys = window
-                .iter()
-                .filter_map(|c| c.key.as_deref())
-                .collect::<HashSet<_>>()
-                .len();
-            let before = plan.reserved;
-            // A bucket read's rows planned partly are fine: its keys get no later rows.
-            lock_rounds(tx, sql, &mut plan, &window, 0, &mut rows).await?;
-            depth.observe(got.len(), keys, plan.reserved - before, room);
-        }
+        let picks = take_buckets(
+            tx, sql, &mut plan, &mut rows, candidates, last.id, reread, floor, depth,
+        )
+        .await?;
+        // Every bucket is another claimer's, or every key this claim met is: the table
+        // has rows, and this claimer is one too many for now.
+        contended = picks.none_free || plan.reserved == 0;
     }
+    let batch = finish_claim(tx, sql, &plan, rows).await?;
+    let contended = contended && batch.is_empty();
+    Ok((
+        Claimed {
+            contended,
+            rows: batch,
+        },
+        deferred,
+    ))
+}
+
+/// The claim of a lane whose last claim was contended ([`BucketDepth`]): buckets first, in
+/// one statement, where [`claim_by_key`] would read the first window and try the heads
+/// other claimers own in it before it asked for buckets. The buckets are tried in the
+/// order the last deep first window ranked them (the oldest work first), then the others.
+/// `None` when the buckets it got held no row: the backlog has moved on, and the claim is
+/// planned as every claim is.
+///
+/// Why order holds: this is a claim whose first window is empty. Each bucket read holds,
+/// in its own snapshot, every pending row of its keys from the very first up to where it
+/// stops (see *Buckets*), so a key's first row there is its head, and the rows are
+/// planned and locked under the same head rule.
+async fn claim_as_surplus(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    budget: Budget,
+    floor: &FloorView,
+    depth: &BucketDepth,
+) -> Result<Option<Claimed>, SourceError> {
+    let mut plan = KeyPlan::new(budget);
+    let mut rows = HashMap::new();
+    let ranking = depth.probe_ranking();
+    let picks = take_buckets(
+        tx,
+        sql,
+        &mut plan,
+        &mut rows,
+        ranking,
+        i64::MIN,
+        0,
+        floor,
+        depth,
+    )
+    .await?;
+    if plan.reserved > 0 {
+        let rows = finish_claim(tx, sql, &plan, rows).await?;
+        return Ok(Some(Claimed {
+            contended: rows.is_empty(),
+            rows,
+        }));
+    }
+    // No bucket free, or every key in the ones it got is another claimer's.
+    Ok((picks.none_free || picks.saw_rows).then(|| Claimed {
+        rows: Vec::new(),
+        contended: true,
+    }))
+}
+
+/// What [`take_buckets`] found.
+struct Picks {
+    /// Its first pick got no bucket: other claimers hold every one asked for.
+    none_free: bool,
+    /// Some bucket it got had rows to plan.
+    saw_rows: bool,
+}
+
+/// Takes buckets (see *Buckets* in the module doc) from `candidates`, in order, for the
+/// room `plan` has left, and plans and locks their rows; at most [`MAX_PICKS`] picks.
+/// A bucket read's rows up to `after` of keys the plan already met are theirs (planned,
+/// or left to others) and dropped; `reread` is room added per bucket for them.
+#[allow(clippy::too_many_arguments)]
+async fn take_buckets(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    plan: &mut KeyPlan,
+    rows: &mut HashMap<i64, ClaimedRow>,
+    mut candidates: Vec<i32>,
+    after: i64,
+    reread: usize,
+    floor: &FloorView,
+    depth: &BucketDepth,
+) -> Result<Picks, SourceError> {
+    let stragglers: &[i64] = &floor.stragglers;
+    let mut picks = 0;
+    let mut found = Picks {
+        none_free: false,
+        saw_rows: false,
+    };
+    while plan.has_room() && !candidates.is_empty() && picks < MAX_PICKS {
+        picks += 1;
+        let room = plan.room();
+        let want = depth.buckets_for(room);
+        // Enough rows of each bucket to fill the batch from a few of them (other
+        // claimers may hold most of the buckets asked for: with an eighth of the room
+        // a bucket, a claim on 50 keys after a database restart took batches of 12-40
+        // rows of 100), not so many that a pick of many buckets reads many batches.
+        let per_bucket = room
+            .div_ceil(want)
+            .saturating_mul(2)
+            .max(room / 2)
+            .min(room)
+            .max(1)
+            + reread;
+        let read = tx
+            .query(
+                &sql.pick_window,
+                &[
+                    &after,
+                    &(per_bucket as i64),
+                    &candidates,
+                    &floor.value,
+                    &stragglers,
+                    &sql.tag,
+                    &(want as i64),
+                ],
+            )
+            .await?;
+        let (window, got) = split_picked(&read);
+        // The read starts at the floor, in its own snapshot: its rows up to the first
+        // window's end of keys this claim met there are theirs already (planned, or
+        // left to others); those of other keys are their heads now.
+        let mut window: Vec<Candidate> = window
+            .into_iter()
+            .filter(|c| c.id > after || c.key.as_deref().is_some_and(|k| !plan.knows(k)))
+            .collect();
+        if got.is_empty() {
+            found.none_free = picks == 1;
+            break;
+        }
+        found.saw_rows |= !window.is_empty();
+        // Buckets before the last one got were tried and are held elsewhere.
+        let last = candidates.iter().position(|b| Some(b) == got.last());
+        candidates.drain(..=last.unwrap_or(candidates.len() - 1));
+        window.sort_unstable_by_key(|c| c.id);
+        let keys = window
+            .iter()
+            .filter_map(|c| c.key.as_deref())
+            .collect::<HashSet<_>>()
+            .len();
+        let before = plan.reserved;
+        // A bucket read's rows planned partly are fine: its keys get no later rows.
+        lock_rounds(tx, sql, plan, &window, 0, rows).await?;
+        depth.observe(got.len(), keys, plan.reserved - before, room);
+    }
+    Ok(found)
+}
+
+/// Locks the planned tails and returns the batch, in id order.
+async fn finish_claim(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    plan: &KeyPlan,
+    mut rows: HashMap<i64, ClaimedRow>,
+) -> Result<Vec<ClaimedRow>, SourceError> {
     let tails = plan.tails();
     let mut locked_tails = HashSet::new();
     if !tails.is_empty() {
@@ -451,11 +574,7 @@ async fn claim_by_key(
         .filter_map(|id| rows.remove(&id))
         .collect();
     batch.sort_unstable_by_key(|r| r.id);
-    let claimed = Claimed {
-        contended: contended && batch.is_empty(),
-        rows: batch,
-    };
-    Ok((claimed, deferred))
+    Ok(batch)
 }
 
 /// Plans `window` from `cursor` in rounds, locking each round's heads, until the batch is
@@ -506,6 +625,16 @@ fn ranked_buckets(window: &[Candidate]) -> Vec<i32> {
     ranked
 }
 
+/// How many buckets `window`'s rows are in.
+fn buckets_met(window: &[Candidate]) -> usize {
+    let mut seen = [false; BUCKETS as usize];
+    window
+        .iter()
+        .filter(|c| (0..BUCKETS).contains(&c.bucket))
+        .filter(|c| !std::mem::replace(&mut seen[c.bucket as usize], true))
+        .count()
+}
+
 /// The most rows of `window` in any one bucket.
 fn most_in_one_bucket(window: &[Candidate]) -> usize {
     let mut counts = [0usize; BUCKETS as usize];
@@ -540,12 +669,25 @@ fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>) {
 /// buckets, which took every key at once); 16 keys a claim still made batches of 100 on
 /// 50 keys go out in about 8 waves instead of 2, too slow for `faults::postgres_restarted_…`
 /// to drain 100,000 rows in a loaded CI run.
+///
+/// It also remembers which lanes are *surplus* (their last claim of a deep backlog found
+/// every bucket, or every key it met, taken) and the buckets the last deep first window
+/// met, oldest work first: a surplus lane tries those buckets before anything else (see
+/// [`claim_by_key`]).
 #[derive(Debug, Default)]
 pub struct BucketDepth {
     /// Rows the last pick took per bucket got (0: unknown yet).
     rows_per_bucket: AtomicUsize,
     /// Keys per bucket got in the last pick, times 16 (0: unknown yet).
     keys_per_bucket_x16: AtomicUsize,
+    /// Bit `lane % 64`: that lane's last claim was contended.
+    surplus: AtomicU64,
+    /// The buckets the last deep first window met, in the order of their first row.
+    recent: Mutex<Vec<i32>>,
+}
+
+fn lane_bit(lane: usize) -> u64 {
+    1 << (lane % 64)
 }
 
 /// Buckets one pick takes at most: all of them.
@@ -570,6 +712,43 @@ impl BucketDepth {
             per => ((room / ROWS_PER_KEY).max(MIN_KEYS) * 16).div_ceil(per),
         };
         by_rows.max(by_keys).clamp(1, MAX_PICK)
+    }
+
+    /// Whether `lane`'s last claim was contended.
+    fn is_surplus(&self, lane: usize) -> bool {
+        self.surplus.load(AtomicOrdering::Relaxed) & lane_bit(lane) != 0
+    }
+
+    /// Records whether `lane`'s claim was contended.
+    fn note_claim(&self, lane: usize, contended: bool) {
+        if contended {
+            self.surplus
+                .fetch_or(lane_bit(lane), AtomicOrdering::Relaxed);
+        } else {
+            self.surplus
+                .fetch_and(!lane_bit(lane), AtomicOrdering::Relaxed);
+        }
+    }
+
+    /// Remembers the buckets a deep first window met, oldest work first.
+    fn remember_ranking(&self, met: &[i32]) {
+        let mut recent = self.recent.lock().unwrap();
+        recent.clear();
+        recent.extend_from_slice(met);
+    }
+
+    /// The order a surplus claim tries buckets in: those the last deep first window met
+    /// (oldest work first), then every other bucket.
+    fn probe_ranking(&self) -> Vec<i32> {
+        let recent = self.recent.lock().unwrap();
+        let mut seen = [false; BUCKETS as usize];
+        let mut ranked = Vec::with_capacity(BUCKETS as usize);
+        for b in recent.iter().copied().chain(0..BUCKETS) {
+            if (0..BUCKETS).contains(&b) && !std::mem::replace(&mut seen[b as usize], true) {
+                ranked.push(b);
+            }
+        }
+        ranked
     }
 
     /// A pick got `buckets` holding `keys`, and the claim took `taken` rows of them, with
@@ -1019,5 +1198,28 @@ mod tests {
         // A batch of 100 in buckets of 4 keys: 25 keys, 7 buckets.
         depth.observe(4, 16, 100, 100);
         assert_eq!(depth.buckets_for(100), 7);
+    }
+
+    #[test]
+    fn a_lane_is_surplus_from_a_contended_claim_until_it_takes_rows() {
+        let depth = BucketDepth::default();
+        assert!(!depth.is_surplus(3));
+        depth.note_claim(3, true);
+        assert!(depth.is_surplus(3));
+        assert!(!depth.is_surplus(2), "lanes are marked apart");
+        depth.note_claim(2, true);
+        depth.note_claim(3, false);
+        assert!(!depth.is_surplus(3));
+        assert!(depth.is_surplus(2));
+    }
+
+    #[test]
+    fn a_surplus_claim_tries_the_buckets_the_last_deep_window_met_first() {
+        let depth = BucketDepth::default();
+        assert_eq!(depth.probe_ranking(), (0..BUCKETS).collect::<Vec<_>>());
+        depth.remember_ranking(&[9, 2, 40]);
+        let ranked = depth.probe_ranking();
+        assert_eq!(&ranked[..5], &[9, 2, 40, 0, 1]);
+        assert_eq!(ranked.len(), BUCKETS as usize, "every bucket, once");
     }
 }
