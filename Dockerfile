@@ -50,7 +50,6 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM scratch AS prebuilt
 COPY target/image/outbox-relay /out/outbox-relay
 
-# hadolint ignore=DL3006
 FROM ${BINARY} AS binary
 
 # The runtime's file system, gathered under /rootfs in a Debian of the binary's release.
