@@ -120,6 +120,8 @@ impl Container {
             &name,
             "--network=host",
             "--read-only",
+            // Killed by podman's monitor should the test die without removing it.
+            "--timeout=300",
             "--volume",
             &volume,
             IMAGE,
