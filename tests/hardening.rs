@@ -517,12 +517,13 @@ async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
     );
 }
 
-/// The claim's later windows: a row released by `requeue` between two windows of one
-/// claim still holds back its key there, so its key's next row is never taken as a head
-/// before it (the first window of the next claim takes the released row itself).
+/// A claim's bucket reads past its first window: a row released by `requeue` between the
+/// two still holds back its key there, so its key's next row is never taken as a head
+/// before it (the first window of the next claim takes the released row itself). A bucket
+/// read that is a claim's first look (a surplus claim's) takes the released row as the head.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
-    use outbox_relay::source::sql::FIRST_WINDOW;
+    use outbox_relay::source::sql::{BUCKETS, FIRST_WINDOW};
     let env = Env::new("").await;
     let client = env.client().await;
     client
@@ -546,31 +547,47 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
     let tables = outbox_relay::source::table::prepare(&source, &config)
         .await
         .unwrap();
-    let window = |after: i64| {
-        let sql = tables[0].sql.window.clone();
+    let sql = &tables[0].sql;
+    let ids = |rows: Vec<tokio_postgres::Row>| {
+        let mut ids: Vec<i64> = rows
+            .iter()
+            .filter_map(|r| r.get::<_, Option<i64>>(0))
+            .collect();
+        ids.sort_unstable();
+        ids
+    };
+    let first = client
+        .query(&sql.window, &[&100i64, &i64::MIN, &Vec::<i64>::new()])
+        .await
+        .unwrap();
+    let all_buckets: Vec<i32> = (0..BUCKETS).collect();
+    let buckets = |after: i64| {
         let client = &client;
+        let all_buckets = &all_buckets;
         async move {
             client
                 .query(
-                    &sql,
+                    &sql.pick_window,
                     &[
                         &after,
                         &100i64,
-                        &Vec::<String>::new(),
+                        all_buckets,
                         &i64::MIN,
                         &Vec::<i64>::new(),
+                        &sql.tag,
+                        &(BUCKETS as i64),
                     ],
                 )
                 .await
                 .unwrap()
-                .iter()
-                .map(|r| r.get::<_, i64>(0))
-                .collect::<Vec<i64>>()
         }
     };
     // First window: the released row 1 is due and is its key's head, row 2 follows it;
     // the waiting row 4 and row 5 behind it are left out.
-    assert_eq!(window(FIRST_WINDOW).await, [1, 2, 3]);
-    // A later window of the same claim: row 2 must not pass for the head of `k`.
-    assert_eq!(window(0).await, [1, 3]);
+    assert_eq!(ids(first), [1, 2, 3]);
+    // A bucket read past the first window of the same claim: row 2 must not pass for the
+    // head of `k`.
+    assert_eq!(ids(buckets(0).await), [1, 3]);
+    // A bucket read that is the claim's first look reads like a first window.
+    assert_eq!(ids(buckets(FIRST_WINDOW).await), [1, 2, 3]);
 }

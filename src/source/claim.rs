@@ -122,11 +122,12 @@
 //!   behind a held row (dead, or waiting for its next attempt). If an operator's `requeue`
 //!   commits between a claim's first window and its bucket window (which reads after the
 //!   first), the bucket window must not take a later row of the released key as its head.
-//!   `requeue` keeps `next_attempt_at` set (to the time of the requeue), and windows after
-//!   the first treat any pending row with `next_attempt_at` set as holding back its key
-//!   (`sql::TableSql::window`, `held_in_window`); the released row is due, and the next
-//!   claim's first window takes it as the head. Time alone cannot cause it: `now()` is
-//!   fixed for the whole claim transaction.
+//!   `requeue` keeps `next_attempt_at` set (to the time of the requeue), and bucket reads
+//!   past a first window treat any pending row with `next_attempt_at` set as holding back
+//!   its key (`sql::TableSql::pick_window`, `held_in_window`); the released row is due,
+//!   and the next claim's first window takes it as the head. Time alone cannot cause it:
+//!   `now()` is fixed for the whole claim transaction. (A surplus claim reads no first
+//!   window: its bucket reads are its first look, and take the released row as the head.)
 //!
 //! # What the invariant cannot cover
 //!
@@ -359,18 +360,8 @@ async fn claim_by_key(
     // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
     // claim, most of them by claimers that then found every bucket taken).
     let window_size = ((limit * WINDOW_FACTOR) as i64).min(SCOUT);
-    let no_keys: &[&str] = &[];
     let first: Vec<Candidate> = tx
-        .query(
-            &sql.window,
-            &[
-                &super::sql::FIRST_WINDOW,
-                &window_size,
-                &no_keys,
-                &floor.value,
-                &stragglers,
-            ],
-        )
+        .query(&sql.window, &[&window_size, &floor.value, &stragglers])
         .await?
         .iter()
         .map(Candidate::from_row)
@@ -444,7 +435,7 @@ async fn claim_as_surplus(
         &mut plan,
         &mut rows,
         ranking,
-        i64::MIN,
+        super::sql::FIRST_WINDOW,
         0,
         floor,
         depth,

@@ -6,7 +6,8 @@ use crate::config::{Ordering, TableConfig};
 
 use super::schema::{PayloadType, TableShape};
 
-/// The `after` value of a claim's first window: below every order value.
+/// Below every order value: the `after` of a claim's bucket reads when the claim read no
+/// first window (they read like one), and where walks of the table start.
 pub const FIRST_WINDOW: i64 = i64::MIN;
 
 /// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
@@ -34,21 +35,22 @@ pub struct TableSql {
     /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
     /// (the retry index).
     pub claim_unordered_low: String,
-    /// `ordering = "key"`: order values, keys and payload sizes of pending, due rows after
-    /// `$1`, at most
-    /// `$2`, without locking, leaving out rows of the keys `$3` (held by other claimers)
-    /// and rows held back by an earlier held row of their key (dead, or waiting for its
-    /// next attempt). Rows are read from the floor `$4` on, and below it only the
-    /// stragglers `$5` and rows with a failure history (see [`super::floor`]).
+    /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
+    /// buckets of the oldest pending, due rows, at most `$1`, without locking, leaving out
+    /// rows held back by an earlier held row of their key (dead, or waiting for its next
+    /// attempt). Rows are read from the floor `$2` on, and below it only the stragglers
+    /// `$3` and rows with a failure history (see [`super::floor`]).
     pub window: String,
-    /// `ordering = "key"`, a claim past a deep first window (ending at `$1`): takes the
-    /// advisory locks (table tag `$6`) of the first `$7` buckets in `$3` (in that order)
-    /// that no other transaction holds, and returns each one's pending rows from the floor
-    /// `$4` on, at most `$2` a bucket, read through the bucket index as a later
-    /// [`TableSql::window`] reads rows, with the stragglers `$5` and the rows with a
-    /// failure history below the floor, in no particular order; and one row per bucket
+    /// `ordering = "key"`, a claim's buckets, past a deep first window ending at `$1`
+    /// ([`FIRST_WINDOW`] when the claim read none): takes the advisory locks (table tag
+    /// `$6`) of the first `$7` buckets in `$3` (in that order) that no other transaction
+    /// holds, and returns each one's pending, due rows from the floor `$4` on, at most `$2`
+    /// a bucket, read through the bucket index, with the stragglers `$5` and the rows with
+    /// a failure history below the floor, in no particular order; and one row per bucket
     /// got with a NULL order value. Rows up to `$1` are read again on purpose (see
-    /// *Buckets* in `claim.rs`).
+    /// *Buckets* in `claim.rs`). Rows held back are left out as in
+    /// [`TableSql::window`], and past a first window also those behind a row with a
+    /// failure history (see `held_in_window`).
     pub pick_window: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
@@ -246,7 +248,7 @@ impl TableSql {
         // test in front).
         let held =
             format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
-        // In a claim's later windows (`$1` past the first), a row with a failure history
+        // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
         // (`next_attempt_at` set: waiting, or released by `requeue`, which sets it to the
         // time of the requeue) holds back its key too. A key left out of the first window
         // because its head was held must not reappear in a later one with a later row as
@@ -257,11 +259,13 @@ impl TableSql {
             "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now() \
              OR ($1 > '{FIRST_WINDOW}'::bigint AND d.{next} IS NOT NULL))"
         );
-        let not_held_back = format!(
-            "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held_in_window}) \
-             OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held_in_window} \
-             AND d.{id} < o.{id}))"
-        );
+        let not_held_back_by = |held: &str| {
+            format!(
+                "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
+                 OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
+                 AND d.{id} < o.{id}))"
+            )
+        };
         // Work left for `drain`: rows held back by a *waiting* row become publishable when
         // it is due, so only a dead row takes its key's rows out of the count.
         let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
@@ -274,14 +278,15 @@ impl TableSql {
         let window_filter = format!(
             "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
              AND (o.{next} IS NULL OR o.{next} <= now()) \
-             AND (o.{key} IS NULL OR (o.{key}::text <> ALL($3::text[]) AND {not_held_back}))"
+             AND (o.{key} IS NULL OR {})",
+            not_held_back_by(&held)
         );
-        // The same for a bucket window, whose `$3` are buckets: no key is left out by name
-        // (a bucket is read whole or not at all).
+        // The same for a bucket read, with the rule of reads past a first window.
         let bucket_filter = format!(
             "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
              AND (o.{next} IS NULL OR o.{next} <= now()) \
-             AND (o.{key} IS NULL OR {not_held_back})"
+             AND (o.{key} IS NULL OR {})",
+            not_held_back_by(&held_in_window)
         );
         let obucket = bucket_of("o.", &key, &id);
         // The floor's bookkeeping (super::floor): rows with a failure history are found
@@ -350,19 +355,18 @@ impl TableSql {
             window: format!(
                 "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
                  {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-                 AND (o.{id} + 0) > $1 AND {window_filter} \
+                 AND {window_filter} \
                  UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-                 WHERE {retrying} AND (o.{id} + 0) > $1 AND {window_filter}), \
+                 WHERE {retrying} AND {window_filter}), \
                  main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
                  {osize} AS size, {obucket} AS bucket \
-                 FROM {t} o WHERE o.{id} >= (SELECT $4::bigint) AND o.{id} > (SELECT $1::bigint) \
-                 AND {window_filter} \
-                 ORDER BY o.{id} LIMIT $2) \
+                 FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
+                 ORDER BY o.{id} LIMIT $1) \
                  SELECT id, key, size, bucket FROM low UNION ALL \
-                 SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $2",
+                 SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
                 osize = size_of("o."),
-                stragglers = stragglers_part("o.", "$5::bigint[]"),
-                retrying = retry_part("o.", "$4", "$5::bigint[]"),
+                stragglers = stragglers_part("o.", "$3::bigint[]"),
+                retrying = retry_part("o.", "$2", "$3::bigint[]"),
             ),
             // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
             // are got: the lock function runs once per bucket tried), then each bucket's
@@ -490,7 +494,8 @@ impl TableSql {
             ),
             // Like requeue, a replayed row is due now with `next_attempt_at` set, not NULL:
             // that is how claims find it below the claim floor (the retry index) and how
-            // later windows hold its key's later pending rows back until it is published.
+            // bucket reads past a first window hold its key's later pending rows back until
+            // it is published.
             replay_ids: format!(
                 "WITH chosen AS (SELECT {id} FROM {t} WHERE {id} = ANY($1::bigint[]) \
                  AND {published_at} IS NOT NULL AND {dead_at} IS NULL), \
