@@ -85,8 +85,9 @@ use super::{Source, SourceError};
 pub const TICK: Duration = Duration::from_millis(25);
 /// Stragglers listed at most; beyond them the floor stays below.
 pub const STRAGGLER_CAP: usize = 1000;
-/// Fresh rows one look reads at most.
-const WALK: usize = STRAGGLER_CAP + 1;
+/// Fresh rows one look reads at most (written into the look's SQL).
+const WALK: usize = super::sql::LOOK_LIMIT;
+const _: () = assert!(WALK == STRAGGLER_CAP + 1);
 /// Pause between two sweep cycles.
 const SWEEP_PAUSE: Duration = Duration::from_secs(1);
 /// A sweep step's span of ids: the first, and its bounds.
@@ -437,7 +438,7 @@ async fn tick(
         .in_transaction(async |tx| {
             let stragglers = floor.stragglers().to_vec();
             let row = tx
-                .query_one(&sql.advance, &[&floor.value(), &(WALK as i64), &stragglers])
+                .query_one(&sql.advance, &[&floor.value(), &stragglers])
                 .await?;
             let candidate: Option<i64> = row.get(3);
             let held: Vec<i64> = row.get(4);
