@@ -355,30 +355,9 @@ async fn migrate_in_transaction(
     Ok(report)
 }
 
-/// The quoted name `migrate` gives the table's index with `suffix` (`pending_idx`, ...).
-pub fn index_name(table: &TableConfig, suffix: &str) -> String {
-    let mut base = format!("{}_{suffix}", table.name.table.as_str());
-    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
-    while base.len() > 63 {
-        base.remove(0);
-    }
-    Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
-        .expect("a quoted identifier of at most 63 bytes is valid")
-        .quoted()
-}
-
-/// The indexes every claim relies on, by suffix: without one of them a claim scans the
-/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub const CLAIM_INDEXES: &[(&str, &str)] = &[
-    ("pending_idx", "pending rows in order (migration 0001)"),
-    ("held_idx", "rows that hold back their key (migration 0002)"),
-    ("retry_idx", "rows with a failure history (migration 0003)"),
-    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
-];
-
 /// Fills the `{{placeholders}}` of a migration with quoted identifiers.
 fn render(sql: &str, table: &TableConfig) -> String {
-    let index = |suffix: &str| index_name(table, suffix);
+    let index = |suffix: &str| schema::index_name(table, suffix);
     let c = &table.columns;
     sql.replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
