@@ -13,7 +13,7 @@
 //! - [`source`]: PostgreSQL. Session deadlines per command ([`source::session`]), tables
 //!   ready to relay ([`source::table`]), the SQL ([`source::sql`]), the key-ordered claim
 //!   (its invariant proved in [`source::claim`], key buckets for many claimers included),
-//!   the claim floor, retention, migrations,
+//!   the claim floor, retention, the `migrate` command ([`source::migrate`]),
 //!   LISTEN/NOTIFY, and what to do about each error ([`source::class`]).
 //! - [`sink`]: the sink contract ([`sink::SinkService`]) and one folder per implementation:
 //!   Kafka, NATS JetStream, stdout, memory (tests).
