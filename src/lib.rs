@@ -20,7 +20,7 @@
 //! - [`relay`]: `run`/`drain`: start-up, the workers, which tables are due for a claim
 //!   (`relay::wake`: idle tables cost next to nothing), one batch in phases (claim ->
 //!   publish -> settle -> finalize), per-key publish order ([`relay::order`]), the circuit
-//!   breaker, the run's state and report.
+//!   breaker, the run's state and report, and the background tasks it awaits at the end.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.
 //! - [`check`]: the `check` command's findings.

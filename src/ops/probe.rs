@@ -47,16 +47,24 @@ pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
     let mut backlog_due = Instant::now();
     let mut watch = vacuum::Watch::default();
     loop {
-        let postgres = reachability(ops, &probed, &mut opened_seen).await;
-        if postgres && Instant::now() >= gauges_due {
-            gauges_due = Instant::now() + GAUGE_INTERVAL;
-            if probed.backlog_shown && Instant::now() >= backlog_due {
-                let (began, published) = (Instant::now(), probed.published.load(Relaxed));
-                refresh_backlog(ops, &probed).await;
-                ops.published_at_backlog_read.store(published, Relaxed);
-                backlog_due = began + (began.elapsed() * BACKLOG_SHARE).max(GAUGE_INTERVAL);
+        let look = async {
+            let postgres = reachability(ops, &probed, &mut opened_seen).await;
+            if postgres && Instant::now() >= gauges_due {
+                gauges_due = Instant::now() + GAUGE_INTERVAL;
+                if probed.backlog_shown && Instant::now() >= backlog_due {
+                    let (began, published) = (Instant::now(), probed.published.load(Relaxed));
+                    refresh_backlog(ops, &probed).await;
+                    ops.published_at_backlog_read.store(published, Relaxed);
+                    backlog_due = began + (began.elapsed() * BACKLOG_SHARE).max(GAUGE_INTERVAL);
+                }
+                refresh_vacuum(ops, &probed, &mut watch).await;
             }
-            refresh_vacuum(ops, &probed, &mut watch).await;
+        };
+        // A look only refreshes gauges: dropped at `done`, it loses nothing, and a stalled
+        // broker's health check or a long backlog count does not hold up the exit.
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = look => {}
         }
         tokio::select! {
             _ = done.cancelled() => return,
