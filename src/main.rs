@@ -17,6 +17,11 @@ const EXIT_FAILURE: u8 = 1;
 const EXIT_CONFIG: u8 = 2;
 const EXIT_DEADLINE: u8 = 3;
 
+/// How long the runtime waits at exit for its blocking threads (a sink's flush, a Kafka
+/// metadata request). The relay already awaited its tasks, within their own deadlines:
+/// what is left is not waited for beyond this; the process is done.
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
@@ -39,8 +44,7 @@ fn main() -> ExitCode {
         }
     };
     let code = runtime.block_on(execute(cli.command, config));
-    // Do not wait for tasks that ignore shutdown (none should); the process is done.
-    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
     ExitCode::from(code)
 }
 

@@ -73,10 +73,15 @@ pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
     }
 }
 
-/// Asks both dependencies for an answer within two seconds and records it, with the
+/// How long each dependency gets to answer the probe: a healthy one answers in
+/// milliseconds; one slower than this is reported unreachable (`/readyz`), like one that
+/// refuses, and the next look is not put off for long.
+const REACH_LIMIT: Duration = Duration::from_secs(2);
+
+/// Asks both dependencies for an answer within [`REACH_LIMIT`] and records it, with the
 /// circuit gauges; returns whether PostgreSQL answered.
 async fn reachability(ops: &Ops, probed: &Probed<'_>, opened_seen: &mut u64) -> bool {
-    let limit = Duration::from_secs(2);
+    let limit = REACH_LIMIT;
     let postgres = probed.source.ping(limit).await.is_ok();
     let (open, opened) = (probed.circuit)();
     let broker = !open

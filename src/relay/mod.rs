@@ -131,8 +131,19 @@ pub enum Mode {
 /// How long the background tasks get to return once `done` fires: each looks at it at
 /// every wait, so only one in the middle of a statement takes any time.
 const BACKGROUND_STOP: Duration = Duration::from_secs(1);
-/// The same after an abort, which must exit at once (as the sink's flush then).
+/// The same after an abort, which must exit at once (as [`FLUSH_ABORTED`]).
 const BACKGROUND_STOP_ABORTED: Duration = Duration::from_millis(250);
+/// After an abort, how long the workers get to drop their transactions: each races its
+/// publish against `abort`, so a second is plenty; one that takes longer is given up on.
+const WORKERS_AFTER_ABORT: Duration = Duration::from_secs(1);
+/// How long the sink's closing flush may take: every batch awaited its acks already, so
+/// there is little left to send.
+const FLUSH: Duration = Duration::from_secs(2);
+/// The same after an abort, which must exit at once.
+const FLUSH_ABORTED: Duration = Duration::from_millis(250);
+/// After an abort, how long each closing look at the tables (drained? waiting? paused?)
+/// may take, instead of a statement deadline: the process must exit at once.
+const CLOSING_LOOK_ABORTED: Duration = Duration::from_secs(1);
 
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
@@ -379,7 +390,7 @@ async fn wait_for_workers(shared: &Shared, tracker: &TaskTracker) {
     tokio::select! {
         _ = tracker.wait() => {}
         _ = shared.shutdown.abort_token().cancelled() => {
-            if tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await.is_err() {
+            if tokio::time::timeout(WORKERS_AFTER_ABORT, tracker.wait()).await.is_err() {
                 tracing::warn!(tasks = tracker.len(), "Tasks still running at the deadline; exiting anyway");
                 shared.state.set_aborted();
             }
@@ -391,9 +402,9 @@ async fn wait_for_workers(shared: &Shared, tracker: &TaskTracker) {
 /// tightly after an abort, which must exit at once.
 async fn flush_sink(shared: &Shared) {
     let flush = if shared.shutdown.abort_token().is_cancelled() {
-        Duration::from_millis(250)
+        FLUSH_ABORTED
     } else {
-        Duration::from_secs(2)
+        FLUSH
     };
     if let Err(e) = shared.sink.close(flush).await {
         tracing::warn!(error = %e, "Sink did not flush in time");
@@ -407,7 +418,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
     // After an abort (drain --timeout, the deadline, a second signal) the process must
     // exit at once: the closing look at the table gets a second, not a statement deadline.
     let closing = if shared.shutdown.abort_token().is_cancelled() {
-        Duration::from_secs(1)
+        CLOSING_LOOK_ABORTED
     } else {
         shared.source.deadline()
     };

@@ -39,7 +39,7 @@ where
         what: what.to_owned(),
         last_error,
     };
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let mut backoff = Backoff::reconnect();
     let mut last_error = "stopped before the first attempt ended".to_owned();
     loop {
         let result = tokio::select! {

@@ -111,10 +111,6 @@ const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
 /// How often a `migrate` waiting for another one's index build looks again.
 const BUILD_POLL: Duration = Duration::from_millis(500);
 
-/// What each step of `migrate` gets beyond `postgres.statement_timeout`: the round trips
-/// around a statement that ran to its deadline (the server's error reaches us first).
-const STEP_MARGIN: Duration = Duration::from_secs(2);
-
 /// What `migrate` did to one table.
 #[derive(Debug, Default)]
 pub struct MigrateReport {
@@ -178,7 +174,7 @@ pub async fn migrate(
     mut done: impl FnMut(&MigrateReport),
 ) -> Result<(), MigrateError> {
     let mut client = open_session(&config.postgres).await?;
-    let deadline = config.postgres.statement_timeout + STEP_MARGIN;
+    let deadline = config.postgres.statement_timeout + super::DEADLINE_MARGIN;
     for table in &config.tables {
         let report = migrate_table(&mut client, table, notify, deadline)
             .await
