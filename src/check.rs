@@ -11,6 +11,9 @@ use crate::sink::nats::{check_subject, NatsSink};
 use crate::source::{describe, schema, session, SessionLimits, SessionMode, SourceError};
 use tokio_postgres::GenericClient;
 
+/// The longest `check` waits to connect to NATS (the publish timeout, if shorter): a
+/// check must answer soon, and a server that is up answers well within it.
+const CHECK_CONNECT: Duration = Duration::from_secs(5);
 /// JetStream de-duplicates re-sent messages only inside this window; shorter windows let
 /// duplicates through after a crash between publish and commit.
 const MIN_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
@@ -61,12 +64,7 @@ pub async fn check(config: &Config) -> Vec<Finding> {
     let subjects = check_postgres(config, &mut out).await;
     match &config.sink.target {
         SinkTarget::Nats(nats) => {
-            match NatsSink::connect(
-                nats,
-                config.sink.publish_timeout.min(Duration::from_secs(5)),
-            )
-            .await
-            {
+            match NatsSink::connect(nats, config.sink.publish_timeout.min(CHECK_CONNECT)).await {
                 Ok(sink) => {
                     out.push(Level::Ok, format!("nats {}", nats.redacted()), "reachable");
                     check_streams(&sink, &subjects, &mut out).await;

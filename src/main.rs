@@ -8,7 +8,7 @@ use outbox_relay::cli::{Cli, Command, LogFormat, StatusFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
-use outbox_relay::source::{migrate, SessionLimits, SessionMode};
+use outbox_relay::source::migrate;
 use outbox_relay::{admin, check};
 
 /// Exit codes, fixed by the contract.
@@ -16,6 +16,11 @@ const EXIT_OK: u8 = 0;
 const EXIT_FAILURE: u8 = 1;
 const EXIT_CONFIG: u8 = 2;
 const EXIT_DEADLINE: u8 = 3;
+
+/// How long the runtime waits at exit for its blocking threads (a sink's flush, a Kafka
+/// metadata request). The relay already awaited its tasks, within their own deadlines:
+/// what is left is not waited for beyond this; the process is done.
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -39,8 +44,7 @@ fn main() -> ExitCode {
         }
     };
     let code = runtime.block_on(execute(cli.command, config));
-    // Do not wait for tasks that ignore shutdown (none should); the process is done.
-    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    runtime.shutdown_timeout(RUNTIME_SHUTDOWN);
     ExitCode::from(code)
 }
 
@@ -327,67 +331,15 @@ fn print_summary(config: &Config, report: &Report) {
     }
 }
 
+/// `migrate`: a line per table as it is brought up to date; exit 1 at the first failure.
 async fn run_migrate(config: &Config, notify: bool) -> u8 {
-    let limits = SessionLimits::migrate(&config.postgres);
-    // The whole connect, TLS and start-up included: a server that accepts TCP and never
-    // answers must not hang a deploy job.
-    let connect_timeout = 2 * outbox_relay::source::attempt_limit(&config.postgres);
-    let connect = tokio::time::timeout(
-        connect_timeout,
-        outbox_relay::source::session::open(&config.postgres, limits),
-    );
-    let (mut client, connection) = match connect.await {
-        Ok(Ok((client, connection, SessionMode::Direct))) => (client, connection),
-        Ok(Ok((_, _, SessionMode::Pooled))) => {
-            fail(&format!(
-                "{} is a pooler in transaction mode (it refused start-up options, as PgBouncer \
-                 does): migrate needs a session of its own (locks, CREATE INDEX \
-                 CONCURRENTLY): run it against the database directly, e.g. with \
-                 OUTBOX_RELAY__POSTGRES__URL set to postgres.listen_url",
-                config.postgres.redacted(),
-            ));
-            return EXIT_FAILURE;
-        }
-        Ok(Err(e)) => {
-            fail(&format!(
-                "cannot connect to {}: {e}",
-                config.postgres.redacted(),
-            ));
-            return EXIT_FAILURE;
-        }
-        Err(_) => {
-            fail(&format!(
-                "cannot connect to {}: no answer within {connect_timeout:?} \
-                 (postgres.connect_timeout); is it a PostgreSQL server, and is it up?",
-                config.postgres.redacted(),
-            ));
-            return EXIT_FAILURE;
-        }
-    };
-    tokio::spawn(connection);
-    let deadline = config.postgres.statement_timeout + std::time::Duration::from_secs(2);
-    for table in &config.tables {
-        match migrate::migrate_table(&mut client, table, notify, deadline).await {
-            Ok(report) => {
-                let applied = if report.applied.is_empty() {
-                    "up to date".to_owned()
-                } else {
-                    format!("applied {}", report.applied.join(", "))
-                };
-                let trigger = if report.notify {
-                    "NOTIFY trigger installed"
-                } else {
-                    "no NOTIFY trigger (relays will poll)"
-                };
-                say(&format!("{}: {applied}; {trigger}", report.table));
-            }
-            Err(e) => {
-                fail(&format!("migrating {}: {e}", table.name));
-                return EXIT_FAILURE;
-            }
+    match migrate::migrate(config, notify, |report| say(&report.to_string())).await {
+        Ok(()) => EXIT_OK,
+        Err(e) => {
+            fail(&e.to_string());
+            EXIT_FAILURE
         }
     }
-    EXIT_OK
 }
 
 fn init_tracing(format: LogFormat) {

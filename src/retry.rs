@@ -32,7 +32,20 @@ pub struct Backoff {
 /// The shortest pause a [`Backoff`] returns.
 pub const MIN_PAUSE: Duration = Duration::from_millis(10);
 
+/// The first pause before trying a dependency again (start-up, LISTEN): one that is
+/// starting alongside the relay is usually up within it.
+pub const RECONNECT_FIRST: Duration = Duration::from_millis(250);
+/// The longest pause between tries: a dependency that comes back is found within it,
+/// without hammering one that stays down.
+pub const RECONNECT_MAX: Duration = Duration::from_secs(10);
+
 impl Backoff {
+    /// The pauses between attempts to reach a dependency: [`RECONNECT_FIRST`] doubling to
+    /// [`RECONNECT_MAX`].
+    pub fn reconnect() -> Backoff {
+        Backoff::new(RECONNECT_FIRST, RECONNECT_MAX)
+    }
+
     pub fn new(base: Duration, cap: Duration) -> Backoff {
         Backoff {
             base,

@@ -1,9 +1,11 @@
-//! The module layering ARCHITECTURE.md describes, checked on the source: which top-level
-//! modules each module imports (`crate::…` outside comments and test modules). A new
-//! import that breaks a layer, or closes a cycle, fails here with the file that did it.
+//! The module layering ARCHITECTURE.md describes, checked on the source: which modules each
+//! module imports (`crate::…` and `super::…` paths outside comments and test modules). A
+//! new import that breaks a layer, or closes a cycle, fails here with the file that did
+//! it: between top-level modules, and between the submodules of the folders in
+//! [`FOLDERS`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Each top-level module and the modules it may import.
 const ALLOWED: &[(&str, &[&str])] = &[
@@ -25,10 +27,30 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Top-level modules each file's module imports, with the files that import them.
-fn imports() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
-    let mut found: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
-    let mut stack = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("src")];
+/// The top-level modules whose submodules must not import each other in a cycle. (`sink`
+/// is not here: its folders import nothing of each other, so there is nothing to check.)
+const FOLDERS: &[&str] = &["source", "config", "relay", "ops"];
+
+/// Who imports whom: importer -> imported -> the files that do it.
+type Graph = BTreeMap<String, BTreeMap<String, BTreeSet<String>>>;
+
+/// One source file: where it is, its module path (`["source", "migrate"]` for
+/// `src/source/migrate.rs`, `["source"]` for `src/source/mod.rs`), and its code without
+/// comment lines and without what follows the first `#[cfg(test)]`.
+struct File {
+    rel: String,
+    module: Vec<String>,
+    code: String,
+}
+
+fn src() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// Every file under `src/` but `main.rs` and `lib.rs`.
+fn files() -> Vec<File> {
+    let mut files = Vec::new();
+    let mut stack = vec![src()];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -38,57 +60,232 @@ fn imports() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
             }
             let rel = path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap();
             let rel = rel.to_string_lossy().into_owned();
-            let module = rel
+            let mut module: Vec<String> = rel
                 .trim_start_matches("src/")
                 .trim_end_matches(".rs")
                 .split('/')
-                .next()
-                .unwrap()
-                .to_owned();
-            if module == "main" || module == "lib" {
+                .map(str::to_owned)
+                .collect();
+            if module.last().is_some_and(|m| m == "mod") {
+                module.pop();
+            }
+            if module == ["main"] || module == ["lib"] {
                 continue;
             }
             let text = std::fs::read_to_string(&path).unwrap();
             let code = text.split("#[cfg(test)]").next().unwrap();
-            for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
-                for target in line.split("crate::").skip(1).flat_map(targets) {
-                    if target != module {
-                        let targets = found.entry(module.clone()).or_default();
-                        targets.entry(target).or_default().insert(rel.clone());
-                    }
-                }
+            let code = code
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            files.push(File { rel, module, code });
+        }
+    }
+    files
+}
+
+/// The crate-absolute paths `file` names: each `crate::a::b` and each `super::x` (as many
+/// `super::` as it has, counted up from the file's module), groups `{a, b::c}` expanded.
+/// An inline `mod` inside a file is not tracked: its `super::` is read as the file's.
+fn paths(file: &File) -> Vec<Vec<String>> {
+    let code = file.code.as_str();
+    let mut found = Vec::new();
+    let part_of_a_name =
+        |at: usize| code[..at].ends_with(|c: char| c.is_alphanumeric() || c == '_');
+    for (at, _) in code.match_indices("crate::") {
+        if !part_of_a_name(at) {
+            found.extend(use_tree(&code[at + "crate::".len()..]));
+        }
+    }
+    for (at, _) in code.match_indices("super::") {
+        if code[..at].ends_with("super::") || part_of_a_name(at) {
+            continue; // inside a longer chain, or part of another name
+        }
+        let mut rest = &code[at..];
+        let mut up = 0;
+        while let Some(after) = rest.strip_prefix("super::") {
+            up += 1;
+            rest = after;
+        }
+        let Some(base) = file.module.len().checked_sub(up) else {
+            continue;
+        };
+        for path in use_tree(rest) {
+            found.push(file.module[..base].iter().cloned().chain(path).collect());
+        }
+    }
+    found
+}
+
+/// The paths a use tree or expression path at the start of `text` names:
+/// `a::{b, c::{d, e}}` is `[a, b]`, `[a, c, d]`, `[a, c, e]`; `self` in a group is the
+/// path before it.
+fn use_tree(text: &str) -> Vec<Vec<String>> {
+    let text = text.trim_start();
+    if let Some(group) = text.strip_prefix('{') {
+        return split_group(group).into_iter().flat_map(use_tree).collect();
+    }
+    let name: String = text
+        .chars()
+        .take_while(|c| c.is_alphanumeric() || *c == '_')
+        .collect();
+    if name.is_empty() || name == "self" {
+        return vec![Vec::new()];
+    }
+    match text[name.len()..].strip_prefix("::") {
+        Some(rest) => use_tree(rest)
+            .into_iter()
+            .map(|tail| std::iter::once(name.clone()).chain(tail).collect())
+            .collect(),
+        None => vec![vec![name]],
+    }
+}
+
+/// The comma-separated parts of a group whose `{` is already consumed, up to its `}`.
+fn split_group(text: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, c) in text.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => {
+                parts.push(&text[start..i]);
+                break;
+            }
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.into_iter().filter(|p| !p.trim().is_empty()).collect()
+}
+
+/// Top-level modules each top-level module imports, with the files that import them.
+fn imports(files: &[File]) -> Graph {
+    let modules: BTreeSet<&str> = files.iter().map(|f| f.module[0].as_str()).collect();
+    let mut found = Graph::new();
+    for file in files {
+        let module = &file.module[0];
+        for path in paths(file) {
+            let Some(target) = path.first().filter(|t| modules.contains(t.as_str())) else {
+                continue;
+            };
+            if target != module {
+                let targets = found.entry(module.clone()).or_default();
+                targets
+                    .entry(target.clone())
+                    .or_default()
+                    .insert(file.rel.clone());
             }
         }
     }
     found
 }
 
-/// The modules named right after a `crate::`: one, or each of a `{a, b::c}` group.
-fn targets(after: &str) -> Vec<String> {
-    let name = |s: &str| -> String {
-        s.trim()
-            .chars()
-            .take_while(|c| c.is_ascii_lowercase() || *c == '_')
-            .collect()
-    };
-    let names = match after.strip_prefix('{') {
-        Some(group) => group
-            .split('}')
-            .next()
-            .unwrap()
-            .split(',')
-            .map(name)
-            .collect(),
-        None => vec![name(after)],
-    };
-    names.into_iter().filter(|n| !n.is_empty()).collect()
+/// Submodules of `folder` each of its submodules imports, with the files that import
+/// them. A name the folder's `mod.rs` imports from a submodule (`super::ConfigError` is
+/// `error`'s) counts as that submodule's; items `mod.rs` defines itself belong to no
+/// submodule.
+fn submodule_imports(files: &[File], folder: &str) -> Graph {
+    let inside = |f: &&File| f.module[0] == folder;
+    let children: BTreeSet<&str> = files
+        .iter()
+        .filter(inside)
+        .filter_map(|f| f.module.get(1).map(String::as_str))
+        .collect();
+    let parent = files.iter().find(|f| f.module == [folder]).unwrap();
+    let mut owner: BTreeMap<String, String> = BTreeMap::new();
+    for statement in parent.code.split(';') {
+        let statement = statement.trim_start();
+        let Some(tree) = ["use ", "pub use ", "pub(crate) use "]
+            .iter()
+            .find_map(|p| statement.strip_prefix(p))
+        else {
+            continue;
+        };
+        for path in use_tree(tree.trim_start_matches("self::")) {
+            if let (Some(child), Some(name)) = (path.first(), path.last()) {
+                if children.contains(child.as_str()) && path.len() > 1 {
+                    owner.insert(name.clone(), child.clone());
+                }
+            }
+        }
+    }
+    let mut found = Graph::new();
+    for file in files.iter().filter(inside).filter(|f| f.module.len() > 1) {
+        let module = &file.module[1];
+        for path in paths(file) {
+            if path.first().map(String::as_str) != Some(folder) {
+                continue;
+            }
+            let Some(name) = path.get(1) else { continue };
+            let target = match children.contains(name.as_str()) {
+                true => name,
+                false => match owner.get(name) {
+                    Some(child) => child,
+                    None => continue,
+                },
+            };
+            if target != module {
+                let targets = found.entry(module.clone()).or_default();
+                targets
+                    .entry(target.clone())
+                    .or_default()
+                    .insert(file.rel.clone());
+            }
+        }
+    }
+    found
+}
+
+/// Each cycle in `graph`, as `a imports b (in [files]), b imports a (in [files])`.
+fn cycles(graph: &Graph) -> Vec<String> {
+    fn path_to(
+        graph: &Graph,
+        from: &str,
+        to: &str,
+        seen: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        for next in graph.get(from).into_iter().flat_map(|t| t.keys()) {
+            if next == to {
+                return Some(vec![from.to_owned(), next.clone()]);
+            }
+            if seen.insert(next.clone()) {
+                if let Some(mut rest) = path_to(graph, next, to, seen) {
+                    rest.insert(0, from.to_owned());
+                    return Some(rest);
+                }
+            }
+        }
+        None
+    }
+    let mut reported = BTreeSet::new();
+    let mut found = Vec::new();
+    for module in graph.keys() {
+        let Some(cycle) = path_to(graph, module, module, &mut BTreeSet::new()) else {
+            continue;
+        };
+        let members: BTreeSet<&String> = cycle.iter().collect();
+        if !reported.insert(format!("{members:?}")) {
+            continue;
+        }
+        let edges: Vec<String> = cycle
+            .windows(2)
+            .map(|w| format!("{} imports {} (in {:?})", w[0], w[1], graph[&w[0]][&w[1]]))
+            .collect();
+        found.push(edges.join(", "));
+    }
+    found
 }
 
 #[test]
 fn modules_import_only_the_layers_below_them() {
     let allowed: BTreeMap<&str, &[&str]> = ALLOWED.iter().copied().collect();
     let mut wrong = Vec::new();
-    for (module, targets) in imports() {
+    for (module, targets) in imports(&files()) {
         let Some(may) = allowed.get(module.as_str()) else {
             wrong.push(format!(
                 "module {module} is not in ALLOWED: place it in a layer"
@@ -120,4 +317,70 @@ fn the_allowed_layers_have_no_cycle() {
             "{module} is in a cycle"
         );
     }
+}
+
+#[test]
+fn submodules_import_each_other_without_a_cycle() {
+    let files = files();
+    let mut found = Vec::new();
+    for folder in FOLDERS {
+        let graph = submodule_imports(&files, folder);
+        assert!(
+            !graph.is_empty(),
+            "no imports found between {folder}'s submodules"
+        );
+        found.extend(cycles(&graph).into_iter().map(|c| format!("{folder}: {c}")));
+    }
+    assert!(
+        found.is_empty(),
+        "cycles between submodules:\n{}",
+        found.join("\n")
+    );
+}
+
+/// The reader itself: `super::` counted from the file's depth, groups expanded, names
+/// brought in by the folder's `mod.rs` traced to their submodule, and a cycle reported
+/// with the files on each side.
+#[test]
+fn the_reader_sees_super_paths_groups_and_re_exports() {
+    let file = |rel: &str, code: &str| File {
+        rel: rel.to_owned(),
+        module: rel
+            .trim_start_matches("src/")
+            .trim_end_matches(".rs")
+            .trim_end_matches("/mod")
+            .split('/')
+            .map(str::to_owned)
+            .collect(),
+        code: code.to_owned(),
+    };
+    let files = [
+        file(
+            "src/f/mod.rs",
+            "mod a;\nmod b;\nmod c;\npub use c::{Error, more::Other};",
+        ),
+        file(
+            "src/f/a.rs",
+            "use super::{b::{X, Y}, Thing};\nuse crate::g::Z;",
+        ),
+        file("src/f/b.rs", "fn f() { super::Error::new(); }"),
+        file("src/f/c/d.rs", "use super::super::a::W;\nuse super::Local;"),
+        file("src/g.rs", "use crate::f::{self, a};"),
+    ];
+    let graph = submodule_imports(&files, "f");
+    let edges: Vec<(&str, &str)> = graph
+        .iter()
+        .flat_map(|(m, t)| t.keys().map(move |t| (m.as_str(), t.as_str())))
+        .collect();
+    assert_eq!(edges, [("a", "b"), ("b", "c"), ("c", "a")]);
+    assert_eq!(
+        cycles(&graph),
+        [
+            "a imports b (in {\"src/f/a.rs\"}), b imports c (in {\"src/f/b.rs\"}), \
+          c imports a (in {\"src/f/c/d.rs\"})"
+        ]
+    );
+    let top = imports(&files);
+    let top: Vec<&String> = top["f"].keys().collect();
+    assert_eq!(top, ["g"]);
 }

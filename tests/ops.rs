@@ -33,7 +33,9 @@ fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
     }
 }
 
-/// The value of the first sample line starting with `prefix`.
+/// Section 9: `/metrics` has every family, and they move: nothing published before the
+/// rows arrive; after them 3,000 published, the bad row's failures and its dead-lettering,
+/// an empty backlog, and the database gauges refreshed.
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
     let (env, addr) =

@@ -3,7 +3,7 @@
 
 use toml::{Table, Value};
 
-use super::ConfigError;
+use super::error::{ConfigError, Override};
 
 /// Prefix of the variables that override configuration keys.
 pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
@@ -83,13 +83,6 @@ pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Resul
     }
     out.push_str(rest);
     Ok(out)
-}
-
-/// One applied override, kept so that an error on its key can name the variable.
-#[derive(Debug, Clone)]
-pub struct Override {
-    pub variable: String,
-    pub path: Vec<String>,
 }
 
 /// Applies `OUTBOX_RELAY__A__B=value` as key `a.b` = value. Numbers and booleans become

@@ -3,7 +3,13 @@
 use std::fmt;
 use std::path::PathBuf;
 
-use super::env::Override;
+/// One applied `OUTBOX_RELAY__...` override (see `env`), kept so that an error on its key
+/// can name the variable.
+#[derive(Debug, Clone)]
+pub struct Override {
+    pub variable: String,
+    pub path: Vec<String>,
+}
 
 /// A configuration problem: always the operator's to fix, always exit code 2.
 ///

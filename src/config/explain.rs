@@ -10,7 +10,7 @@
 //! No message echoes a value that may be a secret: URLs lose their `user:password@`, and a
 //! value under a key that names a password, secret, token or URL is not shown at all.
 
-use super::env::Override;
+use super::error::Override;
 use super::kafka;
 use super::ConfigError;
 

@@ -319,38 +319,6 @@ impl Default for RawShutdown {
     }
 }
 
-/// A librdkafka property: written as a string, number or boolean, passed on as a string.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PropertyValue(pub String);
-
-impl<'de> Deserialize<'de> for PropertyValue {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Scalar;
-        impl Visitor<'_> for Scalar {
-            type Value = PropertyValue;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("text in double quotes, a number or true/false")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<PropertyValue, E> {
-                Ok(PropertyValue(v.to_owned()))
-            }
-            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PropertyValue, E> {
-                Ok(PropertyValue(v.to_string()))
-            }
-            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PropertyValue, E> {
-                Ok(PropertyValue(v.to_string()))
-            }
-            fn visit_f64<E: de::Error>(self, v: f64) -> Result<PropertyValue, E> {
-                Ok(PropertyValue(v.to_string()))
-            }
-            fn visit_bool<E: de::Error>(self, v: bool) -> Result<PropertyValue, E> {
-                Ok(PropertyValue(v.to_string()))
-            }
-        }
-        d.deserialize_any(Scalar)
-    }
-}
-
 /// A duration written as `"250ms"`, `"25s"`, `"5m"` or `"1h"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DurationValue(pub Duration);

@@ -83,11 +83,15 @@ fn traces_url_from(config: &TracingConfig, env: impl Fn(&str) -> Option<String>)
         })
 }
 
+/// How long `check` waits for the trace collector's answer to its empty export: a
+/// reachable collector answers at once, and `check` must not hang on one that does not.
+const COLLECTOR_LIMIT: Duration = Duration::from_secs(5);
+
 /// Posts an empty export (a valid, empty `ExportTraceServiceRequest`) to `url` with the
 /// configured headers, as `check` does: `Ok` when the collector accepts it. Blocking.
 pub fn probe_collector(url: &str) -> Result<(), String> {
     let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(5))
+        .timeout(COLLECTOR_LIMIT)
         .build()
         .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
     let mut request = client

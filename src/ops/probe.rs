@@ -47,16 +47,24 @@ pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
     let mut backlog_due = Instant::now();
     let mut watch = vacuum::Watch::default();
     loop {
-        let postgres = reachability(ops, &probed, &mut opened_seen).await;
-        if postgres && Instant::now() >= gauges_due {
-            gauges_due = Instant::now() + GAUGE_INTERVAL;
-            if probed.backlog_shown && Instant::now() >= backlog_due {
-                let (began, published) = (Instant::now(), probed.published.load(Relaxed));
-                refresh_backlog(ops, &probed).await;
-                ops.published_at_backlog_read.store(published, Relaxed);
-                backlog_due = began + (began.elapsed() * BACKLOG_SHARE).max(GAUGE_INTERVAL);
+        let look = async {
+            let postgres = reachability(ops, &probed, &mut opened_seen).await;
+            if postgres && Instant::now() >= gauges_due {
+                gauges_due = Instant::now() + GAUGE_INTERVAL;
+                if probed.backlog_shown && Instant::now() >= backlog_due {
+                    let (began, published) = (Instant::now(), probed.published.load(Relaxed));
+                    refresh_backlog(ops, &probed).await;
+                    ops.published_at_backlog_read.store(published, Relaxed);
+                    backlog_due = began + (began.elapsed() * BACKLOG_SHARE).max(GAUGE_INTERVAL);
+                }
+                refresh_vacuum(ops, &probed, &mut watch).await;
             }
-            refresh_vacuum(ops, &probed, &mut watch).await;
+        };
+        // A look only refreshes gauges: dropped at `done`, it loses nothing, and a stalled
+        // broker's health check or a long backlog count does not hold up the exit.
+        tokio::select! {
+            _ = done.cancelled() => return,
+            _ = look => {}
         }
         tokio::select! {
             _ = done.cancelled() => return,
@@ -65,10 +73,15 @@ pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
     }
 }
 
-/// Asks both dependencies for an answer within two seconds and records it, with the
+/// How long each dependency gets to answer the probe: a healthy one answers in
+/// milliseconds; one slower than this is reported unreachable (`/readyz`), like one that
+/// refuses, and the next look is not put off for long.
+const REACH_LIMIT: Duration = Duration::from_secs(2);
+
+/// Asks both dependencies for an answer within [`REACH_LIMIT`] and records it, with the
 /// circuit gauges; returns whether PostgreSQL answered.
 async fn reachability(ops: &Ops, probed: &Probed<'_>, opened_seen: &mut u64) -> bool {
-    let limit = Duration::from_secs(2);
+    let limit = REACH_LIMIT;
     let postgres = probed.source.ping(limit).await.is_ok();
     let (open, opened) = (probed.circuit)();
     let broker = !open

@@ -11,7 +11,11 @@ use tokio_util::sync::CancellationToken;
 use super::metrics::TableLabel;
 use super::Ops;
 
-/// Draws `drain`'s line once a second until `stop` or `done`: rows published, the rate over
+/// How often the progress line is drawn again: often enough to look live, the rate over
+/// the last [`REDRAW`] steady enough to read.
+const REDRAW: Duration = Duration::from_secs(1);
+
+/// Draws `drain`'s line every [`REDRAW`] until `stop` or `done`: rows published, the rate over
 /// the last second and the backlog left over `tables` (as of the last gauge refresh, less
 /// what was published since).
 pub async fn show(
@@ -27,7 +31,7 @@ pub async fn show(
         tokio::select! {
             _ = done.cancelled() => break,
             _ = stop.cancelled() => break,
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = tokio::time::sleep(REDRAW) => {}
         }
         let published = published.load(Relaxed);
         let rate = (published - last.1) as f64 / last.0.elapsed().as_secs_f64();

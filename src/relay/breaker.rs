@@ -59,9 +59,15 @@ pub struct Breaker {
 /// relay has no batch to close it): the next failure begins a new outage.
 pub const HALF_OPEN_SETTLES: Duration = Duration::from_secs(10);
 
+/// The prober's first pause once the circuit opens: a broker that blinked is back in it.
+const PROBE_FIRST: Duration = Duration::from_millis(200);
+/// Its longest pause: a broker that comes back is probed, and the workers released, within
+/// it, while one that stays down is asked only this often.
+const PROBE_MAX: Duration = Duration::from_secs(5);
+
 impl Default for Breaker {
     fn default() -> Self {
-        Breaker::new(Duration::from_millis(200), Duration::from_secs(5))
+        Breaker::new(PROBE_FIRST, PROBE_MAX)
     }
 }
 

@@ -1,5 +1,6 @@
 //! The supervisor: prepares the tables, connects the sink, runs the workers and the
-//! LISTEN task under one [`TaskTracker`], and reports how the run ended.
+//! LISTEN task under one [`TaskTracker`], the tasks that outlive them under another
+//! (`tasks`, awaited once the run is over), and reports how the run ended.
 //!
 //! `run` relays until stopped; `drain` relays until no publishable row is left. Either
 //! way, stopping means: stop claiming, let in-flight batches commit, flush the sink. If
@@ -13,6 +14,7 @@ pub mod order;
 mod pause;
 mod start;
 mod state;
+mod tasks;
 mod valve;
 mod wake;
 mod worker;
@@ -67,6 +69,9 @@ pub struct Report {
     /// `drain` only: paused tables that still hold publishable rows, each with its pause
     /// (`drain` does not wait for them, and exits 3).
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
+    /// Background tasks (probe, floor keeper, ...) still running when the run returned,
+    /// each also named in a WARN; empty when every one stopped (see `tasks`).
+    pub tasks_left: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
@@ -123,11 +128,32 @@ pub enum Mode {
     Drain,
 }
 
+/// How long the background tasks get to return once `done` fires: each looks at it at
+/// every wait, so only one in the middle of a statement takes any time.
+const BACKGROUND_STOP: Duration = Duration::from_secs(1);
+/// The same after an abort, which must exit at once (as [`FLUSH_ABORTED`]).
+const BACKGROUND_STOP_ABORTED: Duration = Duration::from_millis(250);
+/// After an abort, how long the workers get to drop their transactions: each races its
+/// publish against `abort`, so a second is plenty; one that takes longer is given up on.
+const WORKERS_AFTER_ABORT: Duration = Duration::from_secs(1);
+/// How long the sink's closing flush may take: every batch awaited its acks already, so
+/// there is little left to send.
+const FLUSH: Duration = Duration::from_secs(2);
+/// The same after an abort, which must exit at once.
+const FLUSH_ABORTED: Duration = Duration::from_millis(250);
+/// After an abort, how long each closing look at the tables (drained? waiting? paused?)
+/// may take, instead of a statement deadline: the process must exit at once.
+const CLOSING_LOOK_ABORTED: Duration = Duration::from_secs(1);
+
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
     let endpoints = Endpoints::start(config).await?;
-    let sink = connect_sink(config, &shutdown, &endpoints.ops).await?;
-    relay(config, mode, sink, shutdown, endpoints).await
+    let relayed = async {
+        let sink = connect_sink(config, &shutdown, &endpoints.ops).await?;
+        relay(config, mode, sink, shutdown.clone(), &endpoints).await
+    }
+    .await;
+    stop_background(relayed, endpoints, &shutdown).await
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
@@ -140,7 +166,27 @@ pub async fn run_with_sink(
 ) -> Result<Report, RelayError> {
     let endpoints = Endpoints::start(config).await?;
     endpoints.ops.broker_reachable(true);
-    relay(config, mode, sink, shutdown, endpoints).await
+    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
+    stop_background(relayed, endpoints, &shutdown).await
+}
+
+/// Stops the tasks that outlive the workers, once the run is over whichever way it ended,
+/// and waits for them; the report names those that did not stop in time.
+async fn stop_background(
+    relayed: Result<Report, RelayError>,
+    endpoints: Endpoints,
+    shutdown: &Shutdown,
+) -> Result<Report, RelayError> {
+    let within = if shutdown.abort_token().is_cancelled() {
+        BACKGROUND_STOP_ABORTED
+    } else {
+        BACKGROUND_STOP
+    };
+    let tasks_left = endpoints.stop(within).await;
+    relayed.map(|report| Report {
+        tasks_left,
+        ..report
+    })
 }
 
 async fn relay(
@@ -148,7 +194,7 @@ async fn relay(
     mode: Mode,
     sink: Sink,
     shutdown: Shutdown,
-    endpoints: Endpoints,
+    endpoints: &Endpoints,
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
@@ -208,7 +254,7 @@ async fn relay(
         "Relaying"
     );
     shared.first_pauses().await?;
-    spawn_background(&shared, mode, &endpoints.done);
+    spawn_background(&shared, mode, endpoints);
 
     let tracker = TaskTracker::new();
     tracker.spawn(crate::source::listen::listen(
@@ -245,64 +291,64 @@ async fn relay(
     Ok(report(&shared, mode, started).await)
 }
 
-/// Tasks that outlive the workers, stopped by `done` after them: the probe, the floor's
-/// keeper and retention per table, the connection follower, drain's progress line on a
-/// terminal, the systemd watchdog, and the STOPPING notification.
-fn spawn_background(shared: &Arc<Shared>, mode: Mode, done: &CancellationToken) {
+/// Tasks that outlive the workers, stopped by `done` after them and awaited by
+/// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause
+/// and connection followers, drain's progress line on a terminal, the systemd watchdog,
+/// and the STOPPING notification.
+fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
+    let (tasks, done) = (&endpoints.tasks, &endpoints.done);
     let progress = mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr());
-    {
-        let (shared, done) = (shared.clone(), done.clone());
-        tokio::spawn(async move {
-            let circuit = || {
-                let open = shared.breaker.state() == breaker::BreakerState::Open;
-                (open, shared.breaker.times_opened())
-            };
-            let probed = ops::probe::Probed {
-                source: &shared.source,
-                sink: &shared.sink,
-                tables: &shared.tables,
-                circuit: &circuit,
-                backlog_shown: shared.ops.served() || progress,
-                published: shared.state.published(),
-            };
-            ops::probe::run(&shared.ops, probed, done).await
-        });
+    let (s, d) = (shared.clone(), done.clone());
+    tasks.spawn("probe", async move {
+        let circuit = || {
+            let open = s.breaker.state() == breaker::BreakerState::Open;
+            (open, s.breaker.times_opened())
+        };
+        let probed = ops::probe::Probed {
+            source: &s.source,
+            sink: &s.sink,
+            tables: &s.tables,
+            circuit: &circuit,
+            backlog_shown: s.ops.served() || progress,
+            published: s.state.published(),
+        };
+        ops::probe::run(&s.ops, probed, d).await
+    });
+    for (t, table) in shared.tables.iter().enumerate() {
+        let name = format!("table keeper {}", table.config.name);
+        tasks.spawn(name, keep_table(shared.clone(), t, done.clone()));
     }
-    for t in 0..shared.tables.len() {
-        tokio::spawn(keep_table(shared.clone(), t, done.clone()));
-    }
-    {
-        let (shared, done) = (shared.clone(), done.clone());
-        tokio::spawn(async move { shared.follow_pauses(done).await });
-    }
+    let (s, d) = (shared.clone(), done.clone());
+    tasks.spawn("pause follower", async move { s.follow_pauses(d).await });
     if let Some(connection) = shared.sink.connection() {
-        let (shared, done) = (shared.clone(), done.clone());
-        tokio::spawn(async move {
-            shared
-                .breaker
-                .follow_connection(&shared.ops, connection, done)
-                .await
+        let (s, d) = (shared.clone(), done.clone());
+        tasks.spawn("connection follower", async move {
+            s.breaker.follow_connection(&s.ops, connection, d).await
         });
     }
     if progress {
-        let (shared, done) = (shared.clone(), done.clone());
-        tokio::spawn(async move {
-            let names: Vec<String> = shared
-                .tables
-                .iter()
-                .map(|t| t.config.name.to_string())
-                .collect();
-            let (published, stop) = (shared.state.published(), shared.shutdown.stop_token());
-            ops::progress::show(&shared.ops, &names, published, stop, &done).await
+        let (s, d) = (shared.clone(), done.clone());
+        tasks.spawn("progress line", async move {
+            let names: Vec<String> = s.tables.iter().map(|t| t.config.name.to_string()).collect();
+            let (published, stop) = (s.state.published(), s.shutdown.stop_token());
+            ops::progress::show(&s.ops, &names, published, stop, &d).await
         });
     }
     if let Some(interval) = ops::watchdog_interval() {
-        tokio::spawn(ops::watchdog(shared.ops.clone(), interval, done.clone()));
+        tasks.spawn(
+            "systemd watchdog",
+            ops::watchdog(shared.ops.clone(), interval, done.clone()),
+        );
     }
-    let shared = shared.clone();
-    tokio::spawn(async move {
-        shared.shutdown.stop_token().cancelled().await;
-        shared.ops.health.set_stopping();
+    let (s, d) = (shared.clone(), done.clone());
+    tasks.spawn("stopping notice", async move {
+        // `done` too: a run that ends without a stop (a failed start) has nothing to notify.
+        tokio::select! {
+            biased;
+            _ = s.shutdown.stop_token().cancelled() => {}
+            _ = d.cancelled() => return,
+        }
+        s.ops.health.set_stopping();
         ops::notify_stopping();
     });
 }
@@ -344,7 +390,7 @@ async fn wait_for_workers(shared: &Shared, tracker: &TaskTracker) {
     tokio::select! {
         _ = tracker.wait() => {}
         _ = shared.shutdown.abort_token().cancelled() => {
-            if tokio::time::timeout(Duration::from_secs(1), tracker.wait()).await.is_err() {
+            if tokio::time::timeout(WORKERS_AFTER_ABORT, tracker.wait()).await.is_err() {
                 tracing::warn!(tasks = tracker.len(), "Tasks still running at the deadline; exiting anyway");
                 shared.state.set_aborted();
             }
@@ -356,9 +402,9 @@ async fn wait_for_workers(shared: &Shared, tracker: &TaskTracker) {
 /// tightly after an abort, which must exit at once.
 async fn flush_sink(shared: &Shared) {
     let flush = if shared.shutdown.abort_token().is_cancelled() {
-        Duration::from_millis(250)
+        FLUSH_ABORTED
     } else {
-        Duration::from_secs(2)
+        FLUSH
     };
     if let Err(e) = shared.sink.close(flush).await {
         tracing::warn!(error = %e, "Sink did not flush in time");
@@ -372,7 +418,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
     // After an abort (drain --timeout, the deadline, a second signal) the process must
     // exit at once: the closing look at the table gets a second, not a statement deadline.
     let closing = if shared.shutdown.abort_token().is_cancelled() {
-        Duration::from_secs(1)
+        CLOSING_LOOK_ABORTED
     } else {
         shared.source.deadline()
     };
@@ -418,6 +464,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         elapsed: started.elapsed(),
         aborted,
         drained: shared.state.drained() && !aborted,
+        tasks_left: Vec::new(), // filled in by `stop_background`
     };
     tracing::info!(
         published = report.published,

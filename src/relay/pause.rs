@@ -16,6 +16,10 @@ use crate::source::pause::{self, Paused};
 use crate::source::table::TablePlan;
 use crate::source::SourceError;
 
+/// How soon the first read of the pause state is tried again: no claim is made until it
+/// succeeds, so soon, but not in a tight loop against a database that is failing.
+const FIRST_PAUSES_RETRY: Duration = Duration::from_millis(500);
+
 /// What this process knows of the pause state.
 pub struct PauseState {
     sql: String,
@@ -82,7 +86,7 @@ impl Shared {
                     tracing::warn!(error = %e, "Could not read the pause state; trying again");
                     tokio::select! {
                         _ = self.shutdown.stop_token().cancelled() => return Err(e),
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                        _ = tokio::time::sleep(FIRST_PAUSES_RETRY) => {}
                     }
                 }
             }

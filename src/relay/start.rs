@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::tasks::Background;
 use super::RelayError;
 use crate::config::Config;
 use crate::error::ErrorClass;
@@ -38,7 +39,7 @@ where
         what: what.to_owned(),
         last_error,
     };
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let mut backoff = Backoff::reconnect();
     let mut last_error = "stopped before the first attempt ended".to_owned();
     loop {
         let result = tokio::select! {
@@ -105,30 +106,44 @@ pub async fn connect_sink(
 }
 
 /// The HTTP endpoints, served from the moment the configuration is valid until the relay
-/// returns.
+/// returns, and the other tasks that outlive the workers.
 pub struct Endpoints {
     pub ops: Arc<Ops>,
-    /// Stops the HTTP server and the other operations tasks when dropped.
+    /// Stops the HTTP server and the other background tasks when dropped, should the run
+    /// end without [`Endpoints::stop`] (a panic).
     _done: tokio_util::sync::DropGuard,
     /// The parent of every task that outlives the workers (probe, watchdog, floor keeper).
     pub done: CancellationToken,
+    /// Those tasks, awaited by [`Endpoints::stop`].
+    pub tasks: Background,
 }
 
 impl Endpoints {
     pub async fn start(config: &Config) -> Result<Endpoints, RelayError> {
         let ops = Ops::new(config.relay.poll_interval, config.http.is_some());
         let done = CancellationToken::new();
+        let tasks = Background::default();
         if let Some(http) = &config.http {
             let listener = ops::http::bind(http.listen)
                 .await
                 .map_err(RelayError::Fatal)?;
             tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
-            tokio::spawn(ops::http::serve(listener, ops.clone(), done.clone()));
+            tasks.spawn(
+                "http",
+                ops::http::serve(listener, ops.clone(), done.clone()),
+            );
         }
         Ok(Endpoints {
             ops,
             _done: done.clone().drop_guard(),
             done,
+            tasks,
         })
+    }
+
+    /// Stops the background tasks and waits `within` at most for them; returns the names of
+    /// those still running.
+    pub async fn stop(self, within: Duration) -> Vec<String> {
+        self.tasks.stop(&self.done, within).await
     }
 }

@@ -14,6 +14,13 @@ use super::Shared;
 use crate::error::ErrorClass;
 use crate::retry::Backoff;
 
+/// A worker's first pause after a transient failure: short, since most are momentary
+/// (a connection replaced, a lock timeout).
+const TROUBLE_FIRST: Duration = Duration::from_millis(100);
+/// Its longest pause: a worker resumes within it once the trouble is over (the breaker,
+/// not this, holds the workers off a broker that is down).
+const TROUBLE_MAX: Duration = Duration::from_secs(5);
+
 /// What one round over the tables came to.
 enum Round {
     /// A batch committed and nothing went wrong: claim again at once.
@@ -40,7 +47,7 @@ impl Worker {
     pub async fn run(self) {
         let shared = &self.shared;
         let stop = shared.shutdown.stop_token().clone();
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut backoff = Backoff::new(TROUBLE_FIRST, TROUBLE_MAX);
         // A claimer one too many for a table's buckets waits a poll interval, doubling up to
         // eight: it tries again soon enough to take a bucket that frees up, without every
         // surplus claimer reading the first window ten times a second (measured: 8 relays

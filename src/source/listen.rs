@@ -50,7 +50,7 @@ pub async fn listen(
     wake: Arc<dyn Wake>,
     stop: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(250), Duration::from_secs(10));
+    let mut backoff = Backoff::reconnect();
     while !stop.is_cancelled() {
         let pause = backoff.next_pause();
         let result = listen_once(&pg, limits, wake.as_ref(), &stop).await;

@@ -11,12 +11,14 @@
 //! `migrate` runs (several sidecars starting at once); the index builds need none (see
 //! [`build_concurrently`]). Nothing here drops or rewrites user data.
 
+use std::fmt;
 use std::time::Duration;
 
 use tokio_postgres::Client;
 
+use super::session::{self, SessionLimits, SessionMode};
 use super::{schema, SourceError};
-use crate::config::{Ident, TableConfig};
+use crate::config::{Config, Ident, PostgresConfig, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -115,6 +117,96 @@ pub struct MigrateReport {
     pub table: String,
     pub applied: Vec<String>,
     pub notify: bool,
+}
+
+/// The line `migrate` prints for the table.
+impl fmt::Display for MigrateReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let applied = if self.applied.is_empty() {
+            "up to date".to_owned()
+        } else {
+            format!("applied {}", self.applied.join(", "))
+        };
+        let trigger = if self.notify {
+            "NOTIFY trigger installed"
+        } else {
+            "no NOTIFY trigger (relays will poll)"
+        };
+        write!(f, "{}: {applied}; {trigger}", self.table)
+    }
+}
+
+/// Why `migrate` stopped (exit code 1).
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// The server refused start-up options, as PgBouncer in transaction mode does.
+    #[error(
+        "{url} is a pooler in transaction mode (it refused start-up options, as PgBouncer \
+         does): migrate needs a session of its own (locks, CREATE INDEX CONCURRENTLY): run \
+         it against the database directly, e.g. with OUTBOX_RELAY__POSTGRES__URL set to \
+         postgres.listen_url"
+    )]
+    Pooled { url: String },
+    #[error("cannot connect to {url}: {source}")]
+    Connect {
+        url: String,
+        #[source]
+        source: SourceError,
+    },
+    #[error(
+        "cannot connect to {url}: no answer within {limit:?} (postgres.connect_timeout); is \
+         it a PostgreSQL server, and is it up?"
+    )]
+    NoAnswer { url: String, limit: Duration },
+    #[error("migrating {table}: {source}")]
+    Table {
+        table: String,
+        #[source]
+        source: SourceError,
+    },
+}
+
+/// `outbox-relay migrate`: brings every configured table up to date, one after the other,
+/// and hands each table's report to `done` as it finishes; the first failure stops it.
+pub async fn migrate(
+    config: &Config,
+    notify: bool,
+    mut done: impl FnMut(&MigrateReport),
+) -> Result<(), MigrateError> {
+    let mut client = open_session(&config.postgres).await?;
+    let deadline = config.postgres.statement_timeout + super::DEADLINE_MARGIN;
+    for table in &config.tables {
+        let report = migrate_table(&mut client, table, notify, deadline)
+            .await
+            .map_err(|source| MigrateError::Table {
+                table: table.name.to_string(),
+                source,
+            })?;
+        done(&report);
+    }
+    Ok(())
+}
+
+/// A session of its own, directly to PostgreSQL: a pooler in transaction mode is refused,
+/// since the advisory lock and `CREATE INDEX CONCURRENTLY` need one server connection
+/// throughout. Its connection runs on a task that ends when the client is dropped.
+async fn open_session(pg: &PostgresConfig) -> Result<Client, MigrateError> {
+    let url = || pg.redacted();
+    // The whole connect, TLS and start-up included, at most two attempts (with start-up
+    // options, then without): a server that accepts TCP and never answers must not hang a
+    // deploy job.
+    let limit = 2 * session::attempt_limit(pg);
+    let opened = tokio::time::timeout(limit, session::open(pg, SessionLimits::migrate(pg)))
+        .await
+        .map_err(|_| MigrateError::NoAnswer { url: url(), limit })?;
+    match opened {
+        Ok((client, connection, SessionMode::Direct)) => {
+            tokio::spawn(connection);
+            Ok(client)
+        }
+        Ok((_, _, SessionMode::Pooled)) => Err(MigrateError::Pooled { url: url() }),
+        Err(source) => Err(MigrateError::Connect { url: url(), source }),
+    }
 }
 
 /// Brings `table` up to date; installs the NOTIFY trigger unless `notify` is false, in
@@ -355,30 +447,9 @@ async fn migrate_in_transaction(
     Ok(report)
 }
 
-/// The quoted name `migrate` gives the table's index with `suffix` (`pending_idx`, ...).
-pub fn index_name(table: &TableConfig, suffix: &str) -> String {
-    let mut base = format!("{}_{suffix}", table.name.table.as_str());
-    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
-    while base.len() > 63 {
-        base.remove(0);
-    }
-    Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
-        .expect("a quoted identifier of at most 63 bytes is valid")
-        .quoted()
-}
-
-/// The indexes every claim relies on, by suffix: without one of them a claim scans the
-/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub const CLAIM_INDEXES: &[(&str, &str)] = &[
-    ("pending_idx", "pending rows in order (migration 0001)"),
-    ("held_idx", "rows that hold back their key (migration 0002)"),
-    ("retry_idx", "rows with a failure history (migration 0003)"),
-    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
-];
-
 /// Fills the `{{placeholders}}` of a migration with quoted identifiers.
 fn render(sql: &str, table: &TableConfig) -> String {
-    let index = |suffix: &str| index_name(table, suffix);
+    let index = |suffix: &str| schema::index_name(table, suffix);
     let c = &table.columns;
     sql.replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())

@@ -35,6 +35,14 @@ pub use session::{
     attempt_limit, connect, connect_timeout, session_config, Connection, SessionLimits, SessionMode,
 };
 
+/// What a client-side deadline gives a statement beyond the server's `statement_timeout`:
+/// a margin for the network, so that the server's own deadline, whose error names the
+/// statement, fires first.
+pub const DEADLINE_MARGIN: Duration = Duration::from_secs(2);
+
+/// What the pool gives opening a connection beyond the last host's own attempt limit.
+const CREATE_MARGIN: Duration = Duration::from_secs(1);
+
 /// A PostgreSQL failure, with the class that says what to do about it.
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
@@ -409,7 +417,7 @@ impl Source {
             .wait_timeout(Some(limits.statement_timeout))
             // A margin past the last host's own limit: `EachHost` waits for it when every
             // host timed out.
-            .create_timeout(Some(attempt_limit(pg) + Duration::from_secs(1)))
+            .create_timeout(Some(attempt_limit(pg) + CREATE_MARGIN))
             .recycle_timeout(Some(connect_timeout(pg)))
             .build()
             .map_err(|e| SourceError::Pool(e.to_string()))?;
@@ -502,9 +510,9 @@ impl Source {
         result
     }
 
-    /// Client-side deadline for one statement: the server's plus a margin for the network.
+    /// Client-side deadline for one statement: the server's plus [`DEADLINE_MARGIN`].
     pub fn deadline(&self) -> Duration {
-        self.statement_timeout + Duration::from_secs(2)
+        self.statement_timeout + DEADLINE_MARGIN
     }
 
     /// Runs `fut` under [`Source::deadline`].

@@ -345,17 +345,39 @@ fn column_problem(
     }
 }
 
+/// The quoted name of the table's index with `suffix` (`pending_idx`, ...): the name
+/// `migrate` builds it under, and the one the start-up check looks for.
+pub fn index_name(table: &TableConfig, suffix: &str) -> String {
+    let mut base = format!("{}_{suffix}", table.name.table.as_str());
+    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
+    while base.len() > 63 {
+        base.remove(0);
+    }
+    Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
+        .expect("a quoted identifier of at most 63 bytes is valid")
+        .quoted()
+}
+
+/// The indexes every claim relies on, by suffix: without one of them a claim scans the
+/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
+pub const CLAIM_INDEXES: &[(&str, &str)] = &[
+    ("pending_idx", "pending rows in order (migration 0001)"),
+    ("held_idx", "rows that hold back their key (migration 0002)"),
+    ("retry_idx", "rows with a failure history (migration 0003)"),
+    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
+];
+
 /// The claim indexes `migrate` builds: missing or invalid ones are problems.
 async fn check_indexes(
     client: &impl GenericClient,
     table: &TableConfig,
     problems: &mut Vec<String>,
 ) -> Result<(), SourceError> {
-    for (suffix, what) in super::migrate::CLAIM_INDEXES {
+    for (suffix, what) in CLAIM_INDEXES {
         let index = format!(
             "{}.{}",
             table.name.schema.quoted(),
-            super::migrate::index_name(table, suffix)
+            index_name(table, suffix)
         );
         let valid: Option<bool> = client.query_one(INDEX_VALID_SQL, &[&index]).await?.get(0);
         if valid != Some(true) {

@@ -84,6 +84,12 @@ pub struct SessionLimits {
     pub idle_in_transaction_timeout: Duration,
 }
 
+/// A batch's transaction idles while its rows are published; beyond the publish timeout,
+/// this margin covers its mark and commit before the server ends it.
+const MARK_AND_COMMIT: Duration = Duration::from_secs(10);
+/// TCP keepalive after this much silence: the system default (two hours) would leave a
+/// connection to a vanished server (a failover, a dropped NAT entry) unnoticed that long.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 /// The longest a relay session waits for a row or table lock. Claims skip locked rows, so
 /// only DDL or a long `LOCK TABLE` makes one wait: better to give up and retry than to
 /// queue every worker behind it.
@@ -101,7 +107,7 @@ impl SessionLimits {
         SessionLimits {
             statement_timeout: pg.statement_timeout,
             lock_timeout: LOCK_WAIT.min(pg.statement_timeout),
-            idle_in_transaction_timeout: publish_timeout + Duration::from_secs(10),
+            idle_in_transaction_timeout: publish_timeout + MARK_AND_COMMIT,
         }
     }
 
@@ -187,7 +193,7 @@ pub fn session_config(
     }
     cfg.connect_timeout(connect_timeout(pg));
     cfg.keepalives(true);
-    cfg.keepalives_idle(Duration::from_secs(30));
+    cfg.keepalives_idle(KEEPALIVE_IDLE);
     cfg
 }
 

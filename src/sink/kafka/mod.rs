@@ -145,7 +145,7 @@ impl KafkaSink {
         let answer = tokio::task::spawn_blocking(move || {
             let metadata = producer
                 .client()
-                .fetch_metadata(Some(&name), Duration::from_secs(5))
+                .fetch_metadata(Some(&name), METADATA_LIMIT)
                 .ok()?;
             let found = metadata.topics().iter().find(|t| t.name() == name)?;
             match found.error() {
@@ -227,7 +227,7 @@ impl KafkaSink {
                 Ok(delivery) => return Ok(delivery),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                     record = back;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                 }
                 Err((e, _)) => return Err(self.classify(&message.topic, &e)),
             }
@@ -263,7 +263,7 @@ impl KafkaSink {
         tokio::task::spawn_blocking(move || {
             let metadata = producer
                 .client()
-                .fetch_metadata(topic.as_deref(), Duration::from_secs(5))
+                .fetch_metadata(topic.as_deref(), METADATA_LIMIT)
                 .map_err(|e| {
                     SinkError::transient(format!(
                         "Kafka brokers did not answer: {}",
@@ -435,3 +435,11 @@ fn client_config(config: &KafkaConfig, publish_timeout: Duration) -> ClientConfi
 const TOPIC_TTL: Duration = Duration::from_secs(5);
 /// A topic is missing only when answers this far apart both said so.
 const MISSING_CONFIRMED_AFTER: Duration = Duration::from_secs(2);
+/// How long a metadata request (which topics, how many partitions) may wait for the
+/// brokers. It blocks a thread of its own (`spawn_blocking`), so it holds up only its
+/// caller; no answer in time is "not known" or a transient failure.
+const METADATA_LIMIT: Duration = Duration::from_secs(5);
+/// How long a record waits when librdkafka's queue is full before it is offered again:
+/// room frees as earlier records are acknowledged, so a short pause keeps the queue full
+/// without spinning on it.
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);

@@ -44,6 +44,10 @@ pub use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
 pub const CAPTURE_TTL: Duration = Duration::from_secs(2);
 /// How long a subject the server refused to let us publish to fails without a try.
 pub const DENIED_TTL: Duration = Duration::from_secs(30);
+/// How long a request to the server (a stream lookup, JetStream's info, a flush) may wait
+/// for its answer: a healthy server answers in milliseconds, and the relay's probe asks
+/// again every 2 s anyway.
+const REPLY_LIMIT: Duration = Duration::from_secs(2);
 
 /// A NATS connection and its JetStream context.
 pub struct NatsSink {
@@ -105,11 +109,11 @@ impl NatsSink {
         }
         use async_nats::jetstream::context::GetStreamByNameErrorKind as Kind;
         let lookup = self.js.stream_by_subject(subject);
-        let captured = match tokio::time::timeout(Duration::from_secs(2), lookup).await {
+        let captured = match tokio::time::timeout(REPLY_LIMIT, lookup).await {
             Ok(Ok(_)) => true,
             Ok(Err(e)) if e.kind() == Kind::NotFound => false,
             Ok(Err(e)) => return Err(scrub(&e.to_string(), &self.secrets)),
-            Err(_) => return Err("no answer within 2s".to_owned()),
+            Err(_) => return Err(format!("no answer within {REPLY_LIMIT:?}")),
         };
         self.captured
             .lock()
@@ -125,13 +129,15 @@ impl NatsSink {
 
     /// Flushes what the client still buffers.
     async fn flush(&self) -> Result<(), SinkError> {
-        match tokio::time::timeout(Duration::from_secs(2), self.client.flush()).await {
+        match tokio::time::timeout(REPLY_LIMIT, self.client.flush()).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(SinkError::transient(format!(
                 "NATS flush failed: {}",
                 scrub(&e.to_string(), &self.secrets)
             ))),
-            Err(_) => Err(SinkError::transient("NATS did not answer within 2s")),
+            Err(_) => Err(SinkError::transient(format!(
+                "NATS did not answer within {REPLY_LIMIT:?}"
+            ))),
         }
     }
 
@@ -290,7 +296,7 @@ impl SinkService for NatsSink {
             None => "JetStream".to_owned(),
         };
         let request = self.client.request(subject, bytes::Bytes::new());
-        let reply = match tokio::time::timeout(Duration::from_secs(2), request).await {
+        let reply = match tokio::time::timeout(REPLY_LIMIT, request).await {
             Ok(Ok(reply)) => reply,
             Ok(Err(e)) => {
                 return Err(SinkError::transient(format!(
@@ -300,7 +306,7 @@ impl SinkService for NatsSink {
             }
             Err(_) => {
                 return Err(SinkError::transient(format!(
-                    "{asked} did not answer within 2s"
+                    "{asked} did not answer within {REPLY_LIMIT:?}"
                 )))
             }
         };
