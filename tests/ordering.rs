@@ -357,39 +357,12 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
 /// waited for lane 0's next look; for good when lane 0 never looked).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lone_claimer_of_any_lane_takes_the_oldest_rows() {
-    use outbox_relay::config::Ordering;
-    use outbox_relay::source::claim::{claim_batch, Budget};
-    use outbox_relay::source::floor::FloorView;
-    use outbox_relay::source::{table, SessionLimits, Source};
-
-    let env = Env::new("workers = 4\nbatch_size = 100").await;
-    let client = env.client().await;
-    seed(&client, 1_000, 10, 0).await;
-    let config = outbox_relay::config::load(&env.config).unwrap();
-    let limits = SessionLimits::one_shot(&config.postgres);
-    let source = Source::open(&config.postgres, limits).await.unwrap();
-    let plans = table::prepare(&source, &config).await.unwrap();
-    let plan = &plans[0];
-    let budget = Budget {
-        rows: 100,
-        bytes: u64::MAX,
-    };
+    let claims = DirectClaims::new(1_000, 10).await;
     for lane in 0..4 {
         // The transaction commits without touching the rows: each lane claims alone.
-        let claimed = source
-            .in_transaction(async |tx| {
-                let floor = FloorView::default();
-                claim_batch(
-                    tx,
-                    &plan.sql,
-                    Ordering::Key,
-                    budget,
-                    lane,
-                    &floor,
-                    &plan.depth,
-                )
-                .await
-            })
+        let claimed = claims
+            .source
+            .in_transaction(async |tx| claims.claim(tx, lane).await)
             .await
             .unwrap();
         let ids: Vec<i64> = claimed.rows.iter().map(|r| r.id).collect();
@@ -398,6 +371,48 @@ async fn a_lone_claimer_of_any_lane_takes_the_oldest_rows() {
             (1..=100).collect::<Vec<i64>>(),
             "lane {lane} alone must take the 100 oldest rows"
         );
+    }
+}
+
+/// Claims made directly, without a relay: a table of `rows` rows over `keys` keys, a
+/// source on it and its plan; each claim takes at most 100 rows, from no floor.
+struct DirectClaims {
+    _env: Env,
+    source: outbox_relay::source::Source,
+    plans: Vec<outbox_relay::source::table::TablePlan>,
+}
+
+impl DirectClaims {
+    async fn new(rows: i64, keys: i64) -> DirectClaims {
+        use outbox_relay::source::{table, SessionLimits, Source};
+        let env = Env::new("batch_size = 100").await;
+        seed(&env.client().await, rows, keys, 0).await;
+        let config = outbox_relay::config::load(&env.config).unwrap();
+        let limits = SessionLimits::one_shot(&config.postgres);
+        let source = Source::open(&config.postgres, limits).await.unwrap();
+        let plans = table::prepare(&source, &config).await.unwrap();
+        DirectClaims {
+            _env: env,
+            source,
+            plans,
+        }
+    }
+
+    /// One key-ordered claim by `lane` in `tx`.
+    async fn claim(
+        &self,
+        tx: &outbox_relay::source::Tx<'_>,
+        lane: usize,
+    ) -> Result<outbox_relay::source::claim::Claimed, outbox_relay::source::SourceError> {
+        use outbox_relay::source::claim::{claim_batch, Budget};
+        let plan = &self.plans[0];
+        let budget = Budget {
+            rows: 100,
+            bytes: u64::MAX,
+        };
+        let floor = outbox_relay::source::floor::FloorView::default();
+        let ordering = outbox_relay::config::Ordering::Key;
+        claim_batch(tx, &plan.sql, ordering, budget, lane, &floor, &plan.depth).await
     }
 }
 
@@ -410,45 +425,19 @@ async fn a_lone_claimer_of_any_lane_takes_the_oldest_rows() {
 /// for every key it got exactly that key's oldest rows.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_surplus_claimer_trying_buckets_first_takes_only_heads_and_their_runs() {
-    use outbox_relay::config::Ordering;
-    use outbox_relay::source::claim::{claim_batch, Budget, Claimed};
-    use outbox_relay::source::floor::FloorView;
-    use outbox_relay::source::{table, SessionLimits, Source, SourceError, Tx};
-
-    let env = Env::new("workers = 2\nbatch_size = 100").await;
-    let client = env.client().await;
-    seed(&client, 5_000, 4, 0).await;
-    let config = outbox_relay::config::load(&env.config).unwrap();
-    let limits = SessionLimits::one_shot(&config.postgres);
-    let source = Source::open(&config.postgres, limits).await.unwrap();
-    let plans = table::prepare(&source, &config).await.unwrap();
-    let plan = &plans[0];
-    let budget = Budget {
-        rows: 100,
-        bytes: u64::MAX,
-    };
-    let floor = FloorView::default();
-    let claim = async |tx: &Tx<'_>, lane: usize| -> Result<Claimed, SourceError> {
-        claim_batch(
-            tx,
-            &plan.sql,
-            Ordering::Key,
-            budget,
-            lane,
-            &floor,
-            &plan.depth,
-        )
-        .await
-    };
+    let claims = DirectClaims::new(5_000, 4).await;
+    let source = &claims.source;
     // Lanes 0 and 4 plan from the window's start alike (4 lanes a window), with their own
     // surplus marks.
     let mut session_a = source.session().await.unwrap();
     let tx_a = source.begin(&mut session_a).await.unwrap();
-    let a = claim(&tx_a, 0).await.unwrap();
+    let a = claims.claim(&tx_a, 0).await.unwrap();
     let a_keys: std::collections::BTreeSet<_> = a.rows.iter().map(|r| r.key.clone()).collect();
     assert_eq!(a_keys.len(), 4, "claim A holds every key: {a_keys:?}");
     for attempt in ["planning from the first window", "trying buckets first"] {
-        let b = source.in_transaction(async |tx| claim(tx, 4).await).await;
+        let b = source
+            .in_transaction(async |tx| claims.claim(tx, 4).await)
+            .await;
         let b = b.unwrap();
         assert!(
             b.rows.is_empty() && b.contended,
@@ -461,7 +450,7 @@ async fn a_surplus_claimer_trying_buckets_first_takes_only_heads_and_their_runs(
     tx_a.commit().await.unwrap();
     drop(session_a);
     let b = source
-        .in_transaction(async |tx| claim(tx, 4).await)
+        .in_transaction(async |tx| claims.claim(tx, 4).await)
         .await
         .unwrap();
     assert!(
