@@ -163,6 +163,19 @@ fn split_group(text: &str) -> Vec<&str> {
     parts.into_iter().filter(|p| !p.trim().is_empty()).collect()
 }
 
+/// Records that `file`, in `module`, imports `target` (a module's imports of itself are
+/// not edges).
+fn add_import(found: &mut Graph, module: &str, target: &str, file: &str) {
+    if target != module {
+        found
+            .entry(module.to_owned())
+            .or_default()
+            .entry(target.to_owned())
+            .or_default()
+            .insert(file.to_owned());
+    }
+}
+
 /// Top-level modules each top-level module imports, with the files that import them.
 fn imports(files: &[File]) -> Graph {
     let modules: BTreeSet<&str> = files.iter().map(|f| f.module[0].as_str()).collect();
@@ -173,13 +186,7 @@ fn imports(files: &[File]) -> Graph {
             let Some(target) = path.first().filter(|t| modules.contains(t.as_str())) else {
                 continue;
             };
-            if target != module {
-                let targets = found.entry(module.clone()).or_default();
-                targets
-                    .entry(target.clone())
-                    .or_default()
-                    .insert(file.rel.clone());
-            }
+            add_import(&mut found, module, target, &file.rel);
         }
     }
     found
@@ -229,13 +236,7 @@ fn submodule_imports(files: &[File], folder: &str) -> Graph {
                     None => continue,
                 },
             };
-            if target != module {
-                let targets = found.entry(module.clone()).or_default();
-                targets
-                    .entry(target.clone())
-                    .or_default()
-                    .insert(file.rel.clone());
-            }
+            add_import(&mut found, module, target, &file.rel);
         }
     }
     found
