@@ -385,7 +385,7 @@ async fn claim_by_key(
         // rows there that were not planned: their rows after it are not their heads.
         plan.leave_to_lower_lanes(&first);
         let candidates = ranked_buckets(&first);
-        depth.remember_ranking(&candidates[..buckets_met(&first)]);
+        depth.remember_ranking(&candidates);
         // A bucket read starts at the floor: room for the first window's rows it reads
         // again (the most any one bucket had there).
         let reread = most_in_one_bucket(&first);
@@ -443,8 +443,9 @@ async fn claim_as_surplus(
     .await?;
     if plan.reserved > 0 {
         let rows = finish_claim(tx, sql, &plan, rows).await?;
+        // Heads it owns are in the batch: never empty here.
         return Ok(Some(Claimed {
-            contended: rows.is_empty(),
+            contended: false,
             rows,
         }));
     }
@@ -616,16 +617,6 @@ fn ranked_buckets(window: &[Candidate]) -> Vec<i32> {
     ranked
 }
 
-/// How many buckets `window`'s rows are in.
-fn buckets_met(window: &[Candidate]) -> usize {
-    let mut seen = [false; BUCKETS as usize];
-    window
-        .iter()
-        .filter(|c| (0..BUCKETS).contains(&c.bucket))
-        .filter(|c| !std::mem::replace(&mut seen[c.bucket as usize], true))
-        .count()
-}
-
 /// The most rows of `window` in any one bucket.
 fn most_in_one_bucket(window: &[Candidate]) -> usize {
     let mut counts = [0usize; BUCKETS as usize];
@@ -664,7 +655,7 @@ fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>) {
 /// It also remembers which lanes are *surplus* (their last claim of a deep backlog found
 /// every bucket, or every key it met, taken) and the buckets the last deep first window
 /// met, oldest work first: a surplus lane tries those buckets before anything else (see
-/// [`claim_by_key`]).
+/// [`claim_as_surplus`]).
 #[derive(Debug, Default)]
 pub struct BucketDepth {
     /// Rows the last pick took per bucket got (0: unknown yet).
@@ -673,7 +664,7 @@ pub struct BucketDepth {
     keys_per_bucket_x16: AtomicUsize,
     /// Bit `lane % 64`: that lane's last claim was contended.
     surplus: AtomicU64,
-    /// The buckets the last deep first window met, in the order of their first row.
+    /// The last deep first window's bucket ranking ([`ranked_buckets`]).
     recent: Mutex<Vec<i32>>,
 }
 
@@ -721,25 +712,22 @@ impl BucketDepth {
         }
     }
 
-    /// Remembers the buckets a deep first window met, oldest work first.
-    fn remember_ranking(&self, met: &[i32]) {
+    /// Remembers the ranking of a deep first window ([`ranked_buckets`]).
+    fn remember_ranking(&self, ranked: &[i32]) {
         let mut recent = self.recent.lock().unwrap();
         recent.clear();
-        recent.extend_from_slice(met);
+        recent.extend_from_slice(ranked);
     }
 
-    /// The order a surplus claim tries buckets in: those the last deep first window met
-    /// (oldest work first), then every other bucket.
+    /// The order a surplus claim tries buckets in: the last deep first window's ranking
+    /// (the buckets it met, oldest work first, then every other one); every bucket in
+    /// order before any was remembered.
     fn probe_ranking(&self) -> Vec<i32> {
         let recent = self.recent.lock().unwrap();
-        let mut seen = [false; BUCKETS as usize];
-        let mut ranked = Vec::with_capacity(BUCKETS as usize);
-        for b in recent.iter().copied().chain(0..BUCKETS) {
-            if (0..BUCKETS).contains(&b) && !std::mem::replace(&mut seen[b as usize], true) {
-                ranked.push(b);
-            }
+        match recent.is_empty() {
+            true => (0..BUCKETS).collect(),
+            false => recent.clone(),
         }
-        ranked
     }
 
     /// A pick got `buckets` holding `keys`, and the claim took `taken` rows of them, with
@@ -1208,7 +1196,17 @@ mod tests {
     fn a_surplus_claim_tries_the_buckets_the_last_deep_window_met_first() {
         let depth = BucketDepth::default();
         assert_eq!(depth.probe_ranking(), (0..BUCKETS).collect::<Vec<_>>());
-        depth.remember_ranking(&[9, 2, 40]);
+        let first: Vec<Candidate> = [9, 2, 40]
+            .into_iter()
+            .enumerate()
+            .map(|(id, bucket)| Candidate {
+                id: id as i64,
+                key: Some(format!("k{bucket}")),
+                size: 1,
+                bucket,
+            })
+            .collect();
+        depth.remember_ranking(&ranked_buckets(&first));
         let ranked = depth.probe_ranking();
         assert_eq!(&ranked[..5], &[9, 2, 40, 0, 1]);
         assert_eq!(ranked.len(), BUCKETS as usize, "every bucket, once");
