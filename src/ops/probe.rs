@@ -117,7 +117,7 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
         let stragglers: &[i64] = &view.stragglers;
         let read = source.in_transaction(async |tx| {
             let backlog = tx
-                .query_one(&table.sql.backlog, &[&view.value, &stragglers])
+                .query_one(&table.sql.backlog, &[&view.lowest(), &stragglers])
                 .await?;
             let waiting = tx.query_one(&table.sql.waiting, &[]).await?;
             Ok((backlog, waiting))

@@ -360,12 +360,17 @@ async fn claim_by_key(
     // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
     // claim, most of them by claimers that then found every bucket taken).
     let window_size = ((limit * WINDOW_FACTOR) as i64).min(SCOUT);
-    let first: Vec<Candidate> = tx
+    let read = tx
         .query(&sql.window, &[&window_size, &floor.value, &stragglers])
-        .await?
+        .await?;
+    // Rows of withheld keys from their hidden part on are left alone (see *Withheld keys*
+    // in `super::floor`): what is left holds a prefix of every key's pending rows.
+    let first: Vec<Candidate> = read
         .iter()
         .map(Candidate::from_row)
+        .filter(|c| !floor.hides(c.key.as_deref(), c.id))
         .collect();
+    let end_of_first = read.last().map(|r| r.get::<_, i64>(0));
     let offset = (lane % WINDOW_FACTOR) * limit;
     let mut cursor = 0;
     let deferred = offset > 0 && first.len() >= offset + limit;
@@ -378,9 +383,9 @@ async fn claim_by_key(
     // claimers'): take buckets, read after the first window. Only once the rounds went
     // through the whole window: a key with rows left in it unplanned must not get tails
     // after it (its run would have a gap).
-    let deep = (first.len() as i64) >= window_size;
+    let deep = (read.len() as i64) >= window_size;
     let mut contended = false;
-    if let (Some(last), true) = (first.last(), deep && reached == first.len()) {
+    if let (Some(last), true) = (end_of_first, deep && reached == first.len()) {
         // Keys of the first window that the rounds did not reach (the round limit) have
         // rows there that were not planned: their rows after it are not their heads.
         plan.leave_to_lower_lanes(&first);
@@ -390,7 +395,7 @@ async fn claim_by_key(
         // again (the most any one bucket had there).
         let reread = most_in_one_bucket(&first);
         let picks = take_buckets(
-            tx, sql, &mut plan, &mut rows, candidates, last.id, reread, floor, depth,
+            tx, sql, &mut plan, &mut rows, candidates, last, reread, floor, depth,
         )
         .await?;
         // Every bucket is another claimer's, or every key this claim met is: the table
@@ -522,6 +527,7 @@ async fn take_buckets(
         let mut window: Vec<Candidate> = window
             .into_iter()
             .filter(|c| c.id > after || c.key.as_deref().is_some_and(|k| !plan.knows(k)))
+            .filter(|c| !floor.hides(c.key.as_deref(), c.id))
             .collect();
         if got.is_empty() {
             found.none_free = picks == 1;

@@ -25,8 +25,8 @@
 //! still a prefix of the pending rows, and the head rule of [`super::claim`] holds.
 //! Stragglers are fresh rows held back by an earlier held row of their key (dead, or with a
 //! failure history): the floor passes them rather than stay behind a dead row for days.
-//! They are looked up by primary key, at most [`STRAGGLER_CAP`]; beyond that the floor stays
-//! below them.
+//! They are looked up by primary key, at most [`STRAGGLER_CAP`]; beyond that their keys are
+//! withheld (see *Withheld keys*).
 //!
 //! # Raising the floor: a fence
 //!
@@ -57,6 +57,41 @@
 //! candidate would never see its fence pass). The floor trails the newest pending row by
 //! about one batch's duration plus a tick.
 //!
+//! # Withheld keys: passing more held-back rows than can be listed
+//!
+//! One stuck Kafka partition holds back a third of the keys, tens of thousands of rows:
+//! far more than [`STRAGGLER_CAP`]. With the floor kept below them, every claim walked
+//! them and the entries of every row published above them (measured: the other keys
+//! flowed at 0.3 of their rate). So when a floor would list more stragglers than the cap,
+//! it *withholds* their keys instead: a key `K` is listed once, with `w(K)`, the lowest
+//! of its held-back rows below the floor, and claims leave alone every row of `K` from
+//! `w(K)` on ([`FloorView::hides`]), wherever they read it. The invariant becomes:
+//!
+//! > Every fresh pending row with an id below `F` is in `S`, or is a row of a withheld key
+//! > `K` with an id of at least `w(K)` (again except ids drawn before their xid).
+//!
+//! Why the claim's rule still holds: what a claim may see of any key is a *prefix* of the
+//! key's pending rows in id order. For a key not withheld, nothing changed. For a
+//! withheld key `K`, the claim sees exactly its pending rows below `w(K)`: the fresh ones
+//! among them are in `S` (none of `K`'s fresh rows below `F` is unlisted below `w(K)`),
+//! and its rows with a failure history are read through the retry index. Hiding is by id
+//! alone, not by whether the key is still held, so no change to the table between the
+//! keeper's look and a claim (a held row coming due, published, re-queued or deleted by
+//! hand) can make a later row look like a head: the worst it does is leave `K` waiting.
+//! A smaller `w(K)` only hides more, so `w(K)` may trail (the sweep lowers it when it
+//! finds a row of `K` below it). While keys are withheld, a look also summarizes every
+//! held-back row before its candidate by key (the key and its first such row), however
+//! many there are, so one adoption withholds them all and passes them: listed row by row,
+//! the floor moved at most [`STRAGGLER_CAP`] of them a look and trailed the claims.
+//!
+//! Releasing. A withheld key is released when no row of it below `w(K)` is dead or has
+//! a failure history ([`TableSql::withheld_released`], checked every [`RELEASE_CHECK`]):
+//! its held row was published, or deleted. The floor is then lowered to `w(K)` (always
+//! safe), and `K`'s rows are read from the floor on again. While `K`'s held row is due but
+//! not yet published, `K` stays withheld: a claim takes that row alone (it is `K`'s head:
+//! everything of `K` before it is visible), and a row postponed again (its partition
+//! still down) keeps `K` withheld without lowering the floor once a second.
+//!
 //! # The sweep
 //!
 //! The proof assumes a row's transaction holds an xid when the row's id is drawn. Inside an
@@ -72,6 +107,7 @@
 //! second on a table VACUUM keeps clean; with a snapshot held, as long as 20 times the
 //! walk through the dead entries below the floor takes.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -83,8 +119,12 @@ use super::{Source, SourceError};
 /// about a batch's duration plus a tick or two; with a snapshot held, every claim walks the
 /// entries of the rows published in that time.
 pub const TICK: Duration = Duration::from_millis(25);
-/// Stragglers listed at most; beyond them the floor stays below.
+/// Stragglers listed at most; beyond them their keys are withheld.
 pub const STRAGGLER_CAP: usize = 1000;
+/// Keys withheld at most; beyond them the floor stays below the rows it could not list.
+pub const WITHHELD_CAP: usize = 10_000;
+/// How often the keeper asks whether withheld keys were released.
+pub const RELEASE_CHECK: Duration = Duration::from_millis(100);
 /// Fresh rows one look reads at most (written into the look's SQL).
 const WALK: usize = super::sql::LOOK_LIMIT;
 const _: () = assert!(WALK == STRAGGLER_CAP + 1);
@@ -100,7 +140,8 @@ const SLOW_STEP: Duration = Duration::from_millis(20);
 /// Steps are spaced by at least this many times their own duration (about 5% duty).
 const SWEEP_SPACING: u32 = 19;
 
-/// What claims read: start at `value`; below it, read the stragglers and the retry index.
+/// What claims read: start at `value`; below it, read the stragglers and the retry index;
+/// leave alone what [`FloorView::hides`].
 #[derive(Debug, Clone)]
 pub struct FloorView {
     pub value: i64,
@@ -108,6 +149,9 @@ pub struct FloorView {
     /// Some pending row may have a failure history (`ordering = "none"` claims below the
     /// floor only then; key-ordered windows always look).
     pub retrying: bool,
+    /// Withheld keys, each with the id from which its rows are hidden (see *Withheld
+    /// keys*).
+    pub withheld: Arc<HashMap<String, i64>>,
 }
 
 impl Default for FloorView {
@@ -116,7 +160,25 @@ impl Default for FloorView {
             value: i64::MIN,
             stragglers: Arc::from([]),
             retrying: true,
+            withheld: Arc::default(),
         }
+    }
+}
+
+impl FloorView {
+    /// Whether a claim must leave the row `id` of `key` alone: its key is withheld and the
+    /// row is not below where the key's hidden rows start.
+    pub fn hides(&self, key: Option<&str>, id: i64) -> bool {
+        key.and_then(|k| self.withheld.get(k))
+            .is_some_and(|from| id >= *from)
+    }
+
+    /// Where a count of every pending row must start: the floor, or the lowest row of a
+    /// withheld key below it.
+    pub fn lowest(&self) -> i64 {
+        self.withheld
+            .values()
+            .fold(self.value, |low, w| low.min(*w))
     }
 }
 
@@ -165,8 +227,11 @@ impl FloorCell {
     fn publish(&self, floor: &Floor) {
         let mut view = self.view.lock().unwrap();
         view.value = floor.value;
-        view.stragglers = Arc::from(floor.stragglers.as_slice());
+        view.stragglers = floor.stragglers.iter().map(|(id, _)| *id).collect();
         view.retrying = floor.retrying;
+        if *view.withheld != floor.withheld {
+            view.withheld = Arc::new(floor.withheld.clone());
+        }
     }
 }
 
@@ -179,6 +244,11 @@ pub struct Observation {
     /// Fresh pending rows from the floor on, in order, at most [`WALK`], each with whether
     /// an earlier held row of its key holds it back.
     pub walk: Vec<(i64, bool)>,
+    /// The keys of the held-back rows of `walk`.
+    pub keys: HashMap<i64, String>,
+    /// When the floor withholds keys: every key with held-back rows before the candidate,
+    /// with the first of them, however many there are (`walk` may be cut short).
+    pub summary: Option<HashMap<String, i64>>,
     /// The stragglers still fresh and pending.
     pub kept: Vec<i64>,
     /// One past the highest id this process had claimed before the look began.
@@ -205,7 +275,12 @@ impl Observation {
 #[derive(Debug)]
 pub struct Floor {
     value: i64,
-    stragglers: Vec<i64>,
+    /// Listed held-back rows below the floor, with their keys.
+    stragglers: Vec<(i64, String)>,
+    /// Withheld keys, each with the first id of its hidden rows.
+    withheld: HashMap<String, i64>,
+    /// When the keeper next asks which withheld keys were released.
+    release_at: Instant,
     retrying: bool,
     /// A proposed floor and the `xmax` of the snapshot that saw it.
     candidate: Option<(i64, i64)>,
@@ -227,6 +302,8 @@ impl Floor {
         Floor {
             value: i64::MIN,
             stragglers: Vec::new(),
+            withheld: HashMap::new(),
+            release_at: now,
             retrying: true,
             candidate: None,
             base: None,
@@ -242,28 +319,41 @@ impl Floor {
         self.value
     }
 
-    pub fn stragglers(&self) -> &[i64] {
-        &self.stragglers
+    /// The stragglers' ids.
+    pub fn stragglers(&self) -> Vec<i64> {
+        self.stragglers.iter().map(|(id, _)| *id).collect()
+    }
+
+    /// The withheld keys and where each one's hidden rows start.
+    pub fn withheld(&self) -> &HashMap<String, i64> {
+        &self.withheld
     }
 
     /// Takes in one look made from the current floor with the current stragglers.
     pub fn observe(&mut self, look: Observation) {
         self.retrying = look.retrying;
-        let mut kept = look.kept.clone();
-        kept.retain(|id| *id < self.value);
-        self.stragglers = kept;
+        let value = self.value;
+        let kept: std::collections::HashSet<i64> = look.kept.iter().copied().collect();
+        self.stragglers
+            .retain(|(id, _)| *id < value && kept.contains(id));
         let now_candidate = look.candidate();
         if let Some((candidate, xmax)) = self.candidate {
             if look.xmin >= xmax {
                 self.candidate = None;
                 let f = candidate.min(now_candidate.unwrap_or(i64::MAX));
-                if f > self.value {
+                if let (true, Some(summary)) = (f > self.value, &look.summary) {
+                    // Every fresh row of this look below `f` is held back, and its key is
+                    // in the summary with its first such row.
+                    self.withhold(f, summary);
+                } else if f > self.value {
                     // Every row of this look below `f` is held back (f <= its candidate).
-                    let held = look.walk.iter().map(|(id, _)| *id).filter(|id| *id < f);
-                    let mut listed: Vec<i64> =
-                        self.stragglers.iter().copied().chain(held).collect();
-                    listed.sort_unstable();
-                    listed.dedup();
+                    let held = look
+                        .walk
+                        .iter()
+                        .map(|(id, _)| *id)
+                        .filter(|id| *id < f)
+                        .map(|id| (id, look.keys.get(&id).cloned().unwrap_or_default()));
+                    let listed = self.stragglers.iter().cloned().chain(held).collect();
                     self.set(f, listed);
                     self.base.get_or_insert(self.value);
                 }
@@ -276,16 +366,72 @@ impl Floor {
         }
     }
 
-    /// Sets the floor to `value` and the stragglers to those of `listed` below it, keeping
-    /// at most [`STRAGGLER_CAP`]: the floor stays at the first one beyond.
-    fn set(&mut self, mut value: i64, mut listed: Vec<i64>) {
-        listed.retain(|id| *id < value);
+    /// Sets the floor to `value` and the stragglers to those of `listed` below it (rows of
+    /// withheld keys from their hidden part on left out: they are hidden already). More
+    /// than [`STRAGGLER_CAP`]: their keys are withheld instead, as long as no more than
+    /// [`WITHHELD_CAP`] keys are; beyond that the floor stays at the first row past the
+    /// cap.
+    fn set(&mut self, mut value: i64, mut listed: Vec<(i64, String)>) {
+        listed.retain(|(id, key)| *id < value && self.withheld.get(key).is_none_or(|w| id < w));
+        listed.sort_unstable();
+        listed.dedup();
         if listed.len() > STRAGGLER_CAP {
-            value = listed[STRAGGLER_CAP];
-            listed.truncate(STRAGGLER_CAP);
+            let mut withheld = self.withheld.clone();
+            for (id, key) in &listed {
+                let w = withheld.entry(key.clone()).or_insert(*id);
+                *w = (*w).min(*id);
+            }
+            if withheld.len() <= WITHHELD_CAP && !withheld.contains_key("") {
+                self.withheld = withheld;
+                listed.clear();
+            } else {
+                value = listed[STRAGGLER_CAP].0;
+                listed.truncate(STRAGGLER_CAP);
+            }
         }
         self.value = value;
         self.stragglers = listed;
+    }
+
+    /// Raises the floor to `f`, withholding every key of `summary` from its first held-back
+    /// row, if no more than [`WITHHELD_CAP`] keys are withheld then; else leaves it.
+    fn withhold(&mut self, f: i64, summary: &HashMap<String, i64>) {
+        let mut withheld = self.withheld.clone();
+        for (key, first) in summary.iter().filter(|(_, first)| **first < f) {
+            let w = withheld.entry(key.clone()).or_insert(*first);
+            *w = (*w).min(*first);
+        }
+        if withheld.len() <= WITHHELD_CAP {
+            self.withheld = withheld;
+            self.value = f;
+        }
+    }
+
+    /// Whether the next look should summarize held-back rows by key (keys are withheld).
+    pub fn summarizing(&self) -> bool {
+        !self.withheld.is_empty()
+    }
+
+    /// The withheld keys to ask about at `now`, if it is time: names, and where each one's
+    /// hidden rows start.
+    pub fn release_due(&mut self, now: Instant) -> Option<(Vec<String>, Vec<i64>)> {
+        if self.withheld.is_empty() || now < self.release_at {
+            return None;
+        }
+        self.release_at = now + RELEASE_CHECK;
+        Some(self.withheld.iter().map(|(k, w)| (k.clone(), *w)).unzip())
+    }
+
+    /// Takes in the withheld keys found released: the floor goes down to the lowest of
+    /// their hidden rows, and claims read them from there.
+    pub fn released(&mut self, keys: &[String]) {
+        for key in keys {
+            if let Some(w) = self.withheld.remove(key) {
+                self.value = self.value.min(w);
+            }
+        }
+        let value = self.value;
+        self.stragglers.retain(|(id, _)| *id < value);
     }
 
     /// The range of ids the next sweep step covers, if one is due at `now`.
@@ -307,18 +453,28 @@ impl Floor {
     }
 
     /// Takes in one sweep step over `[_, hi)`: the fresh pending rows found there that
-    /// are not stragglers yet, at most [`WALK`], and how long the step took.
-    pub fn swept(&mut self, hi: i64, found: &[(i64, bool)], took: Duration, now: Instant) {
-        let free = found.iter().find(|(_, held)| !held).map(|(id, _)| *id);
+    /// are not stragglers yet, at most [`WALK`], each with whether it is held back and its
+    /// key, and how long the step took.
+    pub fn swept(
+        &mut self,
+        hi: i64,
+        found: &[(i64, bool, Option<String>)],
+        took: Duration,
+        now: Instant,
+    ) {
+        let free = found.iter().find(|(_, held, _)| !held).map(|(id, ..)| *id);
+        let held = found
+            .iter()
+            .filter(|(id, ..)| free.is_none_or(|f| *id < f))
+            .map(|(id, _, key)| (*id, key.clone().unwrap_or_default()));
         let mut listed = self.stragglers.clone();
-        listed.extend(
-            found
-                .iter()
-                .map(|(id, _)| *id)
-                .filter(|id| free.is_none_or(|f| *id < f)),
-        );
-        listed.sort_unstable();
-        listed.dedup();
+        for (id, key) in held {
+            // A row of a withheld key below its hidden part: hide from it on.
+            match self.withheld.get_mut(&key) {
+                Some(w) => *w = (*w).min(id),
+                None => listed.push((id, key)),
+            }
+        }
         let value = free.map_or(self.value, |f| f.min(self.value));
         if value < self.value {
             tracing::info!(
@@ -330,7 +486,7 @@ impl Floor {
         self.set(value, listed);
         // Cut short with every row held back: go on after the last one read.
         let next = match (free, found.last()) {
-            (None, Some((last, _))) if found.len() >= WALK => last.saturating_add(1),
+            (None, Some((last, ..))) if found.len() >= WALK => last.saturating_add(1),
             _ => hi,
         };
         self.sweep.span = if took < FAST_STEP {
@@ -380,7 +536,7 @@ pub async fn keep(
 ) {
     let mut floor = Floor::new(Instant::now());
     let mut failing = false;
-    let mut shown = (floor.value(), 0);
+    let mut shown = (floor.value(), 0, 0);
     loop {
         let poked = pace.poke.notified();
         if (pace.active)() {
@@ -408,13 +564,18 @@ pub async fn keep(
                 if floor.value() < before {
                     (pace.lowered)();
                 }
-                let now = (floor.value(), floor.stragglers().len());
+                let now = (
+                    floor.value(),
+                    floor.stragglers.len(),
+                    floor.withheld().len(),
+                );
                 if now != shown {
                     shown = now;
                     tracing::debug!(
                         table,
                         floor = now.0,
                         stragglers = now.1,
+                        withheld_keys = now.2,
                         "Claim floor moved"
                     );
                 }
@@ -436,14 +597,40 @@ async fn tick(
 ) -> Result<(), SourceError> {
     source
         .in_transaction(async |tx| {
-            let stragglers = floor.stragglers().to_vec();
+            if let Some((keys, from)) = floor.release_due(Instant::now()) {
+                let released: Vec<String> = tx
+                    .query(&sql.withheld_released, &[&keys, &from])
+                    .await?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                floor.released(&released);
+            }
+            let stragglers = floor.stragglers();
+            let summarizing = floor.summarizing();
             let row = tx
-                .query_one(&sql.advance, &[&floor.value(), &stragglers])
+                .query_one(&sql.advance, &[&floor.value(), &stragglers, &summarizing])
                 .await?;
             let candidate: Option<i64> = row.get(3);
             let held: Vec<i64> = row.get(4);
-            // Rows beyond a cut-short list of held rows were not seen: no candidate then.
-            let candidate = candidate.filter(|_| held.len() < WALK);
+            let held_keys: Vec<Option<String>> = row.get(6);
+            let summary = summarizing.then(|| {
+                let keys: Option<Vec<Option<String>>> = row.get(7);
+                let firsts: Option<Vec<i64>> = row.get(8);
+                keys.unwrap_or_default()
+                    .into_iter()
+                    .zip(firsts.unwrap_or_default())
+                    .filter_map(|(k, f)| Some((k?, f)))
+                    .collect()
+            });
+            // Rows beyond a cut-short list of held rows were not seen: no candidate then
+            // (unless the summary saw them all).
+            let candidate = candidate.filter(|_| summarizing || held.len() < WALK);
+            let keys = held
+                .iter()
+                .zip(held_keys)
+                .filter_map(|(id, key)| Some((*id, key?)))
+                .collect();
             let walk = held
                 .into_iter()
                 .map(|id| (id, true))
@@ -454,17 +641,19 @@ async fn tick(
                 xmax: row.get(1),
                 retrying: row.get(2),
                 walk,
+                keys,
+                summary,
                 kept: row.get(5),
                 claimed_past,
             });
             if let Some((lo, hi)) = floor.sweep_due(Instant::now()) {
                 let started = Instant::now();
-                let stragglers = floor.stragglers().to_vec();
-                let found: Vec<(i64, bool)> = tx
+                let stragglers = floor.stragglers();
+                let found: Vec<(i64, bool, Option<String>)> = tx
                     .query(&sql.sweep, &[&lo, &hi, &stragglers, &(WALK as i64)])
                     .await?
                     .iter()
-                    .map(|r| (r.get(0), r.get(1)))
+                    .map(|r| (r.get(0), r.get(1), r.get(2)))
                     .collect();
                 floor.swept(hi, &found, started.elapsed(), Instant::now());
             }
@@ -483,9 +672,141 @@ mod tests {
             xmax,
             retrying: false,
             walk: walk.to_vec(),
+            keys: walk.iter().map(|(id, _)| (*id, format!("k{id}"))).collect(),
+            summary: None,
             kept: kept.to_vec(),
             claimed_past: None,
         }
+    }
+
+    /// A look whose held-back rows `ids` belong to keys `k0`, `k1`, `k2` by id modulo 3,
+    /// then the free row `free`; every straggler kept.
+    fn keyed_look(xmin: i64, ids: std::ops::Range<i64>, free: i64, kept: &[i64]) -> Observation {
+        let walk: Vec<(i64, bool)> = ids
+            .clone()
+            .map(|id| (id, true))
+            .chain([(free, false)])
+            .collect();
+        Observation {
+            keys: ids.map(|id| (id, format!("k{}", id % 3))).collect(),
+            ..look(xmin, xmin + 1, &walk, kept)
+        }
+    }
+
+    #[test]
+    fn held_back_rows_beyond_the_cap_withhold_their_keys_and_the_floor_passes_them() {
+        let mut floor = Floor::new(Instant::now());
+        floor.observe(keyed_look(1, 0..600, 600, &[]));
+        floor.observe(keyed_look(2, 0..600, 600, &[]));
+        assert_eq!(floor.value(), 600);
+        assert_eq!(floor.stragglers().len(), 600);
+        let kept: Vec<i64> = (0..600).collect();
+        floor.observe(keyed_look(3, 600..1200, 1200, &kept));
+        floor.observe(keyed_look(4, 600..1200, 1200, &kept));
+        assert_eq!(floor.value(), 1200, "past 1,200 held-back rows");
+        assert!(floor.stragglers().is_empty(), "no row listed");
+        let withheld: std::collections::BTreeMap<_, _> =
+            floor.withheld().clone().into_iter().collect();
+        assert_eq!(
+            withheld,
+            [
+                ("k0".to_owned(), 0),
+                ("k1".to_owned(), 1),
+                ("k2".to_owned(), 2)
+            ]
+            .into(),
+            "each key hidden from its lowest held-back row"
+        );
+        // Later held-back rows of withheld keys are hidden already: nothing to list.
+        floor.observe(keyed_look(5, 1200..1500, 1500, &[]));
+        floor.observe(keyed_look(6, 1200..1500, 1500, &[]));
+        assert_eq!(floor.value(), 1500);
+        assert!(floor.stragglers().is_empty());
+    }
+
+    #[test]
+    fn with_keys_withheld_a_look_summarized_by_key_moves_the_floor_past_every_held_row() {
+        let mut floor = Floor::new(Instant::now());
+        floor.observe(keyed_look(1, 0..1200, 1200, &[]));
+        floor.observe(keyed_look(2, 0..1200, 1200, &[]));
+        assert!(floor.summarizing());
+        // 50,000 held-back rows before the next free row: more than a walk lists, all
+        // summarized by key (k3 new).
+        let summarized = |xmin| Observation {
+            summary: Some([("k1".to_owned(), 1201), ("k3".to_owned(), 1203)].into()),
+            ..look(xmin, xmin + 1, &[(51_200, false)], &[])
+        };
+        floor.observe(summarized(3));
+        floor.observe(summarized(4));
+        assert_eq!(floor.value(), 51_200);
+        assert_eq!(floor.withheld()["k1"], 1, "already hidden from lower");
+        assert_eq!(floor.withheld()["k3"], 1203);
+        assert!(floor.stragglers().is_empty());
+    }
+
+    #[test]
+    fn a_released_key_lowers_the_floor_to_its_hidden_rows() {
+        let start = Instant::now();
+        let mut floor = Floor::new(start);
+        floor.observe(keyed_look(1, 0..1200, 1200, &[]));
+        floor.observe(keyed_look(2, 0..1200, 1200, &[]));
+        assert_eq!(floor.withheld().len(), 3);
+        let (keys, from) = floor.release_due(start).expect("asked at once");
+        assert_eq!(keys.len(), 3);
+        assert_eq!(
+            keys.iter()
+                .map(|k| &k[1..])
+                .map(|n| n.parse::<i64>().unwrap())
+                .collect::<Vec<_>>(),
+            from
+        );
+        assert!(
+            floor.release_due(start).is_none(),
+            "not again before RELEASE_CHECK"
+        );
+        floor.released(&["k1".to_owned()]);
+        assert_eq!(
+            floor.value(),
+            1,
+            "k1's rows are read from its first hidden row"
+        );
+        assert!(!floor.withheld().contains_key("k1"));
+        assert!(floor.release_due(start + RELEASE_CHECK).is_some());
+    }
+
+    #[test]
+    fn the_sweep_lowers_a_withheld_keys_hidden_part_to_a_row_it_finds_below() {
+        let start = Instant::now();
+        let mut floor = Floor::new(start);
+        floor.observe(keyed_look(1, 100..1300, 1300, &[]));
+        floor.observe(keyed_look(2, 100..1300, 1300, &[]));
+        assert_eq!(floor.withheld()["k1"], 100);
+        let later = start + SWEEP_PAUSE;
+        let (_, hi) = floor.sweep_due(later).unwrap();
+        floor.swept(
+            hi,
+            &[(10, true, Some("k1".into())), (11, true, Some("x".into()))],
+            Duration::from_millis(1),
+            later,
+        );
+        assert_eq!(floor.withheld()["k1"], 10);
+        assert_eq!(floor.stragglers(), [11], "a key not withheld is listed");
+        assert_eq!(floor.value(), 1300);
+    }
+
+    #[test]
+    fn a_view_hides_a_withheld_keys_rows_from_its_hidden_part_on() {
+        let view = FloorView {
+            withheld: Arc::new([("k".to_owned(), 50)].into()),
+            value: 100,
+            ..FloorView::default()
+        };
+        assert!(!view.hides(Some("k"), 49), "below: visible");
+        assert!(view.hides(Some("k"), 50));
+        assert!(view.hides(Some("k"), 500), "above the floor too");
+        assert!(!view.hides(Some("other"), 500));
+        assert!(!view.hides(None, 500));
+        assert_eq!(view.lowest(), 50, "counts start at the hidden rows");
     }
 
     #[test]
@@ -579,15 +900,24 @@ mod tests {
     }
 
     #[test]
-    fn stragglers_beyond_the_cap_keep_the_floor_below_them() {
+    fn stragglers_beyond_the_cap_keep_the_floor_below_them_when_no_more_keys_can_be_withheld() {
         let mut floor = Floor::new(Instant::now());
-        let walk: Vec<(i64, bool)> = (0..WALK as i64).map(|i| (i, true)).collect();
+        floor.withheld = (0..WITHHELD_CAP).map(|n| (format!("w{n}"), -1)).collect();
+        // 1,200 held-back rows of 1,200 other keys: more stragglers than the cap, and more
+        // keys than may be withheld.
+        let walk: Vec<(i64, bool)> = (0..1200)
+            .map(|i| (i, true))
+            .chain([(1200, false)])
+            .collect();
         floor.observe(look(1, 2, &walk, &[]));
         floor.observe(look(2, 3, &walk, &[]));
-        // Every row read was held back and the read was cut short: the floor moves to the
-        // last row read, which stays above it.
-        assert_eq!(floor.value(), STRAGGLER_CAP as i64);
+        assert_eq!(
+            floor.value(),
+            STRAGGLER_CAP as i64,
+            "stays at the first row not listed"
+        );
         assert_eq!(floor.stragglers().len(), STRAGGLER_CAP);
+        assert_eq!(floor.withheld().len(), WITHHELD_CAP);
     }
 
     #[test]
@@ -614,7 +944,7 @@ mod tests {
         assert_eq!(floor.sweep_due(later), Some((i64::MIN, 1000)));
         floor.swept(
             1000,
-            &[(5, true), (6, false)],
+            &[(5, true, Some("k".into())), (6, false, Some("k".into()))],
             Duration::from_millis(1),
             later,
         );

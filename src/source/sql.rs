@@ -65,12 +65,18 @@ pub struct TableSql {
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
     /// on that no earlier held row of its key holds back (the candidate), the rows without
-    /// one before it (all held back) at most [`LOOK_LIMIT`], and which of the stragglers
-    /// `$2` are still pending without one.
+    /// one before it (all held back) at most [`LOOK_LIMIT`], which of the stragglers `$2`
+    /// are still pending without one, and the keys of those held-back rows (as text); when
+    /// `$3`, also every held-back row's key before the candidate, each with its first id
+    /// (two arrays, without the cap: for the floor's withheld keys).
     pub advance: String,
     /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
-    /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back.
+    /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back and
+    /// its key.
     pub sweep: String,
+    /// The floor's withheld keys `$1` (each hidden from `$2`, the same position) that are
+    /// released: no row of the key below that id is dead or has a failure history.
+    pub withheld_released: String,
     /// Locks the rows `$1` (order values) that are still pending and due, skipping locked
     /// ones.
     /// Returns rows as [`RowLayout`] describes.
@@ -351,7 +357,9 @@ impl TableSql {
                 &size,
             ),
             claim_unordered_low: budgeted(
-                &format!("{pending} AND {next} IS NOT NULL AND {next} <= now() AND ({id} + 0) < $2"),
+                &format!(
+                    "{pending} AND {next} IS NOT NULL AND {next} <= now() AND ({id} + 0) < $2"
+                ),
                 &columns,
                 &t,
                 &id,
@@ -420,19 +428,35 @@ impl TableSql {
             advance: format!(
                 "WITH c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
                  WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND NOT {held_back_row} \
-                 ORDER BY o.{id} LIMIT 1) \
+                 ORDER BY o.{id} LIMIT 1), \
+                 h AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key FROM {t} o \
+                 WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
+                 AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
+                 ORDER BY o.{id} LIMIT {LOOK_LIMIT}) \
                  SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
                  pg_snapshot_xmax(pg_current_snapshot())::text::int8, \
                  EXISTS (SELECT 1 FROM {t} WHERE {retrying}), \
                  (SELECT id FROM c), \
-                 ARRAY(SELECT o.{id}::bigint FROM {t} o WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
-                 AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
-                 ORDER BY o.{id} LIMIT {LOOK_LIMIT}), \
+                 ARRAY(SELECT id FROM h ORDER BY id), \
                  ARRAY(SELECT o.{id}::bigint FROM {t} o \
-                 WHERE o.{id} = ANY((SELECT $2::bigint[])::bigint[]) AND {fresh})"
+                 WHERE o.{id} = ANY((SELECT $2::bigint[])::bigint[]) AND {fresh}), \
+                 ARRAY(SELECT key FROM h ORDER BY id), \
+                 s.keys, s.firsts FROM (SELECT array_agg(k) AS keys, array_agg(f) AS firsts \
+                 FROM (SELECT o.{key}::text AS k, min(o.{id})::bigint AS f FROM {t} o \
+                 WHERE (SELECT $3::bool) AND {fresh} AND o.{id} >= (SELECT $1::bigint) \
+                 AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
+                 GROUP BY o.{key}) g) s"
+            ),
+            // `key::text`: the keys come as text whatever the column's type. For a text or
+            // varchar key the cast is no cast at all, and the held index answers.
+            withheld_released: format!(
+                "SELECT h.k FROM unnest($1::text[], $2::int8[]) AS h(k, w) \
+                 WHERE NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key}::text = h.k \
+                 AND d.{id} < h.w AND d.{published_at} IS NULL \
+                 AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL))"
             ),
             sweep: format!(
-                "SELECT o.{id}::bigint, {held_back_row} FROM {t} o WHERE {fresh} \
+                "SELECT o.{id}::bigint, {held_back_row}, o.{key}::text FROM {t} o WHERE {fresh} \
                  AND o.{id} >= (SELECT $1::bigint) AND o.{id} < (SELECT $2::bigint) \
                  AND o.{id} <> ALL($3::bigint[]) \
                  ORDER BY o.{id} LIMIT $4"

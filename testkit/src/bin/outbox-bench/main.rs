@@ -249,6 +249,14 @@ impl Bench {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // The relays K and L run in this process: RUST_LOG shows their logs (for example
+    // `RUST_LOG=outbox_relay::source::floor=debug` for the claim floor's moves).
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let bench = Bench::start(Args::parse()).await?;
     if bench.a.partial {
         let partial = bench.partial().await?;
