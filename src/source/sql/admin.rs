@@ -1,0 +1,130 @@
+//! The operator's and the probe's statements: what is left and held, re-queue and
+//! replay, the backlog gauge.
+
+use super::parts::Parts;
+use crate::config::Ordering;
+
+/// See the fields of the same names on [`super::TableSql`].
+pub(super) struct Admin {
+    pub publishable_exists: String,
+    pub waiting: String,
+    pub status: String,
+    pub held_rows: String,
+    pub requeue_ids: String,
+    pub requeue_waiting: String,
+    pub requeue_all: String,
+    pub replay_ids: String,
+    pub replay_range: Option<String>,
+    pub backlog: String,
+}
+
+pub(super) fn statements(p: &Parts) -> Admin {
+    let Parts {
+        t,
+        id,
+        key,
+        published_at,
+        dead_at,
+        attempts,
+        last_error,
+        next,
+        pending,
+        held,
+        not_behind_dead,
+        waiting,
+        low_stragglers,
+        low_retrying,
+        held_back,
+        created_at,
+        ordering,
+        ..
+    } = p;
+    Admin {
+        publishable_exists: match ordering {
+            Ordering::Key => format!(
+                "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.{published_at} IS NULL \
+                 AND o.{dead_at} IS NULL AND (o.{key} IS NULL OR {not_behind_dead}))"
+            ),
+            Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
+        },
+        waiting: format!(
+            "SELECT count(*), (min({next}) - now())::text, \
+             extract(epoch FROM min({next}) - now())::float8 FROM {t} WHERE {waiting}"
+        ),
+        status: format!(
+            "SELECT count(*) FILTER (WHERE {pending}), \
+             count(*) FILTER (WHERE {pending} AND {attempts} > 0), \
+             count(*) FILTER (WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL), \
+             count(*) FILTER (WHERE {published_at} IS NOT NULL), \
+             count(*) FILTER (WHERE {waiting}), \
+             min({next}) FILTER (WHERE {waiting})::text, \
+             {held_back}, {} FROM {t} o",
+            match created_at {
+                Some(c) => format!(
+                    "extract(epoch FROM now() - min({}) FILTER (WHERE {pending}))::float8",
+                    c.quoted()
+                ),
+                None => "NULL::float8".to_owned(),
+            }
+        ),
+        held_rows: format!(
+            "SELECT d.{id}::bigint, d.{attempts}::bigint, d.{dead_at}::text, \
+             d.{next}::text, d.{last_error}::text, d.{key}::text, \
+             (SELECT count(*) FROM {t} o WHERE o.{key} = d.{key} AND o.{id} > d.{id} \
+             AND o.{published_at} IS NULL AND o.{dead_at} IS NULL) \
+             FROM {t} d WHERE {held} ORDER BY d.{id} LIMIT $1"
+        ),
+        // Released rows keep `next_attempt_at` (due now), and with it their place in the
+        // held index until published: see `held_in_window`.
+        requeue_ids: format!(
+            "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
+             WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
+             AND {published_at} IS NULL RETURNING {id}::bigint"
+        ),
+        requeue_waiting: format!(
+            "UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"
+        ),
+        requeue_all: format!(
+            "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
+             WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
+        ),
+        // Like requeue, a replayed row is due now with `next_attempt_at` set, not NULL:
+        // that is how claims find it below the claim floor (the retry index) and how
+        // bucket reads past a first window hold its key's later pending rows back until
+        // it is published.
+        replay_ids: format!(
+            "WITH chosen AS (SELECT {id} FROM {t} WHERE {id} = ANY($1::bigint[]) \
+             AND {published_at} IS NOT NULL AND {dead_at} IS NULL), \
+             replayed AS (UPDATE {t} SET {published_at} = NULL, {attempts} = 0, \
+             {last_error} = NULL, {next} = now() \
+             WHERE {id} IN (SELECT {id} FROM chosen) AND NOT $2::bool RETURNING {id}) \
+             SELECT {id}::bigint FROM chosen ORDER BY 1"
+        ),
+        replay_range: created_at.as_ref().map(|c| {
+            format!(
+                "SELECT {id}::bigint FROM {t} WHERE {published_at} IS NOT NULL \
+                 AND {dead_at} IS NULL AND {c} >= $1::text::timestamptz \
+                 AND {c} < $2::text::timestamptz AND {id} > $3::bigint \
+                 ORDER BY {id} LIMIT $4",
+                c = c.quoted()
+            )
+        }),
+        backlog: format!(
+            "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
+             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_stragglers}) \
+             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_retrying}), \
+             COALESCE(({}), 0)::float8",
+            match created_at {
+                Some(c) => format!(
+                    "SELECT extract(epoch FROM now() - LEAST(\
+                     (SELECT {c} FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint) \
+                     ORDER BY {id} LIMIT 1), \
+                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_stragglers}), \
+                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_retrying})))",
+                    c = c.quoted()
+                ),
+                None => "NULL".to_owned(),
+            }
+        ),
+    }
+}

@@ -1,0 +1,68 @@
+//! The claim floor's statements: its look, the release of withheld keys and the sweep
+//! (see `source::floor`).
+
+use super::parts::Parts;
+use super::LOOK_LIMIT;
+
+/// See the fields of the same names on [`super::TableSql`].
+pub(super) struct Floor {
+    pub advance: String,
+    pub withheld_released: String,
+    pub sweep: String,
+}
+
+pub(super) fn statements(p: &Parts) -> Floor {
+    let Parts {
+        t,
+        id,
+        key,
+        published_at,
+        dead_at,
+        next,
+        retrying,
+        fresh,
+        held_back_row,
+        ..
+    } = p;
+    Floor {
+        // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
+        // The candidate is the first fresh row not held back; the rows before it are
+        // all held back (read only up to it, at most `$2`).
+        advance: format!(
+            "WITH c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
+             WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND NOT {held_back_row} \
+             ORDER BY o.{id} LIMIT 1), \
+             h AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key FROM {t} o \
+             WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
+             AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
+             ORDER BY o.{id} LIMIT {LOOK_LIMIT}) \
+             SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, \
+             pg_snapshot_xmax(pg_current_snapshot())::text::int8, \
+             EXISTS (SELECT 1 FROM {t} WHERE {retrying}), \
+             (SELECT id FROM c), \
+             ARRAY(SELECT id FROM h ORDER BY id), \
+             ARRAY(SELECT o.{id}::bigint FROM {t} o \
+             WHERE o.{id} = ANY((SELECT $2::bigint[])::bigint[]) AND {fresh}), \
+             ARRAY(SELECT key FROM h ORDER BY id), \
+             s.keys, s.firsts FROM (SELECT array_agg(k) AS keys, array_agg(f) AS firsts \
+             FROM (SELECT o.{key}::text AS k, min(o.{id})::bigint AS f FROM {t} o \
+             WHERE (SELECT $3::bool) AND {fresh} AND o.{id} >= (SELECT $1::bigint) \
+             AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
+             GROUP BY o.{key}) g) s"
+        ),
+        // `key::text`: the keys come as text whatever the column's type. For a text or
+        // varchar key the cast is no cast at all, and the held index answers.
+        withheld_released: format!(
+            "SELECT h.k FROM unnest($1::text[], $2::int8[]) AS h(k, w) \
+             WHERE NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key}::text = h.k \
+             AND d.{id} < h.w AND d.{published_at} IS NULL \
+             AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL))"
+        ),
+        sweep: format!(
+            "SELECT o.{id}::bigint, {held_back_row}, o.{key}::text FROM {t} o WHERE {fresh} \
+             AND o.{id} >= (SELECT $1::bigint) AND o.{id} < (SELECT $2::bigint) \
+             AND o.{id} <> ALL($3::bigint[]) \
+             ORDER BY o.{id} LIMIT $4"
+        ),
+    }
+}

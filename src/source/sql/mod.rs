@@ -1,0 +1,248 @@
+//! Every statement the relay runs against an outbox table, built once at start-up from the
+//! validated configuration. Identifiers are quoted by [`crate::config::Ident`]; every value
+//! is a bound parameter.
+
+use crate::config::{Ordering, TableConfig};
+
+use super::schema::TableShape;
+
+mod admin;
+mod claim;
+mod floor;
+mod parts;
+mod retention;
+mod settle;
+
+/// Below every order value: the `after` of a claim's bucket reads when the claim read no
+/// first window (they read like one), and where walks of the table start.
+pub const FIRST_WINDOW: i64 = i64::MIN;
+
+/// Fresh rows the floor's look reads at most (`super::floor`'s walk: its straggler cap plus
+/// one). Written into [`TableSql::advance`] rather than bound, and the stragglers bound as
+/// `(SELECT $2)`: with every value the planner could use fixed or hidden, the look's
+/// custom and generic plans cost the same, so PostgreSQL keeps the generic plan after five
+/// runs instead of planning every look, 40 times a second per relay process and table
+/// while rows flow. (A custom plan saw the usually empty straggler list and costed its
+/// index probe at a tenth of the generic plan's: every look was planned, 2,424 plans for
+/// 2,376 looks in a drain by 8 relays.)
+pub const LOOK_LIMIT: usize = 1001;
+
+/// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
+/// of migration 0004 computes it (see [`bucket_of`]).
+pub const BUCKETS: i32 = 64;
+
+/// A row's key bucket, exactly as `migrations/0004_bucket_index.concurrent.sql` writes it
+/// (PostgreSQL uses the index only for the same expression). `o` is a table alias with
+/// its dot, or empty.
+pub fn bucket_of(o: &str, key: &str, id: &str) -> String {
+    format!(
+        "((COALESCE(hashtext(({o}{key})::text COLLATE \"C\")::int8, ({o}{id})::int8) & {})::int4)",
+        BUCKETS - 1
+    )
+}
+
+/// Statements for one outbox table.
+#[derive(Debug, Clone)]
+pub struct TableSql {
+    /// `ordering = "none"`: lock the oldest pending rows that are due from the floor `$2`
+    /// on, skipping locked ones, at most `$1`, and return those whose payloads add up to
+    /// at most `$3` bytes (the first one whatever its size when `$4`). Returns rows as
+    /// [`RowLayout`] describes.
+    pub claim_unordered: String,
+    /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
+    /// (the retry index).
+    pub claim_unordered_low: String,
+    /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
+    /// buckets of the oldest pending, due rows, at most `$1`, without locking, leaving out
+    /// rows held back by an earlier held row of their key (dead, or waiting for its next
+    /// attempt). Rows are read from the floor `$2` on, and below it only the stragglers
+    /// `$3` and rows with a failure history (see [`super::floor`]).
+    pub window: String,
+    /// `ordering = "key"`, a claim's buckets, past a deep first window ending at `$1`
+    /// ([`FIRST_WINDOW`] when the claim read none): takes the advisory locks (table tag
+    /// `$6`) of the first `$7` buckets in `$3` (in that order) that no other transaction
+    /// holds, and returns each one's pending, due rows from the floor `$4` on, at most `$2`
+    /// a bucket, read through the bucket index, with the stragglers `$5` and the rows with
+    /// a failure history below the floor, in no particular order; and one row per bucket
+    /// got with a NULL order value. Rows up to `$1` are read again on purpose (see
+    /// *Buckets* in `claim.rs`). Rows held back are left out as in
+    /// [`TableSql::window`], and past a first window also those behind a row with a
+    /// failure history (see `held_in_window`).
+    pub pick_window: String,
+    /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
+    /// row has a failure history, the first pending row without one from the floor `$1`
+    /// on that no earlier held row of its key holds back (the candidate), the rows without
+    /// one before it (all held back) at most [`LOOK_LIMIT`], which of the stragglers `$2`
+    /// are still pending without one, and the keys of those held-back rows (as text); when
+    /// `$3`, also every held-back row's key before the candidate, each with its first id
+    /// (two arrays, without the cap: for the floor's withheld keys).
+    pub advance: String,
+    /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
+    /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back and
+    /// its key.
+    pub sweep: String,
+    /// The floor's withheld keys `$1` (each hidden from `$2`, the same position) that are
+    /// released: no row of the key below that id is dead or has a failure history.
+    pub withheld_released: String,
+    /// Locks the rows `$1` (order values) that are still pending and due, skipping locked
+    /// ones.
+    /// Returns rows as [`RowLayout`] describes.
+    pub lock_rows: String,
+    /// Deletes the published rows `$1`.
+    pub delete: String,
+    /// Sets `published_at` on the published rows `$1`.
+    pub mark: String,
+    /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
+    /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
+    /// now. Returns each row's order value and whether it is now dead.
+    pub record_failures: String,
+    /// A row at its last attempt that could not reach its dead-letter topic: waits like a
+    /// retry (`$1` ids, `$2` errors, `$3` microseconds), its attempt not counted.
+    pub postpone: String,
+    /// Whether any row is left that a relay could publish now or after a wait: pending,
+    /// and (key order) not held back by a dead row.
+    pub publishable_exists: String,
+    /// Rows waiting for their next attempt: how many, and the earliest one due in (as
+    /// interval text and seconds).
+    pub waiting: String,
+    /// `status`: pending, failing (pending with attempts), dead, kept-published and
+    /// waiting counts, the earliest next attempt as text, the pending rows held back by
+    /// a held row of their key, and the oldest pending row's age in seconds (NULL
+    /// without `created_at`).
+    pub status: String,
+    /// `status`: the oldest held rows (dead or waiting), at most `$1`: order value,
+    /// attempts, dead_at and next_attempt_at as text, last_error, key, and how many later
+    /// pending rows of its key it holds back.
+    pub held_rows: String,
+    /// `requeue --id`: clears dead_at and attempts of the dead rows `$1`; returns their
+    /// order values.
+    pub requeue_ids: String,
+    /// `requeue --all`: the same for every dead row.
+    pub requeue_all: String,
+    /// `requeue --waiting`: rows waiting for their next attempt are due now.
+    pub requeue_waiting: String,
+    /// `replay`: the rows `$1` kept as published (not dead) are pending and due again;
+    /// returns their order values. `$2`: count only (`--dry-run`), change nothing.
+    pub replay_ids: String,
+    /// `replay --since/--until`: order values after `$3`, at most `$4`, of rows kept as
+    /// published (not dead) created in [`$1`, `$2`) (RFC 3339 text), in order. `None`
+    /// without a creation-time column.
+    pub replay_range: Option<String>,
+    /// Metrics: pending rows and the oldest pending row's age in seconds (0 when none or
+    /// without a creation-time column), read like a claim from the floor `$1` and below it
+    /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
+    pub backlog: String,
+    /// Retention (mark mode, [`super::retention`]): looks at the `$2` rows after `$1` in
+    /// order and deletes those published more than `$3` seconds ago, skipping rows locked
+    /// by others. Returns the chunk's last order value (NULL when empty), its row count,
+    /// rows deleted, whether it holds a row created within the last `$3` seconds, whether
+    /// it holds a row published within them, and how many of its rows were old enough
+    /// (those beyond the rows deleted were locked).
+    /// `None` without a creation-time column (retention needs one, checked at start-up).
+    pub retire: Option<String>,
+    pub layout: RowLayout,
+    /// The first key of this table's bucket advisory locks (the second is the bucket).
+    pub tag: i32,
+}
+
+/// The first key of a table's bucket advisory locks: FNV-1a of its qualified name, the
+/// same in every relay of every release that has buckets (no PostgreSQL hash in it).
+pub fn table_tag(name: &str) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in name.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h as i32
+}
+
+/// A locking claim of the rows `filter` selects, in order, that returns only the prefix
+/// within the byte budget. Sizes are read under the lock, payloads only for the rows
+/// returned; rows locked beyond the budget stay pending and are let go at commit.
+fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> String {
+    format!(
+        "WITH locked AS MATERIALIZED (SELECT {id} AS id, {size} AS size FROM {t} \
+         WHERE {filter} ORDER BY {id} LIMIT $1 FOR UPDATE SKIP LOCKED), \
+         picked AS (SELECT id FROM (SELECT id, sum(size) OVER (ORDER BY id) AS running, \
+         row_number() OVER (ORDER BY id) AS n FROM locked) s \
+         WHERE running <= $3::int8 OR (n = 1 AND $4::bool)) \
+         SELECT {columns} FROM {t} WHERE {id} IN (SELECT id FROM picked) ORDER BY {id}"
+    )
+}
+
+/// The columns a claim returns: order value, key, payload bytes, headers JSON, attempts,
+/// then the message id when it is not the order column, the topic template's columns and the
+/// header columns, all as text.
+#[derive(Debug, Clone, Copy)]
+pub struct RowLayout {
+    /// The message id is a column of its own (not the order column).
+    pub message_id: bool,
+    pub topic_columns: usize,
+    pub header_columns: usize,
+    pub dead_letter_columns: usize,
+}
+
+impl TableSql {
+    /// Every statement of `table`, by concern: a claim's ([`claim`]), the floor's
+    /// ([`floor`]), a batch's end ([`settle`]), the operator's and the probe's ([`admin`])
+    /// and retention's ([`retention`]), all from one set of names and fragments
+    /// ([`parts`]).
+    pub fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
+        let p = parts::Parts::new(table, shape, ordering);
+        let claim = claim::statements(&p);
+        let floor = floor::statements(&p);
+        let settle = settle::statements(&p);
+        let admin = admin::statements(&p);
+        let retention = retention::statements(&p);
+        TableSql {
+            claim_unordered: claim.claim_unordered,
+            claim_unordered_low: claim.claim_unordered_low,
+            window: claim.window,
+            pick_window: claim.pick_window,
+            advance: floor.advance,
+            sweep: floor.sweep,
+            withheld_released: floor.withheld_released,
+            lock_rows: claim.lock_rows,
+            delete: settle.delete,
+            mark: settle.mark,
+            record_failures: settle.record_failures,
+            postpone: settle.postpone,
+            publishable_exists: admin.publishable_exists,
+            waiting: admin.waiting,
+            status: admin.status,
+            held_rows: admin.held_rows,
+            requeue_ids: admin.requeue_ids,
+            requeue_all: admin.requeue_all,
+            requeue_waiting: admin.requeue_waiting,
+            replay_ids: admin.replay_ids,
+            replay_range: admin.replay_range,
+            backlog: admin.backlog,
+            retire: retention.retire,
+            layout: p.layout,
+            tag: table_tag(&table.name.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bucket_expression_is_the_bucket_indexs_own() {
+        let index = include_str!("../../../migrations/0004_bucket_index.concurrent.sql");
+        let expression = bucket_of("", "{{key}}", "{{order}}");
+        assert!(
+            index.contains(&format!("({expression}, {{{{order}}}})")),
+            "{index}"
+        );
+    }
+
+    #[test]
+    fn the_table_tag_is_fixed_for_a_name() {
+        // Relays of different builds must agree: the value is part of the protocol.
+        assert_eq!(table_tag("public.outbox"), table_tag("public.outbox"));
+        assert_eq!(table_tag(""), 0x811c_9dc5_u32 as i32);
+        assert_ne!(table_tag("public.outbox"), table_tag("public.outbox2"));
+    }
+}
