@@ -37,6 +37,19 @@ pub struct DependencyLabel {
 
 type Seconds = Family<TableSink, Histogram, fn() -> Histogram>;
 
+/// The handles of one table's batch metrics ([`Metrics::table_meters`]): each shares its
+/// value with the family's member of the same labels.
+#[derive(Clone, Debug)]
+pub struct TableMeters {
+    pub published: Counter,
+    pub failed: Counter,
+    pub dead: Counter,
+    pub replayed: Counter,
+    pub publish_seconds: Histogram,
+    pub batch_seconds: Histogram,
+    pub delivery_lag: Histogram,
+}
+
 /// Every metric the relay exports.
 pub struct Metrics {
     registry: Registry,
@@ -98,6 +111,14 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 15))
 }
 
+/// Registers each `name, field, "help";` of the table: `metrics.field` under
+/// `outbox_relay_<name>`.
+macro_rules! register {
+    ($registry:ident, $metrics:ident; $($name:ident, $field:ident, $help:expr;)*) => {
+        $($registry.register(stringify!($name), $help, $metrics.$field.clone());)*
+    };
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("outbox_relay");
@@ -125,118 +146,59 @@ impl Default for Metrics {
             up: Family::default(),
             registry: Registry::default(),
         };
-        registry.register(
-            "rows_published",
-            "Rows acknowledged by the broker and deleted or marked",
-            metrics.published.clone(),
-        );
-        registry.register(
-            "rows_failed",
-            "Failed publish attempts of rows that could not be published for themselves",
-            metrics.failed.clone(),
-        );
-        registry.register(
-            "rows_dead_lettered",
-            "Rows dead-lettered after max_attempts",
-            metrics.dead.clone(),
-        );
-        registry.register(
-            "rows_deleted_by_retention",
-            "Published rows deleted because relay.retention passed (mark mode)",
-            metrics.retention_deleted.clone(),
-        );
-        registry.register(
-            "rows_replayed",
-            "Rows made pending again by `outbox-relay replay` and published again (also in \
-             rows_published)",
-            metrics.replayed.clone(),
-        );
-        registry.register(
-            "rows_waiting_retry",
-            "Rows waiting for their next attempt after a failure (not dead), refreshed on an \
-             interval",
-            metrics.waiting_retry.clone(),
-        );
-        registry.register(
-            "publish_duration_seconds",
-            "Time from a batch's first send to its last acknowledgement",
-            metrics.publish_seconds.clone(),
-        );
-        registry.register(
-            "batch_duration_seconds",
-            "Time from claim to commit of a batch",
-            metrics.batch_seconds.clone(),
-        );
-        registry.register(
-            "delivery_lag_seconds",
-            "Time from a row's creation (created_at: its transaction's start) to the broker's \
-             acknowledgement; replayed rows are not observed",
-            metrics.delivery_lag.clone(),
-        );
-        registry.register(
-            "backlog_rows",
-            "Pending rows, refreshed on an interval",
-            metrics.backlog.clone(),
-        );
-        registry.register(
-            "oldest_pending_age_seconds",
-            "Age of the oldest pending row, refreshed on an interval (0 when none)",
-            metrics.oldest_age_seconds.clone(),
-        );
-        registry.register(
-            "table_dead_tuples",
-            "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval",
-            metrics.dead_tuples.clone(),
-        );
-        registry.register(
-            "table_paused",
-            "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
-             valve), else 0; read about twice a second",
-            metrics.table_paused.clone(),
-        );
-        registry.register(
-            "table_paused_by_valve",
-            "Times this relay's bad-row valve paused the table (relay.pause_after_bad_rows)",
-            metrics.valve_paused.clone(),
-        );
-        registry.register(
-            "oldest_snapshot_age_seconds",
-            "How long the oldest open snapshot that holds back VACUUM has been open, in this \
-             database: sessions this role may see (grant pg_monitor to see all) and prepared \
-             transactions",
-            metrics.oldest_snapshot_age_seconds.clone(),
-        );
-        registry.register(
-            "oldest_snapshot_xid_age",
-            "Transactions since the oldest xmin that holds back VACUUM: sessions, prepared \
-             transactions and replication slots (a standby's hot_standby_feedback)",
-            metrics.oldest_snapshot_xid_age.clone(),
-        );
-        registry.register(
-            "rows_in_flight",
-            "Rows claimed and not yet committed",
-            metrics.in_flight.clone(),
-        );
-        registry.register(
-            "circuit_open",
-            "1 while the broker looks down and no rows are claimed",
-            metrics.circuit_open.clone(),
-        );
-        registry.register(
-            "circuit_opened",
-            "Times the circuit breaker opened",
-            metrics.circuit_opened.clone(),
-        );
-        registry.register(
-            "ready",
-            "1 while PostgreSQL and the broker are reachable and the relay makes progress",
-            metrics.ready.clone(),
-        );
-        registry.register(
-            "dependency_up",
-            "1 while the dependency (postgres, broker) answers; 0 when not, or not reached yet",
-            metrics.up.clone(),
-        );
+        // Name (after the `outbox_relay_` prefix), field, help.
+        register! {
+            registry, metrics;
+            rows_published, published,
+                "Rows acknowledged by the broker and deleted or marked";
+            rows_failed, failed,
+                "Failed publish attempts of rows that could not be published for themselves";
+            rows_dead_lettered, dead,
+                "Rows dead-lettered after max_attempts";
+            rows_deleted_by_retention, retention_deleted,
+                "Published rows deleted because relay.retention passed (mark mode)";
+            rows_replayed, replayed,
+                "Rows made pending again by `outbox-relay replay` and published again (also in \
+                 rows_published)";
+            rows_waiting_retry, waiting_retry,
+                "Rows waiting for their next attempt after a failure (not dead), refreshed on an \
+                 interval";
+            publish_duration_seconds, publish_seconds,
+                "Time from a batch's first send to its last acknowledgement";
+            batch_duration_seconds, batch_seconds,
+                "Time from claim to commit of a batch";
+            delivery_lag_seconds, delivery_lag,
+                "Time from a row's creation (created_at: its transaction's start) to the broker's \
+                 acknowledgement; replayed rows are not observed";
+            backlog_rows, backlog,
+                "Pending rows, refreshed on an interval";
+            oldest_pending_age_seconds, oldest_age_seconds,
+                "Age of the oldest pending row, refreshed on an interval (0 when none)";
+            table_dead_tuples, dead_tuples,
+                "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval";
+            table_paused, table_paused,
+                "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
+                 valve), else 0; read about twice a second";
+            table_paused_by_valve, valve_paused,
+                "Times this relay's bad-row valve paused the table (relay.pause_after_bad_rows)";
+            oldest_snapshot_age_seconds, oldest_snapshot_age_seconds,
+                "How long the oldest open snapshot that holds back VACUUM has been open, in this \
+                 database: sessions this role may see (grant pg_monitor to see all) and prepared \
+                 transactions";
+            oldest_snapshot_xid_age, oldest_snapshot_xid_age,
+                "Transactions since the oldest xmin that holds back VACUUM: sessions, prepared \
+                 transactions and replication slots (a standby's hot_standby_feedback)";
+            rows_in_flight, in_flight,
+                "Rows claimed and not yet committed";
+            circuit_open, circuit_open,
+                "1 while the broker looks down and no rows are claimed";
+            circuit_opened, circuit_opened,
+                "Times the circuit breaker opened";
+            ready, ready,
+                "1 while PostgreSQL and the broker are reachable and the relay makes progress";
+            dependency_up, up,
+                "1 while the dependency (postgres, broker) answers; 0 when not, or not reached yet";
+        }
         for dependency in ["postgres", "broker"] {
             metrics
                 .up
@@ -259,6 +221,24 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+
+    /// One table's batch metrics, looked up once: a batch then updates them without
+    /// building label strings or searching a family.
+    pub fn table_meters(&self, table: &str, sink: &str) -> TableMeters {
+        let labels = Self::table_sink(table, sink);
+        let table = TableLabel {
+            table: table.to_owned(),
+        };
+        TableMeters {
+            published: self.published.get_or_create(&labels).clone(),
+            failed: self.failed.get_or_create(&labels).clone(),
+            dead: self.dead.get_or_create(&labels).clone(),
+            replayed: self.replayed.get_or_create(&labels).clone(),
+            publish_seconds: self.publish_seconds.get_or_create(&labels).clone(),
+            batch_seconds: self.batch_seconds.get_or_create(&labels).clone(),
+            delivery_lag: self.delivery_lag.get_or_create(&table).clone(),
+        }
     }
 
     pub fn table_sink(table: &str, sink: &str) -> TableSink {

@@ -23,9 +23,7 @@ use super::order::{publish_in_order, RowOutcome};
 use super::Shared;
 use crate::config::{OnPublish, Ordering};
 use crate::error::ErrorClass;
-use crate::ops::metrics::TableLabel;
 use crate::ops::otel::BatchTrace;
-use crate::ops::Metrics;
 use crate::retry;
 use crate::sink::{Message, Sink, SinkError};
 use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
@@ -254,9 +252,8 @@ async fn run_phases(
     table.floor.note_claimed(rows.iter().map(|r| r.id).max());
     let started = Instant::now();
     tracing::Span::current().record("rows", rows.len());
-    let metrics = &shared.ops.metrics;
-    let labels = Metrics::table_sink(&table.config.name.to_string(), shared.sink.name());
-    let _in_flight = InFlight::new(&metrics.in_flight, rows.len());
+    let meters = shared.meters(table);
+    let _in_flight = InFlight::new(&shared.ops.metrics.in_flight, rows.len());
     let mut trace = shared
         .otel
         .batch(&table.config.name, lane, rows.len(), claim_started);
@@ -268,23 +265,7 @@ async fn run_phases(
         return Ok(Batch::Aborted);
     };
     let acked_after = started.elapsed().as_secs_f64();
-    metrics
-        .publish_seconds
-        .get_or_create(&labels)
-        .observe(acked_after);
-    // Each acknowledged row's lag: its age at the claim plus the publish. Observed only
-    // once the batch commits.
-    let replayed = rows
-        .iter()
-        .zip(&outcomes)
-        .filter(|(row, outcome)| matches!(outcome, RowOutcome::Published) && row.replayed)
-        .count();
-    let lags: Vec<f64> = rows
-        .iter()
-        .zip(&outcomes)
-        .filter(|(row, outcome)| matches!(outcome, RowOutcome::Published) && !row.replayed)
-        .filter_map(|(row, _)| row.age.map(|age| age.max(0.0) + acked_after))
-        .collect();
+    meters.publish_seconds.observe(acked_after);
 
     // 3. Settle.
     let relay = &shared.relay;
@@ -316,41 +297,38 @@ async fn run_phases(
         _ = abort.cancelled() => return Ok(Batch::Aborted),
         r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
     };
-    record(shared, table, &labels, &settlement, &dead, started);
+    let committed = Committed {
+        rows: &rows,
+        outcomes: &outcomes,
+        settlement: &settlement,
+        dead: &dead,
+        started,
+        acked_after,
+    };
+    observe(shared, table, lane, meters, &committed);
     shared.count_bad_rows(table, &settlement).await;
-    metrics
-        .replayed
-        .get_or_create(&labels)
-        .inc_by(replayed as u64);
     if let Some(trace) = trace {
         trace.committed(settlement.published.len());
     }
-    let lag = metrics.delivery_lag.get_or_create(&TableLabel {
-        table: table.config.name.to_string(),
-    });
-    for seconds in lags {
-        lag.observe(seconds);
+    Ok(settlement.done(rows.len()))
+}
+
+impl Settlement {
+    /// What the worker learns of a committed batch of `claimed` rows.
+    fn done(self, claimed: usize) -> Batch {
+        Batch::Done {
+            retry_in: self
+                .failed
+                .waits_us
+                .iter()
+                .chain(&self.postponed.waits_us)
+                .min()
+                .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
+            published: self.published.len(),
+            claimed,
+            trouble: self.trouble,
+        }
     }
-    tracing::debug!(
-        worker = lane,
-        table = %table.config.name,
-        rows = rows.len(),
-        published = settlement.published.len(),
-        elapsed = ?started.elapsed(),
-        "Batch committed"
-    );
-    Ok(Batch::Done {
-        retry_in: settlement
-            .failed
-            .waits_us
-            .iter()
-            .chain(&settlement.postponed.waits_us)
-            .min()
-            .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
-        published: settlement.published.len(),
-        claimed: rows.len(),
-        trouble: settlement.trouble,
-    })
 }
 
 /// Phase 1: opens the transaction and claims up to a batch of rows from the floor on.
@@ -572,32 +550,59 @@ async fn finalize(
     Ok(dead)
 }
 
-/// After the commit: run totals, metrics, one log line per failed row.
-fn record(
+/// A committed batch, as [`observe`] reads it.
+struct Committed<'a> {
+    rows: &'a [ClaimedRow],
+    outcomes: &'a [RowOutcome],
+    settlement: &'a Settlement,
+    /// Rows dead-lettered by the commit.
+    dead: &'a [i64],
+    started: Instant,
+    /// Seconds from the first send to the last acknowledgement.
+    acked_after: f64,
+}
+
+/// The bookkeeping of a committed batch: the run's counts, the table's metrics (each
+/// acknowledged row's delivery lag: its age at the claim plus the publish; replayed rows
+/// counted apart), and the log lines.
+fn observe(
     shared: &Shared,
     table: &TablePlan,
-    labels: &crate::ops::metrics::TableSink,
-    settlement: &Settlement,
-    dead: &[i64],
-    started: Instant,
+    lane: usize,
+    meters: &crate::ops::metrics::TableMeters,
+    batch: &Committed<'_>,
 ) {
-    let (published, failed) = (&settlement.published, &settlement.failed);
+    let (published, failed, dead) = (
+        &batch.settlement.published,
+        &batch.settlement.failed,
+        batch.dead,
+    );
     shared
         .state
         .count(published.len(), failed.ids.len(), dead.len());
-    let metrics = &shared.ops.metrics;
-    for (counter, n) in [
-        (&metrics.published, published.len()),
-        (&metrics.failed, failed.ids.len()),
-        (&metrics.dead, dead.len()),
-    ] {
-        counter.get_or_create(labels).inc_by(n as u64);
+    meters.published.inc_by(published.len() as u64);
+    meters.failed.inc_by(failed.ids.len() as u64);
+    meters.dead.inc_by(dead.len() as u64);
+    let elapsed = batch.started.elapsed();
+    meters.batch_seconds.observe(elapsed.as_secs_f64());
+    tracing::Span::current().record("duration_ms", elapsed.as_millis() as u64);
+    let acked = batch
+        .rows
+        .iter()
+        .zip(batch.outcomes)
+        .filter(|(_, outcome)| matches!(outcome, RowOutcome::Published))
+        .map(|(row, _)| row);
+    let mut replayed = 0;
+    for row in acked {
+        match (row.replayed, row.age) {
+            (true, _) => replayed += 1,
+            (false, Some(age)) => meters
+                .delivery_lag
+                .observe(age.max(0.0) + batch.acked_after),
+            (false, None) => {}
+        }
     }
-    metrics
-        .batch_seconds
-        .get_or_create(labels)
-        .observe(started.elapsed().as_secs_f64());
-    tracing::Span::current().record("duration_ms", started.elapsed().as_millis() as u64);
+    meters.replayed.inc_by(replayed);
     for (id, error) in failed.ids.iter().zip(&failed.errors) {
         if dead.contains(id) {
             tracing::error!(table = %table.config.name, id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
@@ -605,6 +610,14 @@ fn record(
             tracing::warn!(table = %table.config.name, id, %error, "Row failed; will retry");
         }
     }
+    tracing::debug!(
+        worker = lane,
+        table = %table.config.name,
+        rows = batch.rows.len(),
+        published = published.len(),
+        elapsed = ?elapsed,
+        "Batch committed"
+    );
 }
 
 /// Resolves when the sink's client reports its connection lost; never for sinks that do

@@ -92,6 +92,9 @@ struct Shared {
     valve: Option<valve::Valve>,
     /// Each table's `max_rate` bucket, if it has one (see `source::rate`).
     buckets: Vec<Option<crate::source::rate::Bucket>>,
+    /// Each table's batch metrics, from its first batch on (a series appears once it has
+    /// something to say).
+    meters: Vec<std::sync::OnceLock<crate::ops::metrics::TableMeters>>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
@@ -111,6 +114,15 @@ impl Shared {
     /// The `max_rate` bucket of `table`, if it has one.
     fn bucket(&self, table: &TablePlan) -> Option<&crate::source::rate::Bucket> {
         self.buckets[self.index_of(table)?].as_ref()
+    }
+
+    /// The batch metrics of `table`, one of this run's tables.
+    fn meters(&self, table: &TablePlan) -> &crate::ops::metrics::TableMeters {
+        let t = self.index_of(table).expect("one of this run's tables");
+        self.meters[t].get_or_init(|| {
+            let name = table.config.name.to_string();
+            self.ops.metrics.table_meters(&name, self.sink.name())
+        })
     }
 
     /// Records a fatal error and stops the relay.
@@ -221,6 +233,7 @@ async fn relay(
         mode == Mode::Drain,
     ));
     let names = tables.iter().map(|t| t.config.name.clone()).collect();
+    let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
     let shared = Arc::new(Shared {
         source,
         sink,
@@ -240,6 +253,7 @@ async fn relay(
                     .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
             })
             .collect(),
+        meters,
         breaker: breaker::Breaker::default(),
         ops: endpoints.ops.clone(),
         state: RunState::default(),
