@@ -3,12 +3,10 @@
 //! receiver that decodes the protobuf (testkit's `OtlpReceiver`), and the message carries
 //! the send span's own `traceparent` on; with export off it passes through unchanged.
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use testkit::otlp::{Attr, KIND_INTERNAL, KIND_PRODUCER};
 use testkit::{OtlpReceiver, ReceivedSpan, StoredMessage};
 

@@ -2,13 +2,11 @@
 //! Kafka-protocol broker process (tansu), read back by an independent consumer that
 //! assigns itself every partition.
 
-mod common;
-
 use std::collections::HashSet;
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use testkit::{KafkaBroker, Postgres};
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];

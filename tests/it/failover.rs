@@ -2,13 +2,11 @@
 //! promoted; the relay, given one URL naming both servers with
 //! `target_session_attrs=read-write`, follows the primary role by itself.
 
-mod common;
-
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::{failover_url, NatsServer, Postgres, Standby};
 
 const WORKERS: i64 = 4;

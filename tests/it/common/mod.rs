@@ -1,7 +1,6 @@
 //! Helpers shared by the integration tests: a throwaway PostgreSQL and nats-server, a
 //! migrated outbox, a config file, the built binary, and a checker that compares what the
 //! table held with what the stream stored.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -13,7 +12,7 @@ use testkit::{NatsServer, Postgres, StoredMessage};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 /// The least-privilege role the relay runs as in every test that uses [`Env`].
-pub const ROLE_SQL: &str = include_str!("../../migrations/outbox_relay_role.sql");
+pub const ROLE_SQL: &str = include_str!("../../../migrations/outbox_relay_role.sql");
 
 /// Creates role `outbox_relay` (once per cluster) with exactly the grants of
 /// `migrations/outbox_relay_role.sql` on `table`, as the superuser behind `client`.

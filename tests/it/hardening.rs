@@ -3,13 +3,11 @@
 //! command has a deadline, start-up included; the endpoints answer before any dependency
 //! does; a lost broker connection stops claims at once; fatal errors are JSON lines too.
 
-mod common;
-
 use std::net::TcpListener;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The 3 rows of key `bad` to a subject no stream captures go in first: they are the
 /// oldest rows, at the head of every claim window.

@@ -2,11 +2,9 @@
 //! deleted in small chunks that never wait for a lock; young published rows, pending rows
 //! and dead rows are kept.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const RETENTION: &str = "on_publish = \"mark\"\nretention = \"5s\"\nmax_attempts = 1";
 

@@ -2,11 +2,9 @@
 //! broker outage, added latency, a record too large. The relay runs in-process (the mock
 //! cluster lives in this process), against a real throwaway PostgreSQL.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;

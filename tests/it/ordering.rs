@@ -2,12 +2,10 @@
 //! `ordering = "none"`, several tables. Each test runs the built binary against a
 //! throwaway PostgreSQL and nats-server.
 
-mod common;
-
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Position in the stream (0-based) of each message, by its `key` header.
 fn positions_of(stored: &[testkit::StoredMessage], key: impl Fn(&str) -> bool) -> Vec<usize> {

@@ -4,11 +4,9 @@
 //! each, an independent audit compares the rows inserted with what the stream holds.
 //! (Kafka broker faults: tests/kafka_mock.rs.)
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {
     count(client, "SELECT count(*) FROM public.outbox").await

@@ -3,14 +3,12 @@
 //! valid PromQL, and every metric either names is one the relay really serves, with the
 //! type its suffix implies.
 
-mod common;
-
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const RULES: &str = "config/prometheus/outbox-relay.rules.yml";
 const RULE_TESTS: &str = "config/prometheus/outbox-relay.rules.test.yml";

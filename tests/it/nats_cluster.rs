@@ -7,13 +7,11 @@
 //! The tests run one at a time (they share two cores; the stall they measure would
 //! otherwise be the other test's load).
 
-mod common;
-
 use std::fs::File;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::NatsCluster;
 
 /// Rows seeded per test, over [`KEYS`] keys.

@@ -2,9 +2,7 @@
 //! `migrations/outbox_relay_role.sql` (every [`Env`] test does), `check` names each
 //! missing privilege, and the role can do nothing beyond the relay's statements.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use testkit::{NatsServer, Postgres, TestCa};
 
 #[tokio::test(flavor = "multi_thread")]

@@ -1,13 +1,11 @@
 //! What operators see: `/metrics`, `/healthz`, `/readyz`, JSON logs, systemd readiness
 //! and watchdog notifications, and the systemd unit itself.
 
-mod common;
-
 use std::os::unix::net::UnixDatagram;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// An Env whose relay serves HTTP on a free port; returns the address.
 async fn env_with_http(relay: &str) -> (Env, String) {
@@ -221,8 +219,8 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
     assert_eq!(code, Some(0));
 }
 
-const UNIT: &str = include_str!("../systemd/outbox-relay.service");
-const TEMPLATE: &str = include_str!("../systemd/outbox-relay@.service");
+const UNIT: &str = include_str!("../../systemd/outbox-relay.service");
+const TEMPLATE: &str = include_str!("../../systemd/outbox-relay@.service");
 
 /// What the contract asks of a unit (section 9): `Type=notify` with a watchdog, `check`
 /// before start, hardening, and a stop timeout above the default drain_timeout of 25s.
@@ -330,7 +328,7 @@ fn the_template_unit_runs_one_relay_per_config_with_the_units_hardening() {
 
 #[test]
 fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
-    let dockerfile = include_str!("../Dockerfile");
+    let dockerfile = include_str!("../../Dockerfile");
     let last_stage = dockerfile.rsplit("\nFROM ").next().unwrap();
     for line in [
         "USER 65532:65532",
@@ -342,7 +340,7 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
     }
     assert!(dockerfile.contains(" AS build"), "multi-stage build");
     // The sidecar example gives the relay more than its drain deadline to stop.
-    let k8s = include_str!("../examples/kubernetes-sidecar.yaml");
+    let k8s = include_str!("../../examples/kubernetes-sidecar.yaml");
     assert!(k8s.contains("restartPolicy: Always"), "native sidecar");
     // Liveness only: a readiness gate on the sidecar would pull the application out of
     // its Service whenever the broker is down, the very outage an outbox absorbs.

@@ -1,13 +1,11 @@
 //! The contract's promises, end to end: the built binary against a throwaway PostgreSQL
 //! and a real `nats-server -js`.
 
-mod common;
-
 use std::collections::HashSet;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_relay::source::migrate::MIGRATIONS;
 
 #[tokio::test(flavor = "multi_thread")]

@@ -6,13 +6,11 @@
 //! an operator deletes or re-queues. The byte budget (`relay.max_batch_bytes`): large
 //! rows do not take the process's memory with them.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// One worker claiming 5 rows at a time: a few thousand rows take seconds to drain, so the
 /// floor's keeper sees pending rows and raises the floor past them meanwhile.

@@ -2,12 +2,10 @@
 //! between the relay and PostgreSQL or NATS freezes every connection (bytes stop, sockets
 //! stay open) or delays every chunk.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::{Fault, Proxy};
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {

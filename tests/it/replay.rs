@@ -3,12 +3,10 @@
 //! What the relay sends is counted by a core NATS subscriber: the stream would drop the
 //! replayed messages as duplicates of their first publish (same `Nats-Msg-Id`).
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 fn id_of(msg_id: &str) -> i64 {
     msg_id.rsplit(':').next().unwrap().parse().unwrap()

@@ -4,11 +4,9 @@
 //! Counted through `testkit::Proxy` with a latency, which counts the times a client spoke
 //! again after being answered; the speed-up itself is measured by `outbox-bench --distant`.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_relay::source::{SessionLimits, Source};
 
 /// A `Source` for `env`'s database through `proxy` (its `[postgres]` gets `extra`).

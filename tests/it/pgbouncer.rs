@@ -2,12 +2,10 @@
 //! `ignore_startup_parameters`; 1.18 keeps no prepared statement across transactions):
 //! the relay's session settings travel per transaction, and every promise still holds.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::PgBouncer;
 
 /// Points `cmd` at the bouncer, as the relay's role, with statements prepared afresh in

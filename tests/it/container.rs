@@ -8,14 +8,12 @@
 //! `scripts/test` runs). Without them the test says so loudly and passes, except under
 //! `CI=true`, where it fails.
 
-mod common;
-
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The tag the test builds: `scripts/image`'s default, `:dev`, is the release build.
 const IMAGE: &str = "localhost/outbox-relay:test";

@@ -8,12 +8,10 @@
 //! throwaway PostgreSQL. Kept apart from `kafka_mock.rs` so these long streams do not
 //! share two cores with that file's tests.
 
-mod common;
-
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
