@@ -404,7 +404,7 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
         },
     )
     .await;
-    signal_pid(first[0], "STOP");
+    signal(first[0] as u32, Signal::Stop);
     // Its check (every 5 s, answered within `connect_timeout`, 10 s) gives up on it.
     wait_until(
         "a new LISTEN session",
@@ -415,7 +415,7 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
         },
     )
     .await;
-    signal_pid(first[0], "CONT");
+    signal(first[0] as u32, Signal::Cont);
     for i in 0..3 {
         seed(&client, 1, 1, 0).await;
         let inserted = Instant::now();

@@ -279,7 +279,7 @@ async fn endpoints_answer_before_any_dependency_is_reachable() {
         metrics.contains("outbox_relay_dependency_up{dependency=\"postgres\"} 0"),
         "{metrics}"
     );
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(0), "a run stopped during start-up stops cleanly");
     assert!(took < Duration::from_secs(2), "took {took:?}");

@@ -233,7 +233,7 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     // drain_timeout is 10s in the test config.
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(12));
     // The broker is healthy: the batches in flight finish well within the deadline.
@@ -288,7 +288,7 @@ async fn notify_wakes_an_idle_relay_at_once() {
         inserted.elapsed() < Duration::from_secs(5),
         "published long before the 30s poll"
     );
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(0));
     assert!(
@@ -684,7 +684,7 @@ async fn relay_stuck_publishing(drain_timeout: &str) -> (Env, tokio_postgres::Cl
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_row() {
     let (_env, client, mut relay) = relay_stuck_publishing("2s").await;
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(6));
     assert_eq!(code, Some(3), "deadline reached with rows unacknowledged");
     assert!(
@@ -707,7 +707,7 @@ async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_r
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_signal_rolls_back_at_once_and_exits_3() {
     let (env, client, mut relay) = relay_stuck_publishing("60s").await;
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     wait_until(
         "the relay to take the first signal",
         Duration::from_secs(5),
@@ -722,7 +722,7 @@ async fn a_second_signal_rolls_back_at_once_and_exits_3() {
         relay.try_wait().unwrap().is_none(),
         "the first signal waits for in-flight batches"
     );
-    signal(&relay, "INT");
+    signal(relay.id(), Signal::Int);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(3));
     assert!(took < Duration::from_secs(3), "took {took:?}");
@@ -851,7 +851,7 @@ async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_
     let audit = audit(&inserted, &stored);
     audit.assert_nothing_lost_in_order();
     assert_eq!(audit.duplicates, 0);
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(&mut relay, Duration::from_secs(10));
     assert_eq!(code, Some(0));
 }

@@ -211,7 +211,7 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
         seen.push(next());
     }
     assert!(seen[0].contains("READY=1"), "{seen:?}");
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     while !seen.iter().any(|m: &String| m.contains("STOPPING=1")) {
         seen.push(next());
     }
@@ -669,7 +669,7 @@ async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
 
 /// SIGTERM, then expect exit 0 within 15 s; the relay's log in the message otherwise.
 fn stop_logged(relay: &mut std::process::Child, log: &std::path::Path) {
-    signal(relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(relay, Duration::from_secs(15));
     let log = std::fs::read_to_string(log).unwrap_or_default();
     assert_eq!(code, Some(0), "{log}");

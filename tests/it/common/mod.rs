@@ -371,18 +371,12 @@ pub async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
     .await
 }
 
-/// Sends signal `name` (e.g. `TERM`) to `child`.
-pub fn signal(child: &Child, name: &str) {
-    signal_pid(child.id() as i32, name);
-}
+pub use testkit::Signal;
 
-/// Sends signal `name` to process `pid`.
-pub fn signal_pid(pid: i32, name: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+/// Sends `signal` to process `pid` (a relay's `child.id()`, a server's backend pid); the
+/// test fails when it cannot be delivered. SIGKILL is `Child::kill`.
+pub fn signal(pid: u32, signal: Signal) {
+    testkit::send_signal(pid, signal).unwrap_or_else(|e| panic!("send {signal:?} to {pid}: {e}"));
 }
 
 /// How long one run of a command in a test may take before it is killed and the test
@@ -456,12 +450,49 @@ pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) 
     }
 }
 
-pub async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+/// Polls `probe` until it yields a value, at most `limit`: the value, `None` when `limit`
+/// passed first. The one poll loop of the tests; [`wait_for`] and [`wait_until`] fail the
+/// test instead of returning `None`.
+///
+/// A short wait is usually a measured bound (a row published within 1 s): it is polled
+/// finely, every 1/500 of `limit` but at least every 50 ms and at most every 10 ms, so the
+/// poll does not add to what it measures.
+pub async fn poll<T>(limit: Duration, mut probe: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let every = (limit / 500).clamp(Duration::from_millis(10), Duration::from_millis(50));
     let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    loop {
+        if let Some(value) = probe().await {
+            return Some(value);
+        }
+        if start.elapsed() >= limit {
+            return None;
+        }
+        tokio::time::sleep(every).await;
     }
+}
+
+/// [`poll`], and the test fails naming `what` when `limit` passed first.
+pub async fn wait_for<T>(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    match poll(limit, probe).await {
+        Some(value) => value,
+        None => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
+
+/// Waits until `done` holds, at most `limit` (else the test fails naming `what`); how
+/// long it took.
+pub async fn wait_until(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    mut done: impl AsyncFnMut() -> bool,
+) -> Duration {
+    let start = Instant::now();
+    wait_for(what, limit, async || done().await.then_some(())).await;
+    start.elapsed()
 }
 
 pub async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, seconds: u64) {
@@ -473,7 +504,7 @@ pub async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, 
 
 /// SIGTERM, then expect exit 0 within 15s.
 pub fn terminate_cleanly(relay: &mut Child) {
-    signal(relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(relay, Duration::from_secs(15));
     assert_eq!(code, Some(0));
 }
