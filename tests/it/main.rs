@@ -7,8 +7,8 @@
 //!
 //! The tests of all modules share one process: nothing here may change process-wide state
 //! (environment variables, the working directory) — a child's environment is set on its
-//! `Command`. Tests that must not overlap each other take a lock of their own
-//! (`nats_cluster::SERIAL`).
+//! `Command`. Side by side they share the machine: a test that measures a stall and must
+//! have it to itself waits for [`common::alone`].
 
 mod common;
 

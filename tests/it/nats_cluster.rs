@@ -4,8 +4,8 @@
 //! order. Each test prints the stall it saw: the longest time in which no row left the
 //! outbox after the kill, and how long the cluster took to name a live stream leader.
 //!
-//! The tests run one at a time (they share two cores; the stall they measure would
-//! otherwise be the other test's load).
+//! The tests run alone, each with the machine to itself (`common::alone`: they share two
+//! cores; the stall they measure would otherwise be the other tests' load).
 
 use std::fs::File;
 use std::process::{Child, Stdio};
@@ -21,8 +21,6 @@ const KEYS: i64 = 50;
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 /// The relay's NATS connection name, as the servers' `/connz` shows it.
 const CLIENT_NAME: &str = "outbox-relay";
-
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Which server a test kills mid-drain.
 #[derive(Debug, Clone, Copy)]
@@ -51,14 +49,14 @@ struct Crash {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn stream_leader_killed_mid_drain_loses_no_row_and_keeps_key_order() {
-    let _serial = SERIAL.lock().await;
+    let _alone = alone();
     let crash = drain_through_a_crash(Victim::StreamLeader).await;
     assert!(crash.was_leader && !crash.was_relays_server);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn server_the_relay_is_connected_to_killed_mid_drain_loses_no_row_and_keeps_key_order() {
-    let _serial = SERIAL.lock().await;
+    let _alone = alone();
     let crash = drain_through_a_crash(Victim::RelaysServer).await;
     assert!(crash.was_relays_server && !crash.was_leader);
     // The stream kept its leader: the relay moves to another server and goes on, whether

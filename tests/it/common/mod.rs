@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 
 use testkit::{NatsServer, Postgres, StoredMessage};
 
+mod alone;
+pub use alone::{alone, shared, Shared};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 /// The least-privilege role the relay runs as in every test that uses [`Env`].
 pub const ROLE_SQL: &str = include_str!("../../../migrations/outbox_relay_role.sql");
@@ -44,6 +47,7 @@ pub struct Env {
     pub db_url: String,
     pub config: PathBuf,
     _dir: TempDir,
+    _shared: Option<Shared>,
 }
 
 pub struct TempDir(pub PathBuf);
@@ -65,6 +69,7 @@ impl Env {
     /// The same on servers started by the caller (e.g. [`Postgres::start_tls`],
     /// [`NatsServer::start_secure`]).
     pub async fn on(pg: Postgres, nats: NatsServer, relay: &str) -> Env {
+        let shared = shared();
         let db_url = pg.create_database("app").await.expect("create database");
         nats.create_stream(STREAM, &["events.>"])
             .await
@@ -78,6 +83,7 @@ impl Env {
         let env = Env {
             config: dir.join("relay.toml"),
             _dir: TempDir(dir),
+            _shared: shared,
             db_url,
             pg,
             nats,
@@ -627,11 +633,13 @@ pub struct Mocked {
     pub _pg: Postgres,
     pub client: tokio_postgres::Client,
     pub config: outbox_relay::config::Config,
+    _shared: Option<Shared>,
 }
 
 /// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`,
 /// with `relay` added to `[relay]`.
 pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
+    let shared = shared();
     let pg = Postgres::start().unwrap();
     let url = pg.create_database("app").await.unwrap();
     let text = format!(
@@ -668,6 +676,7 @@ drain_timeout = "10s"
         _pg: pg,
         client,
         config,
+        _shared: shared,
     }
 }
 
