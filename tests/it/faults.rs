@@ -2,7 +2,7 @@
 //! PostgreSQL stopped in immediate mode and restarted, nats-server killed and restarted,
 //! a poison row among good ones, a long transaction holding an outbox row's lock. After
 //! each, an independent audit compares the rows inserted with what the stream holds.
-//! (Kafka broker faults: tests/kafka_mock.rs.)
+//! (Kafka broker faults: tests/it/kafka_mock.rs.)
 
 use std::time::{Duration, Instant};
 
@@ -351,25 +351,26 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     // before the pool was emptied on a hang: 5-31 s, once over 40 s in CI; 10-19 s with the
     // pool emptied but a failed claim not retried until the next idle look).
     let limit = Duration::from_secs(15);
-    while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
-        if started.elapsed() >= limit {
-            let sessions: Vec<String> = column(
-                &client,
-                "SELECT concat_ws(' ', pid, state, backend_xid, backend_xmin, \
-                 (SELECT string_agg(locktype || ':' || mode || ':' || coalesce(objid::text, \
-                 tuple::text, ''), ',') FROM pg_locks l WHERE l.pid = a.pid), query) \
-                 FROM pg_stat_activity a WHERE application_name = 'outbox-relay'",
-                &[],
-            )
-            .await;
-            panic!(
-                "rows still pending {limit:?} after {frozen} connections went silent; the \
-                 relay's sessions:\n{}\nthe relay's log:\n{}",
-                sessions.join("\n"),
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let emptied = poll(limit, async || {
+        (count(&client, "SELECT count(*) FROM public.outbox").await == 0).then_some(())
+    })
+    .await;
+    if emptied.is_none() {
+        let sessions: Vec<String> = column(
+            &client,
+            "SELECT concat_ws(' ', pid, state, backend_xid, backend_xmin, \
+             (SELECT string_agg(locktype || ':' || mode || ':' || coalesce(objid::text, \
+             tuple::text, ''), ',') FROM pg_locks l WHERE l.pid = a.pid), query) \
+             FROM pg_stat_activity a WHERE application_name = 'outbox-relay'",
+            &[],
+        )
+        .await;
+        panic!(
+            "rows still pending {limit:?} after {frozen} connections went silent; the \
+             relay's sessions:\n{}\nthe relay's log:\n{}",
+            sessions.join("\n"),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
     }
     eprintln!(
         "{frozen} silent connections; rows relayed {:?} after",
@@ -418,15 +419,15 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
     signal(first[0] as u32, Signal::Cont);
     for i in 0..3 {
         seed(&client, 1, 1, 0).await;
-        let inserted = Instant::now();
-        while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
-            assert!(
-                inserted.elapsed() < Duration::from_secs(1),
-                "row {i} not published within 1 s of its NOTIFY; the relay's log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            Detailed(
+                &format!("row {i} published within 1 s of its NOTIFY"),
+                log_of(&log),
+            ),
+            Duration::from_secs(1),
+            async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+        )
+        .await;
         // Land the next insert at another point of the idle look's cycle.
         tokio::time::sleep(Duration::from_millis(1_300)).await;
     }

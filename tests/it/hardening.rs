@@ -250,29 +250,25 @@ async fn endpoints_answer_before_any_dependency_is_reachable() {
         .spawn()
         .unwrap();
     let started = Instant::now();
-    let healthz = loop {
-        if let Ok(answer) = http_get(&addr, "/healthz") {
-            break answer;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "/healthz never answered"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let limit = Duration::from_secs(10);
+    let healthz = wait_for("/healthz to answer", limit, async || {
+        http_get(&addr, "/healthz").ok()
+    })
+    .await;
     assert_eq!(healthz.0, 200, "{healthz:?}");
-    let mut ready = http_get(&addr, "/readyz").unwrap();
-    let mut metrics = http_get(&addr, "/metrics").unwrap().1;
     // Wait until the broker answered (it is up) while PostgreSQL still does not.
-    while !metrics.contains("outbox_relay_dependency_up{dependency=\"broker\"} 1") {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "broker never up: {metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-        ready = http_get(&addr, "/readyz").unwrap();
-        metrics = http_get(&addr, "/metrics").unwrap().1;
-    }
+    let (ready, metrics) = wait_for(
+        "the broker to be up",
+        limit.saturating_sub(started.elapsed()),
+        async || {
+            let ready = http_get(&addr, "/readyz").unwrap();
+            let metrics = http_get(&addr, "/metrics").unwrap().1;
+            metrics
+                .contains("outbox_relay_dependency_up{dependency=\"broker\"} 1")
+                .then_some((ready, metrics))
+        },
+    )
+    .await;
     assert_eq!(ready.0, 503, "{ready:?}");
     assert!(ready.1.contains("PostgreSQL"), "{ready:?}");
     assert!(
@@ -307,18 +303,19 @@ async fn a_lost_broker_connection_stops_claims_at_once() {
     // Claims that had begun before the loss may still finish theirs: wait until none
     // has been seen for 100 ms.
     let mut clear_since: Option<Instant> = None;
-    while clear_since.is_none_or(|t| t.elapsed() < Duration::from_millis(100)) {
-        assert!(
-            lost.elapsed() < Duration::from_secs(5),
-            "the relay kept its row locks after the broker vanished"
-        );
-        if count(&client, locking).await == 0 {
-            clear_since.get_or_insert_with(Instant::now);
-        } else {
-            clear_since = None;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        "the relay to let go of its row locks after the broker vanished",
+        Duration::from_secs(5).saturating_sub(lost.elapsed()),
+        async || {
+            if count(&client, locking).await == 0 {
+                clear_since.get_or_insert_with(Instant::now);
+            } else {
+                clear_since = None;
+            }
+            clear_since.is_some_and(|t| t.elapsed() >= Duration::from_millis(100))
+        },
+    )
+    .await;
     let released = lost.elapsed();
     assert!(released < Duration::from_secs(3), "took {released:?}");
     // And it does not claim again while the broker is gone.

@@ -81,14 +81,11 @@ async fn until_left_below(
     limit: Duration,
 ) -> Option<Duration> {
     let start = Instant::now();
-    while start.elapsed() < limit {
+    poll(limit, async || {
         let n = left(client).await;
-        if n < below || n == 0 {
-            return Some(start.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    None
+        (n < below || n == 0).then(|| start.elapsed())
+    })
+    .await
 }
 
 /// Row id -> (topic, partition) where it was first stored.

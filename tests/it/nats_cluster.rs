@@ -124,13 +124,12 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
     cluster.kill(killed);
     let new_leader = async {
         // Only to tell the cluster's share of the stall from the relay's.
-        while !matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed) {
-            assert!(
-                killed_at.elapsed() < Duration::from_secs(60),
-                "no new stream leader within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            "a new stream leader",
+            Duration::from_secs(60).saturating_sub(killed_at.elapsed()),
+            async || matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed),
+        )
+        .await;
         killed_at.elapsed()
     };
     let (stall, election) = tokio::join!(wait_for_drain(&client, &mut relay, &log), new_leader);
@@ -197,29 +196,30 @@ async fn wait_for_drain(
     relay: &mut Child,
     log: &std::path::Path,
 ) -> Duration {
-    let start = Instant::now();
     let mut last = pending(client).await;
     let mut last_progress = Instant::now();
     let mut stall = Duration::ZERO;
-    while last > 0 {
-        let relay_log = || std::fs::read_to_string(log).unwrap_or_default();
-        assert!(
-            relay.try_wait().unwrap().is_none(),
-            "the relay exited mid-drain:\n{}",
-            relay_log()
-        );
-        assert!(
-            start.elapsed() < DRAIN_LIMIT,
-            "{last} rows still pending {DRAIN_LIMIT:?} after the kill; relay log:\n{}",
-            relay_log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let now = pending(client).await;
-        if now < last {
-            stall = stall.max(last_progress.elapsed());
-            last_progress = Instant::now();
-            last = now;
-        }
-    }
+    wait_until(
+        Detailed(
+            &format!("the outbox to empty within {DRAIN_LIMIT:?} of the kill"),
+            log_of(log),
+        ),
+        DRAIN_LIMIT,
+        async || {
+            assert!(
+                relay.try_wait().unwrap().is_none(),
+                "the relay exited mid-drain:\n{}",
+                log_of(log)()
+            );
+            let now = pending(client).await;
+            if now < last {
+                stall = stall.max(last_progress.elapsed());
+                last_progress = Instant::now();
+                last = now;
+            }
+            last == 0
+        },
+    )
+    .await;
     stall
 }

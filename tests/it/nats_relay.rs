@@ -224,15 +224,12 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while count(&client, "SELECT count(*) FROM public.outbox").await >= 195_000 {
-        if started.elapsed() > Duration::from_secs(30) {
-            let _ = relay.kill();
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            panic!("publishing did not start within 30 s; the relay's log:\n{log}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until(
+        Detailed("publishing to start", log_of(&log)),
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await < 195_000,
+    )
+    .await;
     signal(relay.id(), Signal::Term);
     // drain_timeout is 10s in the test config.
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(12));

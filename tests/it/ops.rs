@@ -15,20 +15,14 @@ async fn env_with_http(relay: &str) -> (Env, String) {
     (env, addr)
 }
 
-fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
-    let start = Instant::now();
-    loop {
-        if let Ok((status, _)) = http_get(addr, path) {
-            if status == want {
-                return start.elapsed();
-            }
-        }
-        assert!(
-            start.elapsed() < limit,
-            "{path} did not answer {want} within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// Waits until `path` answers `want`, at most `limit`; how long it took.
+async fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
+    wait_until(
+        format!("{path} to answer {want}"),
+        limit,
+        async || matches!(http_get(addr, path), Ok((status, _)) if status == want),
+    )
+    .await
 }
 
 /// Section 9: `/metrics` has every family, and they move: nothing published before the
@@ -51,7 +45,7 @@ async fn metrics_families_are_present_and_move() {
         .await
         .unwrap();
     let mut relay = env.spawn_run();
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     let (status, before) = http_get(&addr, "/metrics").unwrap();
     assert_eq!(status, 200);
     let published = r#"outbox_relay_rows_published_total{table="public.outbox",sink="nats"}"#;
@@ -114,12 +108,12 @@ async fn metrics_families_are_present_and_move() {
 async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
     let (mut env, addr) = env_with_http("workers = 2").await;
     let mut relay = env.spawn_run();
-    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     eprintln!("ready {took:?} after start");
     assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);
 
     env.nats.kill();
-    let took = wait_http(&addr, "/readyz", 503, Duration::from_secs(15));
+    let took = wait_http(&addr, "/readyz", 503, Duration::from_secs(15)).await;
     eprintln!("/readyz 503 {took:?} after nats-server was killed");
     let (_, reason) = http_get(&addr, "/readyz").unwrap();
     assert!(reason.contains("broker not reachable"), "{reason}");
@@ -130,7 +124,7 @@ async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
     );
 
     env.nats.start_again().unwrap();
-    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     eprintln!("/readyz 200 {took:?} after nats-server came back");
     terminate_cleanly(&mut relay);
 }
@@ -454,7 +448,7 @@ async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
         .spawn()
         .expect("start outbox-relay run");
     drop(relay.stderr.take()); // the reader goes away
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(30));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(30)).await;
     seed(&client, 50, 5, 0).await;
     wait_for_empty_outbox(&client, "the relay to publish with its stderr closed", 30).await;
     terminate_cleanly(&mut relay);
@@ -723,7 +717,7 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
     let other_log = env.config.with_file_name("relay-b.stderr");
     let b_port = testkit::free_port();
     let mut b = spawn(Some(b_port), &other_log);
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     let stop = tokio_util::sync::CancellationToken::new();
     let writer = spawn_writer(env.client().await, stop.clone());
     wait_until("rows flowing", Duration::from_secs(10), async || {

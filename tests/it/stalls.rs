@@ -84,18 +84,15 @@ async fn a_frozen_database_connection_releases_its_row_locks_within_the_bound_an
     env.nats.resume();
     // The bound: idle_in_transaction_session_timeout (5 s + 10 s), plus a margin.
     let bound = Duration::from_secs(15 + 5);
-    loop {
-        let left = pending(&client).await;
-        if lockable(&mut client).await == left {
-            break;
-        }
-        assert!(
-            frozen.elapsed() < bound,
-            "row locks still held {:?} after the freeze",
-            frozen.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_until(
+        "the row locks to be released after the freeze",
+        bound.saturating_sub(frozen.elapsed()),
+        async || {
+            let left = pending(&client).await;
+            lockable(&mut client).await == left
+        },
+    )
+    .await;
     let released = frozen.elapsed();
     eprintln!("row locks released {released:?} after the freeze");
     assert!(

@@ -3,7 +3,7 @@
 //! table held with what the stream stored.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -499,6 +499,26 @@ pub async fn wait_until(
     let start = Instant::now();
     wait_for(what, limit, async || done().await.then_some(())).await;
     start.elapsed()
+}
+
+/// A wait's `what` with details read only when it is shown, i.e. when the wait timed out
+/// (the relay's log as it is then: `Detailed("x", log_of(&path))`).
+pub struct Detailed<'a, F: Fn() -> String>(pub &'a str, pub F);
+
+impl<F: Fn() -> String> std::fmt::Display for Detailed<'_, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:\n{}", self.0, (self.1)())
+    }
+}
+
+/// The relay log at `path` as it is when called, for [`Detailed`].
+pub fn log_of(path: &Path) -> impl Fn() -> String + '_ {
+    move || {
+        format!(
+            "the relay's log:\n{}",
+            std::fs::read_to_string(path).unwrap_or_default()
+        )
+    }
 }
 
 pub async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, seconds: u64) {
