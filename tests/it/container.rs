@@ -208,10 +208,10 @@ async fn the_image_runs_as_a_sidecar_read_only_non_root_and_drains_on_podman_sto
         return;
     }
     build_image();
-    let relay = "workers = 2\nbatch_size = 100";
-    let env = Env::new(relay).await;
+    let relay = relay().workers(2).batch_size(100);
+    let env = Env::new(relay.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay.http(&addr));
     // The container's user (65532) reads it, whatever the test's umask (it holds no secret:
     // the throwaway PostgreSQL trusts 127.0.0.1).
     std::fs::set_permissions(

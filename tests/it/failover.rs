@@ -48,7 +48,7 @@ async fn primary_killed_and_standby_promoted_mid_stream_loses_no_row_and_keeps_k
     let mut env = Env::on(
         primary,
         nats,
-        &format!("workers = {WORKERS}\nbatch_size = {BATCH}"),
+        relay().workers(WORKERS as usize).batch_size(BATCH as usize),
     )
     .await;
     let url = failover_url("outbox_relay", &[&env.pg, standby.postgres()], "app");
@@ -152,7 +152,7 @@ async fn hung_primary_does_not_keep_the_relay_from_the_promoted_standby() {
     let env = Env::on(
         primary,
         nats,
-        &format!("workers = {WORKERS}\nbatch_size = {BATCH}"),
+        relay().workers(WORKERS as usize).batch_size(BATCH as usize),
     )
     .await;
     let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();

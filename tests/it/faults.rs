@@ -26,16 +26,14 @@ const KILLS: usize = 5;
 const WORKERS: usize = 4;
 const BATCH: usize = 200;
 
-/// kill -9 at random moments while rows flow (`relay` adds to `[relay]`): every kill lands
+/// kill -9 at random moments while rows flow (`relay` with workers and batch size set):
+/// every kill lands
 /// mid-stream (the relay published since it started, and rows are left), then a drain
 /// finishes. Nothing is lost, each key stays in id order, and what the relay sent more
 /// than once (counted by a core subscriber, before the stream's de-duplication) is bounded
 /// by the batches in flight at the kills: at most workers x batch_size per kill.
-async fn kill_9_mid_stream(relay: &str) -> Env {
-    let env = Env::new(&format!(
-        "workers = {WORKERS}\nbatch_size = {BATCH}\n{relay}"
-    ))
-    .await;
+async fn kill_9_mid_stream(relay: Relay) -> Env {
+    let env = Env::new(relay.workers(WORKERS).batch_size(BATCH)).await;
     let client = env.client().await;
     let total = 60_000;
     seed(&client, total, 100, 20).await;
@@ -82,7 +80,7 @@ async fn kill_9_mid_stream(relay: &str) -> Env {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
-    let env = kill_9_mid_stream("").await;
+    let env = kill_9_mid_stream(relay()).await;
     assert_eq!(
         count(&env.client().await, "SELECT count(*) FROM public.outbox").await,
         0
@@ -91,7 +89,7 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_in_mark_mode_loses_nothing_keeps_key_order_and_marks_every_row() {
-    let env = kill_9_mid_stream("on_publish = \"mark\"").await;
+    let env = kill_9_mid_stream(relay().on_publish("mark")).await;
     let client = env.client().await;
     assert_eq!(
         count(&client, "SELECT count(*) FROM public.outbox").await,
@@ -110,7 +108,7 @@ async fn kill_9_in_mark_mode_loses_nothing_keeps_key_order_and_marks_every_row()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
-    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let mut env = Env::new(relay().workers(4).batch_size(100)).await;
     let client = env.client().await;
     seed(&client, 100_000, 50, 0).await;
     let inserted = ids(&client).await;
@@ -144,13 +142,16 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_table() {
-    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let mut env = Env::new(relay().workers(4).batch_size(100)).await;
     let metrics = format!("127.0.0.1:{}", testkit::free_port());
     env.write_config(
-        "workers = 4\nbatch_size = 100",
-        &format!("[http]\nlisten = \"{metrics}\"\n"),
+        &relay()
+            .workers(4)
+            .batch_size(100)
+            .http(&metrics)
+            .publish_timeout("1s")
+            .drain_timeout("10s"),
     );
-    env.set_timeouts("1s", "10s");
     let client = env.client().await;
     seed(&client, 30_000, 50, 0).await;
     let inserted = ids(&client).await;
@@ -205,7 +206,7 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_waits() {
-    let env = Env::new("workers = 2\nbatch_size = 100\nmax_attempts = 3").await;
+    let env = Env::new(relay().workers(2).batch_size(100).max_attempts(3)).await;
     let client = env.client().await;
     seed(&client, 1_000, 20, 0).await;
     let poison: i64 = client
@@ -247,7 +248,7 @@ async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_wait
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
-    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(2).batch_size(50)).await;
     let client = env.client().await;
     seed(&client, 2_000, 10, 0).await;
     let inserted = ids(&client).await;
@@ -312,7 +313,7 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
 /// another.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_database_connection_is_discarded_not_reused() {
-    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let env = Env::new(relay().workers(2).batch_size(100)).await;
     let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
     let config = std::fs::read_to_string(&env.config)
         .unwrap()
@@ -390,7 +391,7 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
 /// 5 s idle look that is all a relay with a deaf listener has left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
-    let env = Env::new("workers = 2").await;
+    let env = Env::new(relay().workers(2)).await;
     let client = env.client().await;
     let (mut relay, log) = env.spawn_run_logged();
     let listener = "SELECT pid FROM pg_stat_activity \
@@ -446,8 +447,13 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
     use outbox_relay::sink::memory::MemorySink;
     use outbox_relay::sink::{Sink, SinkError};
 
-    let env =
-        Env::new("retry_backoff = \"10ms\"\nretry_backoff_max = \"50ms\"\nmax_attempts = 2").await;
+    let env = Env::new(
+        relay()
+            .retry_backoff("10ms")
+            .retry_backoff_max("50ms")
+            .max_attempts(2),
+    )
+    .await;
     env.table_option("dead_letter_topic = \"dead.{topic}\"");
     let config = outbox_relay::config::load(&env.config).unwrap();
     let client = env.client().await;

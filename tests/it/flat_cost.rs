@@ -14,7 +14,9 @@ use crate::common::*;
 
 /// One worker claiming 5 rows at a time: a few thousand rows take seconds to drain, so the
 /// floor's keeper sees pending rows and raises the floor past them meanwhile.
-const SLOW: &str = "workers = 1\nbatch_size = 5";
+fn slow() -> Relay {
+    relay().workers(1).batch_size(5)
+}
 
 /// `outbox-relay run` with the floor's debug lines in `log`.
 fn spawn_logged(env: &Env, log: &Path) -> Child {
@@ -62,7 +64,7 @@ async fn published(client: &tokio_postgres::Client, id: i64) -> bool {
 /// commits its row is published at once (bound: 5 s; the NOTIFY wakes a worker).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_committed_late_below_published_ids_is_published_at_once() {
-    let env = Env::new(SLOW).await;
+    let env = Env::new(slow()).await;
     let client = env.client().await;
     let mut late = env.client().await;
     let tx = late.transaction().await.unwrap();
@@ -109,7 +111,7 @@ async fn a_row_committed_late_below_published_ids_is_published_at_once() {
 /// (stated bound on a table VACUUM keeps clean: a few seconds; tested: 15 s).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_whose_id_was_drawn_before_its_transaction_had_an_xid_is_found_by_the_sweep() {
-    let env = Env::new(SLOW).await;
+    let env = Env::new(slow()).await;
     let client = env.client().await;
     // Drawn on its own (as an application that takes ids ahead of time does), so no
     // transaction is running for the fence to wait on.
@@ -161,7 +163,7 @@ async fn a_row_whose_id_was_drawn_before_its_transaction_had_an_xid_is_found_by_
 /// per-key order holds across the floor.
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_held_back_below_the_floor_keep_their_keys_order_when_released() {
-    let env = Env::new(&format!("{SLOW}\nmax_attempts = 1")).await;
+    let env = Env::new(slow().max_attempts(1)).await;
     let client = env.client().await;
     let insert = |key: &'static str, topic: &'static str, n: usize| {
         let client = &client;
@@ -239,16 +241,16 @@ async fn rows_held_back_below_the_floor_keep_their_keys_order_when_released() {
 /// the drain's peak RSS stays under 128 MB (a sidecar limit of 256 MB leaves room).
 #[tokio::test(flavor = "multi_thread")]
 async fn large_rows_drain_within_the_byte_budget_and_arrive_whole() {
-    drain_large_rows("").await;
+    drain_large_rows(relay()).await;
 }
 
 /// The same without a key-order promise: that claim reads sizes under its row locks.
 #[tokio::test(flavor = "multi_thread")]
 async fn large_rows_drain_within_the_byte_budget_without_key_order() {
-    drain_large_rows("ordering = \"none\"").await;
+    drain_large_rows(relay().ordering("none")).await;
 }
 
-async fn drain_large_rows(relay: &str) {
+async fn drain_large_rows(relay: Relay) {
     let env = Env::new(relay).await;
     let client = env.client().await;
     client
@@ -299,11 +301,11 @@ async fn drain_large_rows(relay: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once() {
     const TABLES: usize = 20;
-    let env = Env::new("workers = 4").await;
+    let env = Env::new(relay().workers(4)).await;
     let more: String = (0..TABLES)
         .map(|i| format!("[[tables]]\nname = \"public.idle_{i}\"\ntopic = \"{{topic}}\"\n"))
         .collect();
-    env.write_config("workers = 4", &more);
+    env.write_config(&relay().workers(4).section(&more));
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     let client = env.client().await;

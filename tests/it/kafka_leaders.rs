@@ -156,7 +156,11 @@ async fn kafka_partition_leaders_moved_mid_stream_lose_nothing_and_keep_key_orde
     /// Rows the relay must deliver after a move before the next one.
     const STEP: i64 = 1_500;
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, 300, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -222,7 +226,11 @@ async fn kafka_one_broker_down_holds_back_its_partitions_keys_while_the_others_f
     const OTHERS_WITHIN: Duration = Duration::from_secs(20);
     let publish_timeout = Duration::from_secs(3);
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, KEYS, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -317,7 +325,11 @@ async fn kafka_leaders_moved_off_a_down_broker_drain_everything_while_it_stays_d
     /// Broker 1 leads partitions 0 and 3 of every topic (see [`cluster`]).
     const DOWN: i32 = 1;
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, 200, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);

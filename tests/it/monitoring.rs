@@ -178,10 +178,10 @@ async fn every_metric_the_rules_and_dashboard_use_is_served_by_the_relay() {
 
     // Mark mode with a retention, so that every family gets a sample: a published row
     // (counters, histograms, lag), a retention pass, the probe's gauges.
-    let relay_settings = "on_publish = \"mark\"\nretention = \"1s\"";
-    let env = Env::new(relay_settings).await;
+    let relay_settings = relay().on_publish("mark").retention("1s");
+    let env = Env::new(relay_settings.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay_settings, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay_settings.http(&addr));
     env.client()
         .await
         .batch_execute(

@@ -79,7 +79,7 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         .await
         .expect("create a stream with three replicas");
     // Env also starts a lone nats-server; the relay is pointed past it, at the cluster.
-    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let env = Env::new(relay().workers(4).batch_size(200)).await;
     let client = env.client().await;
     seed(&client, ROWS, KEYS, 0).await;
     let inserted = ids(&client).await;

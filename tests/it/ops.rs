@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use crate::common::*;
 
 /// An Env whose relay serves HTTP on a free port; returns the address.
-async fn env_with_http(relay: &str) -> (Env, String) {
-    let env = Env::new(relay).await;
+async fn env_with_http(relay: Relay) -> (Env, String) {
+    let env = Env::new(relay.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay.http(&addr));
     (env, addr)
 }
 
@@ -30,8 +30,7 @@ async fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Durati
 /// an empty backlog, and the database gauges refreshed.
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
-    let (env, addr) =
-        env_with_http("workers = 2\nbatch_size = 100\nretry_backoff = \"10ms\"").await;
+    let (env, addr) = env_with_http(relay().workers(2).batch_size(100).retry_backoff("10ms")).await;
     let client = env.client().await;
     // A session of the relay's own role (the only sessions it may see without
     // pg_monitor) holding a snapshot.
@@ -106,7 +105,7 @@ async fn metrics_families_are_present_and_move() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
-    let (mut env, addr) = env_with_http("workers = 2").await;
+    let (mut env, addr) = env_with_http(relay().workers(2)).await;
     let mut relay = env.spawn_run();
     let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     eprintln!("ready {took:?} after start");
@@ -131,7 +130,7 @@ async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn json_logs_parse_and_carry_the_batch_span_without_payloads() {
-    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(2).batch_size(50)).await;
     let client = env.client().await;
     client
         .execute(
@@ -171,7 +170,7 @@ async fn json_logs_parse_and_carry_the_batch_span_without_payloads() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn systemd_hears_ready_watchdog_and_stopping() {
-    let env = Env::new("workers = 1").await;
+    let env = Env::new(relay().workers(1)).await;
     let dir = std::env::temp_dir().join(format!("outbox-relay-notify-{}", testkit::free_port()));
     std::fs::create_dir_all(&dir).unwrap();
     let _cleanup = TempDir(dir.clone());
@@ -439,7 +438,7 @@ fn the_kubernetes_examples_validate_against_the_kubernetes_schema() {
 /// thread that logged, the signal thread included, and SIGTERM then did nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let client = env.client().await;
     let mut relay = env
         .command(&["run"])
@@ -459,7 +458,7 @@ async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
 /// role has pg_monitor (migrations/outbox_relay_role.sql says so).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let owner = env.client().await;
     owner
         .batch_execute("GRANT pg_monitor TO outbox_relay")
@@ -564,7 +563,7 @@ fn lag_at_most(buckets: &[(f64, f64)], le: f64) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_for_replays() {
-    let (env, addr) = env_with_http("on_publish = \"mark\"").await;
+    let (env, addr) = env_with_http(relay().on_publish("mark")).await;
     let client = env.client().await;
     client
         .batch_execute(
@@ -618,7 +617,7 @@ async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_fo
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
-    let (env, addr) = env_with_http("retry_backoff = \"1h\"\nretry_backoff_max = \"1h\"").await;
+    let (env, addr) = env_with_http(relay().retry_backoff("1h").retry_backoff_max("1h")).await;
     let client = env.client().await;
     let waiting = r#"outbox_relay_rows_waiting_retry{table="public.outbox"}"#;
     // Two rows at fault (headers that are not an object), one good row.
@@ -700,7 +699,7 @@ fn spawn_writer(
 /// in key order.
 #[tokio::test(flavor = "multi_thread")]
 async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let log = env.config.with_file_name("relay-a.stderr");
     let spawn = |http: Option<u16>, log: &std::path::Path| {
         let mut command = env.command(&["run"]);
@@ -795,7 +794,7 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
 /// while its rows remain, 0 once none are left; the rows stay untouched.
 #[tokio::test(flavor = "multi_thread")]
 async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remain() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     assert!(env.relay(&["pause"]).status.success());
     let out = env.relay(&["drain", "--timeout", "60s"]);
@@ -831,7 +830,7 @@ async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remai
 /// with the contract's fields; the pause fields appear while paused.
 #[tokio::test(flavor = "multi_thread")]
 async fn status_as_json_is_one_document_with_the_contract_fields() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     seed(&client, 7, 3, 0).await;
     assert!(env

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use testkit::{NatsServer, Postgres, StoredMessage};
 
 mod alone;
+mod config;
 pub use alone::{alone, shared, Shared};
+pub use config::{relay, Relay};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 /// The least-privilege role the relay runs as in every test that uses [`Env`].
@@ -59,8 +61,8 @@ impl Drop for TempDir {
 }
 
 impl Env {
-    /// Servers up, table migrated, config written with `extra` appended to `[relay]`.
-    pub async fn new(relay: &str) -> Env {
+    /// Servers up, table migrated, config written from `relay`.
+    pub async fn new(relay: Relay) -> Env {
         let pg = Postgres::start().expect("start postgres");
         let nats = NatsServer::start().expect("start nats-server");
         Env::on(pg, nats, relay).await
@@ -68,7 +70,7 @@ impl Env {
 
     /// The same on servers started by the caller (e.g. [`Postgres::start_tls`],
     /// [`NatsServer::start_secure`]).
-    pub async fn on(pg: Postgres, nats: NatsServer, relay: &str) -> Env {
+    pub async fn on(pg: Postgres, nats: NatsServer, relay: Relay) -> Env {
         let shared = shared();
         let db_url = pg.create_database("app").await.expect("create database");
         nats.create_stream(STREAM, &["events.>"])
@@ -88,7 +90,7 @@ impl Env {
             pg,
             nats,
         };
-        env.write_config(relay, "");
+        env.write_config(&relay);
         let out = env.migrate(&[]);
         assert!(out.status.success(), "migrate failed: {}", text(&out));
         grant_relay_role(&env.client().await, "public.outbox").await;
@@ -103,42 +105,10 @@ impl Env {
             .expect("run outbox-relay migrate")
     }
 
-    /// Rewrites the config; `relay` goes into `[relay]`, `more` is appended.
-    pub fn write_config(&self, relay: &str, more: &str) {
-        let config = format!(
-            r#"
-[postgres]
-url = "{db}"
-pool_size = 16
-
-[relay]
-{poll}
-{relay}
-
-[sink]
-kind = "nats"
-publish_timeout = "5s"
-
-[sink.nats]
-url = "{nats}"
-
-[[tables]]
-name = "public.outbox"
-topic = "{{topic}}"
-
-[shutdown]
-drain_timeout = "10s"
-{more}
-"#,
-            db = as_relay_role(&self.db_url),
-            nats = self.nats.url(),
-            poll = if relay.contains("poll_interval") {
-                ""
-            } else {
-                "poll_interval = \"50ms\""
-            },
-        );
-        std::fs::write(&self.config, config).unwrap();
+    /// Rewrites the config file from `relay`.
+    pub fn write_config(&self, relay: &Relay) {
+        let toml = relay.to_toml(&as_relay_role(&self.db_url), &self.nats.url());
+        std::fs::write(&self.config, toml).unwrap();
     }
 
     /// Adds `line` (e.g. `max_rate = 400`) to the written config's `[[tables]]` entry.
@@ -154,21 +124,6 @@ drain_timeout = "10s"
             "no [[tables]] topic line to add {line:?} after"
         );
         std::fs::write(&self.config, with).unwrap();
-    }
-
-    /// Sets `sink.publish_timeout` and `shutdown.drain_timeout` in the written config.
-    pub fn set_timeouts(&self, publish: &str, drain: &str) {
-        let config = std::fs::read_to_string(&self.config)
-            .unwrap()
-            .replace(
-                "publish_timeout = \"5s\"",
-                &format!("publish_timeout = \"{publish}\""),
-            )
-            .replace(
-                "drain_timeout = \"10s\"",
-                &format!("drain_timeout = \"{drain}\""),
-            );
-        std::fs::write(&self.config, config).unwrap();
     }
 
     /// Runs the built binary with this env's config and waits for it.
@@ -657,8 +612,8 @@ pub struct Mocked {
 }
 
 /// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`,
-/// with `relay` added to `[relay]`.
-pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
+/// with `relay`'s `[relay]` section.
+pub async fn kafka_outbox(brokers: &str, relay: Relay) -> Mocked {
     let shared = shared();
     let pg = Postgres::start().unwrap();
     let url = pg.create_database("app").await.unwrap();
@@ -667,7 +622,6 @@ pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
 [postgres]
 url = "{url}"
 [relay]
-poll_interval = "50ms"
 {relay}
 [sink]
 kind = "kafka"
@@ -680,7 +634,8 @@ brokers = "{brokers}"
 name = "public.outbox"
 [shutdown]
 drain_timeout = "10s"
-"#
+"#,
+        relay = relay.relay_section(),
     );
     let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
     let mut client = pg.connect("app").await.unwrap();
