@@ -4,7 +4,7 @@
 //! # Module map
 //!
 //! ARCHITECTURE.md follows a row from claim to commit and says where each promise of the
-//! contract is kept and tested; `tests/layers.rs` keeps the layering below.
+//! contract is kept and tested; `tests/it/layers.rs` keeps the layering below.
 //!
 //! - [`cli`]: the command line (clap).
 //! - [`config`]: a leaf. TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a checked

@@ -47,7 +47,7 @@ pub use nats_cluster::NatsCluster;
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
-pub use process::{die_with_parent, free_port, wait_with_usage, ChildUsage};
+pub use process::{die_with_parent, free_port, send_signal, wait_with_usage, ChildUsage, Signal};
 pub use proxy::{Fault, Proxy};
 pub use standby::{failover_url, Standby};
 pub use tls::TestCa;

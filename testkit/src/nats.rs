@@ -160,15 +160,15 @@ impl NatsServer {
     /// Freezes the server (SIGSTOP): connections stay open, nothing is answered. The
     /// shape of a broker that stalls.
     pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
+        self.signal(crate::Signal::Stop);
     }
 
     /// Thaws a paused server (SIGCONT).
     pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
+        self.signal(crate::Signal::Cont);
     }
 
-    fn signal(&self, signal: i32) {
+    fn signal(&self, signal: crate::Signal) {
         crate::process::signal_child(&self.child, signal);
     }
 

@@ -184,15 +184,15 @@ impl PgBouncer {
     /// Freezes the bouncer (SIGSTOP): connections stay open, nothing is answered. The
     /// shape of a pooler that stalls.
     pub fn pause(&self) {
-        self.signal(libc::SIGSTOP);
+        self.signal(crate::Signal::Stop);
     }
 
     /// Thaws a paused bouncer (SIGCONT).
     pub fn resume(&self) {
-        self.signal(libc::SIGCONT);
+        self.signal(crate::Signal::Cont);
     }
 
-    fn signal(&self, signal: i32) {
+    fn signal(&self, signal: crate::Signal) {
         crate::process::signal_child(&self.child, signal);
     }
 

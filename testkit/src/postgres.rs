@@ -251,8 +251,7 @@ impl Postgres {
     /// Stops the server the hard way (SIGQUIT: immediate shutdown, crash recovery on start).
     pub fn stop_immediate(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // SAFETY: sending a signal to our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGQUIT) };
+            let _ = crate::send_signal(child.id(), crate::Signal::Quit);
             let _ = child.wait();
         }
     }

@@ -144,11 +144,50 @@ pub(crate) fn kill_child(child: &mut Option<std::process::Child>) {
     }
 }
 
+/// A signal the tests and the harnesses send to a process (SIGKILL is `Child::kill`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Signal {
+    /// SIGTERM: drain and exit.
+    Term,
+    /// SIGINT: the same as SIGTERM for the relay (Ctrl-C).
+    Int,
+    /// SIGQUIT: PostgreSQL's immediate shutdown.
+    Quit,
+    /// SIGSTOP: the process freezes with its connections, transactions and locks open.
+    Stop,
+    /// SIGCONT: a stopped process thaws.
+    Cont,
+}
+
+impl Signal {
+    fn number(self) -> libc::c_int {
+        match self {
+            Signal::Term => libc::SIGTERM,
+            Signal::Int => libc::SIGINT,
+            Signal::Quit => libc::SIGQUIT,
+            Signal::Stop => libc::SIGSTOP,
+            Signal::Cont => libc::SIGCONT,
+        }
+    }
+}
+
+/// Sends `signal` to process `pid`: the one way the tests, the harnesses, the benchmark
+/// and the soak signal a process. An error when it could not be delivered (no such
+/// process, not permitted).
+pub fn send_signal(pid: u32, signal: Signal) -> std::io::Result<()> {
+    let pid = libc::pid_t::try_from(pid).map_err(std::io::Error::other)?;
+    // SAFETY: kill(2) touches no memory; a bad pid is an error it reports.
+    if unsafe { libc::kill(pid, signal.number()) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Sends `signal` to a server's child process, if it runs (SIGSTOP/SIGCONT: a server
 /// that stalls with its connections open, then thaws).
-pub(crate) fn signal_child(child: &Option<std::process::Child>, signal: i32) {
+pub(crate) fn signal_child(child: &Option<std::process::Child>, signal: Signal) {
     if let Some(child) = child {
-        // SAFETY: sending a signal to our own child.
-        unsafe { libc::kill(child.id() as i32, signal) };
+        let _ = send_signal(child.id(), signal);
     }
 }

@@ -410,8 +410,7 @@ impl Bench {
             wakes.push(committed.elapsed().as_secs_f64() * 1000.0);
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
+        let _ = testkit::send_signal(relay.id(), testkit::Signal::Term);
         relay.wait()?;
         for t in &tables {
             client.batch_execute(&format!("DROP TABLE {t}")).await?;

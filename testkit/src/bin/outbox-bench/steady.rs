@@ -94,8 +94,7 @@ impl Running {
     /// SIGTERM, and the time to exit.
     fn stop(mut self) -> Result<(i32, f64)> {
         let sent = Instant::now();
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.relay.id() as i32, libc::SIGTERM) };
+        let _ = testkit::send_signal(self.relay.id(), testkit::Signal::Term);
         let status = self.relay.wait()?;
         self.consumer.abort();
         Ok((

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use testkit::{NatsCluster, PgBouncer, Postgres, Proxy};
+use testkit::{NatsCluster, PgBouncer, Postgres, Proxy, Signal};
 
 /// The stream every good row lands in; poison rows go to subjects it does not capture.
 pub(crate) const STREAM: &str = "SOAK";
@@ -195,10 +195,9 @@ impl Relays {
         Ok(())
     }
 
-    fn signal(&self, i: usize, signal: i32) {
+    fn signal(&self, i: usize, signal: Signal) {
         if let Some(child) = &self.children[i] {
-            // SAFETY: sending a signal to our own child.
-            unsafe { libc::kill(child.id() as i32, signal) };
+            let _ = testkit::send_signal(child.id(), signal);
         }
     }
 
@@ -219,11 +218,9 @@ impl Relays {
             return Ok(None);
         };
         if self.stopped[i] {
-            // SAFETY: our own child.
-            unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+            let _ = testkit::send_signal(child.id(), Signal::Cont);
         }
-        // SAFETY: our own child.
-        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let _ = testkit::send_signal(child.id(), Signal::Term);
         let start = Instant::now();
         let limit = DRAIN_TIMEOUT + EXIT_MARGIN;
         let code = loop {
@@ -243,12 +240,12 @@ impl Relays {
 
     /// SIGSTOP: the process freezes with its connections, transactions and locks open.
     pub(crate) fn pause(&mut self, i: usize) {
-        self.signal(i, libc::SIGSTOP);
+        self.signal(i, Signal::Stop);
         self.stopped[i] = true;
     }
 
     pub(crate) fn resume(&mut self, i: usize) {
-        self.signal(i, libc::SIGCONT);
+        self.signal(i, Signal::Cont);
         self.stopped[i] = false;
     }
 
@@ -276,7 +273,7 @@ impl Relays {
             if self.stopped[i] {
                 self.resume(i);
             }
-            self.signal(i, libc::SIGTERM);
+            self.signal(i, Signal::Term);
         }
         let deadline = Instant::now() + DRAIN_TIMEOUT + EXIT_MARGIN;
         for i in 0..self.children.len() {

@@ -1,18 +1,16 @@
 //! The contract's promises, end to end: the built binary against a throwaway PostgreSQL
 //! and a real `nats-server -js`.
 
-mod common;
-
 use std::collections::HashSet;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_relay::source::migrate::MIGRATIONS;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_row_is_delivered_once_with_its_nats_msg_id() {
-    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let env = Env::new(relay().workers(4).batch_size(200)).await;
     let client = env.client().await;
     seed(&client, 3_000, 50, 7).await;
     let before = ids(&client).await;
@@ -52,7 +50,7 @@ async fn every_row_is_delivered_once_with_its_nats_msg_id() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn mark_mode_keeps_rows_and_sets_published_at() {
-    let env = Env::new("on_publish = \"mark\"").await;
+    let env = Env::new(relay().on_publish("mark")).await;
     let client = env.client().await;
     seed(&client, 1_000, 10, 0).await;
     let inserted = ids(&client).await;
@@ -88,7 +86,7 @@ async fn mark_mode_keeps_rows_and_sets_published_at() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn same_key_rows_arrive_in_id_order_across_workers_and_processes() {
-    let env = Env::new("workers = 6\nbatch_size = 40").await;
+    let env = Env::new(relay().workers(6).batch_size(40)).await;
     let client = env.client().await;
     seed(&client, 6_000, 20, 11).await;
     let inserted = ids(&client).await;
@@ -133,7 +131,7 @@ async fn same_key_rows_arrive_in_id_order_across_workers_and_processes() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_committed_after_later_ids_is_still_published() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     // A long transaction takes an id first and commits last.
     let mut late = env.client().await;
@@ -169,7 +167,7 @@ async fn a_row_committed_after_later_ids_is_still_published() {
 #[tokio::test(flavor = "multi_thread")]
 async fn drain_exits_3_at_its_timeout_and_leaves_the_rows_intact() {
     // A row that fails waits an hour for its next attempt: the drain cannot finish.
-    let env = Env::new("retry_backoff = \"1h\"\nretry_backoff_max = \"1h\"").await;
+    let env = Env::new(relay().retry_backoff("1h").retry_backoff_max("1h")).await;
     let client = env.client().await;
     seed(&client, 100, 5, 0).await;
     // Headers that are not a JSON object of strings: a bad row, retried after its wait.
@@ -211,7 +209,7 @@ async fn drain_exits_3_at_its_timeout_and_leaves_the_rows_intact() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
-    let env = Env::new("workers = 4").await;
+    let env = Env::new(relay().workers(4)).await;
     let client = env.client().await;
     seed(&client, 200_000, 200, 13).await;
     let before: HashSet<i64> = ids(&client).await.into_iter().collect();
@@ -226,16 +224,13 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    let started = Instant::now();
-    while count(&client, "SELECT count(*) FROM public.outbox").await >= 195_000 {
-        if started.elapsed() > Duration::from_secs(30) {
-            let _ = relay.kill();
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            panic!("publishing did not start within 30 s; the relay's log:\n{log}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    signal(&relay, "TERM");
+    wait_until(
+        Detailed("publishing to start", log_of(&log)),
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await < 195_000,
+    )
+    .await;
+    signal(relay.id(), Signal::Term);
     // drain_timeout is 10s in the test config.
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(12));
     // The broker is healthy: the batches in flight finish well within the deadline.
@@ -272,8 +267,8 @@ async fn sigterm_drains_a_large_backlog_in_time_and_loses_no_row() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn notify_wakes_an_idle_relay_at_once() {
-    let env = Env::new("").await;
-    env.write_config("poll_interval = \"30s\"", "");
+    let env = Env::new(relay()).await;
+    env.write_config(&relay().poll_interval("30s"));
     let client = env.client().await;
     // Idle and listening (the poll is 30 s away).
     let mut relay = start_connected_relay(&env).await;
@@ -290,7 +285,7 @@ async fn notify_wakes_an_idle_relay_at_once() {
         inserted.elapsed() < Duration::from_secs(5),
         "published long before the 30s poll"
     );
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(0));
     assert!(
@@ -304,8 +299,8 @@ async fn notify_wakes_an_idle_relay_at_once() {
 /// order; other keys do not wait.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_scheduled_with_next_attempt_at_is_published_no_earlier_and_holds_its_key() {
-    let env = Env::new("").await;
-    env.write_config("", "");
+    let env = Env::new(relay()).await;
+    env.write_config(&relay());
     let client = env.client().await;
     let mut relay = start_connected_relay(&env).await;
     let due: f64 = client
@@ -348,7 +343,7 @@ async fn a_row_scheduled_with_next_attempt_at_is_published_no_earlier_and_holds_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
-    let env = Env::new("max_attempts = 3\nbatch_size = 10\nretry_backoff = \"10ms\"").await;
+    let env = Env::new(relay().max_attempts(3).batch_size(10).retry_backoff("10ms")).await;
     let client = env.client().await;
     client
         .batch_execute(
@@ -465,7 +460,7 @@ async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
@@ -504,7 +499,7 @@ async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn check_passes_when_ready_and_names_each_problem() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     client
         .execute("INSERT INTO public.outbox (topic, key, payload) VALUES ('events.1', 'a', 'x'), ('orphan.1', 'a', 'y')", &[])
@@ -620,8 +615,8 @@ async fn start_connected_relay(env: &Env) -> Child {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stalled_broker_never_holds_a_transaction_past_the_publish_timeout() {
-    let env = Env::new("").await;
-    env.set_timeouts("1s", "10s");
+    let env = Env::new(relay()).await;
+    env.write_config(&relay().publish_timeout("1s").drain_timeout("10s"));
     let client = env.client().await;
     let mut relay = start_connected_relay(&env).await;
     env.nats.pause();
@@ -662,8 +657,8 @@ async fn a_stalled_broker_never_holds_a_transaction_past_the_publish_timeout() {
 /// A running relay (publish_timeout 30s, the given drain_timeout) with a batch of 1,000
 /// rows in flight, past its claim, waiting for acks from a frozen nats-server.
 async fn relay_stuck_publishing(drain_timeout: &str) -> (Env, tokio_postgres::Client, Child) {
-    let env = Env::new("").await;
-    env.set_timeouts("30s", drain_timeout);
+    let env = Env::new(relay()).await;
+    env.write_config(&relay().publish_timeout("30s").drain_timeout(drain_timeout));
     let client = env.client().await;
     let relay = start_connected_relay(&env).await;
     env.nats.pause();
@@ -686,7 +681,7 @@ async fn relay_stuck_publishing(drain_timeout: &str) -> (Env, tokio_postgres::Cl
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_row() {
     let (_env, client, mut relay) = relay_stuck_publishing("2s").await;
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(6));
     assert_eq!(code, Some(3), "deadline reached with rows unacknowledged");
     assert!(
@@ -709,7 +704,7 @@ async fn sigterm_with_a_stalled_broker_exits_3_at_the_deadline_and_keeps_every_r
 #[tokio::test(flavor = "multi_thread")]
 async fn a_second_signal_rolls_back_at_once_and_exits_3() {
     let (env, client, mut relay) = relay_stuck_publishing("60s").await;
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     wait_until(
         "the relay to take the first signal",
         Duration::from_secs(5),
@@ -724,7 +719,7 @@ async fn a_second_signal_rolls_back_at_once_and_exits_3() {
         relay.try_wait().unwrap().is_none(),
         "the first signal waits for in-flight batches"
     );
-    signal(&relay, "INT");
+    signal(relay.id(), Signal::Int);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(3));
     assert!(took < Duration::from_secs(3), "took {took:?}");
@@ -736,7 +731,7 @@ async fn a_second_signal_rolls_back_at_once_and_exits_3() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ordering_none_delivers_every_row_once() {
-    let env = Env::new("ordering = \"none\"\nworkers = 4\nbatch_size = 100").await;
+    let env = Env::new(relay().ordering("none").workers(4).batch_size(100)).await;
     let client = env.client().await;
     // Two hot keys: with no order promise they need not wait for each other's acks.
     seed(&client, 3_000, 2, 0).await;
@@ -755,7 +750,7 @@ async fn ordering_none_delivers_every_row_once() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_a_null_payload_is_an_empty_body_with_or_without_a_key() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     client
         .batch_execute(
@@ -781,7 +776,10 @@ async fn nats_a_null_payload_is_an_empty_body_with_or_without_a_key() {
 /// `requeue --all` and `resume` publish every row, once and in key order.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_is_lost() {
-    let relay = "retry_backoff = \"10ms\"\nretry_backoff_max = \"20ms\"\nmax_attempts = 3";
+    let relay = relay()
+        .retry_backoff("10ms")
+        .retry_backoff_max("20ms")
+        .max_attempts(3);
     let env = Env::new(relay).await;
     let client = env.client().await;
     let inserted: Vec<i64> = column(
@@ -853,7 +851,7 @@ async fn the_bad_row_valve_pauses_a_table_whose_destination_is_gone_and_nothing_
     let audit = audit(&inserted, &stored);
     audit.assert_nothing_lost_in_order();
     assert_eq!(audit.duplicates, 0);
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(&mut relay, Duration::from_secs(10));
     assert_eq!(code, Some(0));
 }
@@ -874,7 +872,7 @@ fn steady_rate(stored: &[testkit::StoredMessage]) -> f64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn max_rate_holds_for_one_relay_and_for_two_together() {
     const RATE: f64 = 400.0;
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     env.table_option(&format!("max_rate = {RATE}"));
     let client = env.client().await;
     for relays in [1, 2] {
@@ -915,8 +913,11 @@ async fn max_rate_holds_for_one_relay_and_for_two_together() {
 /// dead-lettering.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_lettered_row_is_published_once_to_the_dead_letter_topic() {
-    let relay = "retry_backoff = \"10ms\"\nretry_backoff_max = \"20ms\"\nmax_attempts = 2";
-    let env = Env::new(relay).await;
+    let relay = relay()
+        .retry_backoff("10ms")
+        .retry_backoff_max("20ms")
+        .max_attempts(2);
+    let env = Env::new(relay.clone()).await;
     env.table_option("dead_letter_topic = \"events.dead.{topic}\"");
     let client = env.client().await;
     let ids: Vec<i64> = column(

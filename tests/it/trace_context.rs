@@ -3,12 +3,10 @@
 //! receiver that decodes the protobuf (testkit's `OtlpReceiver`), and the message carries
 //! the send span's own `traceparent` on; with export off it passes through unchanged.
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use testkit::otlp::{Attr, KIND_INTERNAL, KIND_PRODUCER};
 use testkit::{OtlpReceiver, ReceivedSpan, StoredMessage};
 
@@ -47,7 +45,7 @@ async fn insert(
 /// An env whose table has a `trace_parent` column (mapped to the `traceparent` header when
 /// `map_column`), with `tracing` appended to the config.
 async fn env_with_trace_column(map_column: bool, tracing: &str) -> Env {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     env.client()
         .await
         .batch_execute("ALTER TABLE public.outbox ADD COLUMN trace_parent text")
@@ -58,7 +56,7 @@ async fn env_with_trace_column(map_column: bool, tracing: &str) -> Env {
     } else {
         ""
     };
-    env.write_config("", &format!("{mapping}\n{tracing}"));
+    env.write_config(&relay().section(mapping).section(tracing));
     env
 }
 
@@ -335,7 +333,7 @@ async fn kafka_record_carries_the_send_span_traceparent() {
     let receiver = OtlpReceiver::start().unwrap();
     let broker = testkit::KafkaBroker::start().unwrap();
     broker.create_topic(SUBJECT, 1).unwrap();
-    let mut outbox = kafka_outbox(&broker.bootstrap(), "").await;
+    let mut outbox = kafka_outbox(&broker.bootstrap(), relay()).await;
     outbox.config.tracing.otlp_traces_url = Some(format!("{}/v1/traces", receiver.url()));
     let with_parent: i64 = outbox
         .client
@@ -428,7 +426,7 @@ async fn check_says_whether_the_collector_accepts_exports() {
 
     // Nothing listening: a warning that says what to do; check still passes.
     let closed = format!("http://127.0.0.1:{}", testkit::free_port());
-    env.write_config("", &format!("[tracing]\notlp_endpoint = \"{closed}\"\n"));
+    env.write_config(&relay().section(&format!("[tracing]\notlp_endpoint = \"{closed}\"")));
     let out = env.relay(&["check"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let warned = format!("WARN tracing {closed}/v1/traces: no answer");

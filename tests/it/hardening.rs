@@ -3,13 +3,11 @@
 //! command has a deadline, start-up included; the endpoints answer before any dependency
 //! does; a lost broker connection stops claims at once; fatal errors are JSON lines too.
 
-mod common;
-
 use std::net::TcpListener;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The 3 rows of key `bad` to a subject no stream captures go in first: they are the
 /// oldest rows, at the head of every claim window.
@@ -28,7 +26,7 @@ async fn seed_with_uncaptured_head(client: &tokio_postgres::Client) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_subject_no_stream_captures_is_the_rows_fault_and_other_keys_flow() {
-    let env = Env::new("retry_backoff = \"10ms\"\nmax_attempts = 3").await;
+    let env = Env::new(relay().retry_backoff("10ms").max_attempts(3)).await;
     let client = env.client().await;
     seed_with_uncaptured_head(&client).await;
 
@@ -71,7 +69,7 @@ async fn a_subject_no_stream_captures_is_the_rows_fault_and_other_keys_flow() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_failed_row_waits_for_its_next_attempt() {
     // A ceiling this long: the first wait (full jitter under it) outlasts the test.
-    let env = Env::new("retry_backoff = \"1000h\"\nretry_backoff_max = \"1000h\"").await;
+    let env = Env::new(relay().retry_backoff("1000h").retry_backoff_max("1000h")).await;
     let client = env.client().await;
     client
         .batch_execute(
@@ -174,7 +172,7 @@ fn silent_server() -> (TcpListener, String) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn every_command_has_a_deadline_against_a_server_that_never_answers() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let (_server, addr) = silent_server();
     let url = format!("postgres://app@{addr}/app?connect_timeout=1");
     for (args, limit) in [
@@ -208,7 +206,7 @@ async fn every_command_has_a_deadline_against_a_server_that_never_answers() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn drain_exits_1_naming_the_dependency_it_never_reached() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let closed = format!("127.0.0.1:{}", testkit::free_port());
     for (var, value, names) in [
         (
@@ -237,9 +235,9 @@ async fn drain_exits_1_naming_the_dependency_it_never_reached() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn endpoints_answer_before_any_dependency_is_reachable() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config("", &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay().http(&addr));
     let closed = format!("127.0.0.1:{}", testkit::free_port());
     let mut relay = env
         .command(&["run"])
@@ -252,36 +250,32 @@ async fn endpoints_answer_before_any_dependency_is_reachable() {
         .spawn()
         .unwrap();
     let started = Instant::now();
-    let healthz = loop {
-        if let Ok(answer) = http_get(&addr, "/healthz") {
-            break answer;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "/healthz never answered"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let limit = Duration::from_secs(10);
+    let healthz = wait_for("/healthz to answer", limit, async || {
+        http_get(&addr, "/healthz").ok()
+    })
+    .await;
     assert_eq!(healthz.0, 200, "{healthz:?}");
-    let mut ready = http_get(&addr, "/readyz").unwrap();
-    let mut metrics = http_get(&addr, "/metrics").unwrap().1;
     // Wait until the broker answered (it is up) while PostgreSQL still does not.
-    while !metrics.contains("outbox_relay_dependency_up{dependency=\"broker\"} 1") {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "broker never up: {metrics}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-        ready = http_get(&addr, "/readyz").unwrap();
-        metrics = http_get(&addr, "/metrics").unwrap().1;
-    }
+    let (ready, metrics) = wait_for(
+        "the broker to be up",
+        limit.saturating_sub(started.elapsed()),
+        async || {
+            let ready = http_get(&addr, "/readyz").unwrap();
+            let metrics = http_get(&addr, "/metrics").unwrap().1;
+            metrics
+                .contains("outbox_relay_dependency_up{dependency=\"broker\"} 1")
+                .then_some((ready, metrics))
+        },
+    )
+    .await;
     assert_eq!(ready.0, 503, "{ready:?}");
     assert!(ready.1.contains("PostgreSQL"), "{ready:?}");
     assert!(
         metrics.contains("outbox_relay_dependency_up{dependency=\"postgres\"} 0"),
         "{metrics}"
     );
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, took) = wait_exit(&mut relay, Duration::from_secs(5));
     assert_eq!(code, Some(0), "a run stopped during start-up stops cleanly");
     assert!(took < Duration::from_secs(2), "took {took:?}");
@@ -289,10 +283,16 @@ async fn endpoints_answer_before_any_dependency_is_reachable() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_lost_broker_connection_stops_claims_at_once() {
-    let mut env = Env::new("workers = 4\nbatch_size = 500").await;
+    let mut env = Env::new(relay().workers(4).batch_size(500)).await;
     // Acks could take this long: without the connection watch, a batch in flight would
     // hold its row locks for 30 s after the broker vanished.
-    env.set_timeouts("30s", "10s");
+    env.write_config(
+        &relay()
+            .workers(4)
+            .batch_size(500)
+            .publish_timeout("30s")
+            .drain_timeout("10s"),
+    );
     let client = env.client().await;
     seed(&client, 200_000, 200, 0).await;
     let inserted = ids(&client).await;
@@ -309,18 +309,19 @@ async fn a_lost_broker_connection_stops_claims_at_once() {
     // Claims that had begun before the loss may still finish theirs: wait until none
     // has been seen for 100 ms.
     let mut clear_since: Option<Instant> = None;
-    while clear_since.is_none_or(|t| t.elapsed() < Duration::from_millis(100)) {
-        assert!(
-            lost.elapsed() < Duration::from_secs(5),
-            "the relay kept its row locks after the broker vanished"
-        );
-        if count(&client, locking).await == 0 {
-            clear_since.get_or_insert_with(Instant::now);
-        } else {
-            clear_since = None;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        "the relay to let go of its row locks after the broker vanished",
+        Duration::from_secs(5).saturating_sub(lost.elapsed()),
+        async || {
+            if count(&client, locking).await == 0 {
+                clear_since.get_or_insert_with(Instant::now);
+            } else {
+                clear_since = None;
+            }
+            clear_since.is_some_and(|t| t.elapsed() >= Duration::from_millis(100))
+        },
+    )
+    .await;
     let released = lost.elapsed();
     assert!(released < Duration::from_secs(3), "took {released:?}");
     // And it does not claim again while the broker is gone.
@@ -344,7 +345,7 @@ async fn a_lost_broker_connection_stops_claims_at_once() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_fatal_error_is_a_json_line_with_log_format_json() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let closed = format!("127.0.0.1:{}", testkit::free_port());
     let out = env
         .command(&["--log-format", "json", "drain", "--timeout", "1s"])
@@ -374,7 +375,7 @@ async fn a_fatal_error_is_a_json_line_with_log_format_json() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_new_grant() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     seed(&client, 1_000, 10, 0).await;
     // Back to the table as migration 0001 left it.
@@ -440,8 +441,14 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
     let pg = testkit::Postgres::start().unwrap();
     let (nats, relay_url) =
         testkit::NatsServer::start_with_denied_publish(&["events.secret.>"]).unwrap();
-    let env = Env::on(pg, nats, "retry_backoff = \"10ms\"\nmax_attempts = 3").await;
-    env.set_timeouts("2s", "10s");
+    let env = Env::on(pg, nats, relay().retry_backoff("10ms").max_attempts(3)).await;
+    env.write_config(
+        &relay()
+            .retry_backoff("10ms")
+            .max_attempts(3)
+            .publish_timeout("2s")
+            .drain_timeout("10s"),
+    );
     let client = env.client().await;
     client
         .batch_execute(
@@ -497,7 +504,7 @@ async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let config = std::fs::read_to_string(&env.config)
         .unwrap()
         .replace("topic = \"{topic}\"", "topic = \"events.{aggregate_type}\"");
@@ -524,7 +531,7 @@ async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
     use outbox_relay::source::sql::{BUCKETS, FIRST_WINDOW};
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     client
         .batch_execute(

@@ -2,11 +2,9 @@
 //! broker outage, added latency, a record too large. The relay runs in-process (the mock
 //! cluster lives in this process), against a real throwaway PostgreSQL.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
@@ -51,7 +49,11 @@ async fn left(client: &tokio_postgres::Client) -> i64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_produce_errors_lose_nothing_and_keep_key_order() {
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, 5_000, 50, 9).await;
     // Retriable errors on the next produce requests: the idempotent producer retries them.
     let mut errors = Vec::new();
@@ -77,7 +79,7 @@ async fn kafka_produce_errors_lose_nothing_and_keep_key_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_broker_outage_mid_stream_loses_nothing() {
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 50").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), relay().workers(4).batch_size(50)).await;
     seed(&m.client, 20_000, 100, 0).await;
     for broker in 1..=3 {
         mock.broker_round_trip_time(broker, Duration::from_millis(20))
@@ -131,7 +133,7 @@ async fn kafka_added_latency_still_delivers_every_row_in_key_order() {
         mock.broker_round_trip_time(broker, Duration::from_millis(100))
             .unwrap();
     }
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 2").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), relay().workers(2)).await;
     seed(&m.client, 3_000, 30, 7).await;
     let report = drain(&m.config).await;
     assert!(report.drained);
@@ -147,7 +149,7 @@ async fn kafka_added_latency_still_delivers_every_row_in_key_order() {
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_record_too_large_is_dead_lettered_and_holds_back_its_key() {
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "max_attempts = 2").await;
+    let m = kafka_outbox(&mock.bootstrap_servers(), relay().max_attempts(2)).await;
     m.client
         .batch_execute(
             "INSERT INTO public.outbox (topic, key, payload) VALUES

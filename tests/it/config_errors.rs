@@ -1,11 +1,9 @@
 //! Bad input: every configuration mistake exits 2 with a message naming the key, and no
 //! output ever contains a password.
 
-mod common;
-
 use std::process::{Command, Output};
 
-use common::{OutputWithin, RUN_LIMIT};
+use crate::common::{OutputWithin, RUN_LIMIT};
 
 const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 const PASSWORD: &str = "Pa55-w0rd-never-shown";

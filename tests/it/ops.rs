@@ -1,36 +1,28 @@
 //! What operators see: `/metrics`, `/healthz`, `/readyz`, JSON logs, systemd readiness
 //! and watchdog notifications, and the systemd unit itself.
 
-mod common;
-
 use std::os::unix::net::UnixDatagram;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// An Env whose relay serves HTTP on a free port; returns the address.
-async fn env_with_http(relay: &str) -> (Env, String) {
-    let env = Env::new(relay).await;
+async fn env_with_http(relay: Relay) -> (Env, String) {
+    let env = Env::new(relay.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay.http(&addr));
     (env, addr)
 }
 
-fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
-    let start = Instant::now();
-    loop {
-        if let Ok((status, _)) = http_get(addr, path) {
-            if status == want {
-                return start.elapsed();
-            }
-        }
-        assert!(
-            start.elapsed() < limit,
-            "{path} did not answer {want} within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+/// Waits until `path` answers `want`, at most `limit`; how long it took.
+async fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
+    wait_until(
+        format!("{path} to answer {want}"),
+        limit,
+        async || matches!(http_get(addr, path), Ok((status, _)) if status == want),
+    )
+    .await
 }
 
 /// Section 9: `/metrics` has every family, and they move: nothing published before the
@@ -38,8 +30,7 @@ fn wait_http(addr: &str, path: &str, want: u16, limit: Duration) -> Duration {
 /// an empty backlog, and the database gauges refreshed.
 #[tokio::test(flavor = "multi_thread")]
 async fn metrics_families_are_present_and_move() {
-    let (env, addr) =
-        env_with_http("workers = 2\nbatch_size = 100\nretry_backoff = \"10ms\"").await;
+    let (env, addr) = env_with_http(relay().workers(2).batch_size(100).retry_backoff("10ms")).await;
     let client = env.client().await;
     // A session of the relay's own role (the only sessions it may see without
     // pg_monitor) holding a snapshot.
@@ -53,7 +44,7 @@ async fn metrics_families_are_present_and_move() {
         .await
         .unwrap();
     let mut relay = env.spawn_run();
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     let (status, before) = http_get(&addr, "/metrics").unwrap();
     assert_eq!(status, 200);
     let published = r#"outbox_relay_rows_published_total{table="public.outbox",sink="nats"}"#;
@@ -114,14 +105,14 @@ async fn metrics_families_are_present_and_move() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
-    let (mut env, addr) = env_with_http("workers = 2").await;
+    let (mut env, addr) = env_with_http(relay().workers(2)).await;
     let mut relay = env.spawn_run();
-    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     eprintln!("ready {took:?} after start");
     assert_eq!(http_get(&addr, "/healthz").unwrap().0, 200);
 
     env.nats.kill();
-    let took = wait_http(&addr, "/readyz", 503, Duration::from_secs(15));
+    let took = wait_http(&addr, "/readyz", 503, Duration::from_secs(15)).await;
     eprintln!("/readyz 503 {took:?} after nats-server was killed");
     let (_, reason) = http_get(&addr, "/readyz").unwrap();
     assert!(reason.contains("broker not reachable"), "{reason}");
@@ -132,14 +123,14 @@ async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
     );
 
     env.nats.start_again().unwrap();
-    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    let took = wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     eprintln!("/readyz 200 {took:?} after nats-server came back");
     terminate_cleanly(&mut relay);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn json_logs_parse_and_carry_the_batch_span_without_payloads() {
-    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(2).batch_size(50)).await;
     let client = env.client().await;
     client
         .execute(
@@ -179,7 +170,7 @@ async fn json_logs_parse_and_carry_the_batch_span_without_payloads() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn systemd_hears_ready_watchdog_and_stopping() {
-    let env = Env::new("workers = 1").await;
+    let env = Env::new(relay().workers(1)).await;
     let dir = std::env::temp_dir().join(format!("outbox-relay-notify-{}", testkit::free_port()));
     std::fs::create_dir_all(&dir).unwrap();
     let _cleanup = TempDir(dir.clone());
@@ -213,7 +204,7 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
         seen.push(next());
     }
     assert!(seen[0].contains("READY=1"), "{seen:?}");
-    signal(&relay, "TERM");
+    signal(relay.id(), Signal::Term);
     while !seen.iter().any(|m: &String| m.contains("STOPPING=1")) {
         seen.push(next());
     }
@@ -221,8 +212,8 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
     assert_eq!(code, Some(0));
 }
 
-const UNIT: &str = include_str!("../systemd/outbox-relay.service");
-const TEMPLATE: &str = include_str!("../systemd/outbox-relay@.service");
+const UNIT: &str = include_str!("../../systemd/outbox-relay.service");
+const TEMPLATE: &str = include_str!("../../systemd/outbox-relay@.service");
 
 /// What the contract asks of a unit (section 9): `Type=notify` with a watchdog, `check`
 /// before start, hardening, and a stop timeout above the default drain_timeout of 25s.
@@ -330,7 +321,7 @@ fn the_template_unit_runs_one_relay_per_config_with_the_units_hardening() {
 
 #[test]
 fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
-    let dockerfile = include_str!("../Dockerfile");
+    let dockerfile = include_str!("../../Dockerfile");
     let last_stage = dockerfile.rsplit("\nFROM ").next().unwrap();
     for line in [
         "USER 65532:65532",
@@ -342,7 +333,7 @@ fn the_container_image_runs_the_relay_as_a_numeric_non_root_user() {
     }
     assert!(dockerfile.contains(" AS build"), "multi-stage build");
     // The sidecar example gives the relay more than its drain deadline to stop.
-    let k8s = include_str!("../examples/kubernetes-sidecar.yaml");
+    let k8s = include_str!("../../examples/kubernetes-sidecar.yaml");
     assert!(k8s.contains("restartPolicy: Always"), "native sidecar");
     // Liveness only: a readiness gate on the sidecar would pull the application out of
     // its Service whenever the broker is down, the very outage an outbox absorbs.
@@ -447,7 +438,7 @@ fn the_kubernetes_examples_validate_against_the_kubernetes_schema() {
 /// thread that logged, the signal thread included, and SIGTERM then did nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let client = env.client().await;
     let mut relay = env
         .command(&["run"])
@@ -456,7 +447,7 @@ async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
         .spawn()
         .expect("start outbox-relay run");
     drop(relay.stderr.take()); // the reader goes away
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(30));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(30)).await;
     seed(&client, 50, 5, 0).await;
     wait_for_empty_outbox(&client, "the relay to publish with its stderr closed", 30).await;
     terminate_cleanly(&mut relay);
@@ -467,7 +458,7 @@ async fn a_relay_whose_stderr_is_closed_still_relays_and_stops_on_sigterm() {
 /// role has pg_monitor (migrations/outbox_relay_role.sql says so).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_oldest_snapshot_and_the_tables_dead_tuples_are_gauges() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let owner = env.client().await;
     owner
         .batch_execute("GRANT pg_monitor TO outbox_relay")
@@ -572,7 +563,7 @@ fn lag_at_most(buckets: &[(f64, f64)], le: f64) -> f64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_for_replays() {
-    let (env, addr) = env_with_http("on_publish = \"mark\"").await;
+    let (env, addr) = env_with_http(relay().on_publish("mark")).await;
     let client = env.client().await;
     client
         .batch_execute(
@@ -626,7 +617,7 @@ async fn delivery_lag_is_observed_from_created_at_to_the_ack_once_per_row_not_fo
 
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
-    let (env, addr) = env_with_http("retry_backoff = \"1h\"\nretry_backoff_max = \"1h\"").await;
+    let (env, addr) = env_with_http(relay().retry_backoff("1h").retry_backoff_max("1h")).await;
     let client = env.client().await;
     let waiting = r#"outbox_relay_rows_waiting_retry{table="public.outbox"}"#;
     // Two rows at fault (headers that are not an object), one good row.
@@ -671,7 +662,7 @@ async fn rows_waiting_to_retry_are_a_gauge_that_follows_the_table() {
 
 /// SIGTERM, then expect exit 0 within 15 s; the relay's log in the message otherwise.
 fn stop_logged(relay: &mut std::process::Child, log: &std::path::Path) {
-    signal(relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(relay, Duration::from_secs(15));
     let log = std::fs::read_to_string(log).unwrap_or_default();
     assert_eq!(code, Some(0), "{log}");
@@ -708,7 +699,7 @@ fn spawn_writer(
 /// in key order.
 #[tokio::test(flavor = "multi_thread")]
 async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
-    let (env, addr) = env_with_http("").await;
+    let (env, addr) = env_with_http(relay()).await;
     let log = env.config.with_file_name("relay-a.stderr");
     let spawn = |http: Option<u16>, log: &std::path::Path| {
         let mut command = env.command(&["run"]);
@@ -725,7 +716,7 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
     let other_log = env.config.with_file_name("relay-b.stderr");
     let b_port = testkit::free_port();
     let mut b = spawn(Some(b_port), &other_log);
-    wait_http(&addr, "/readyz", 200, Duration::from_secs(20));
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
     let stop = tokio_util::sync::CancellationToken::new();
     let writer = spawn_writer(env.client().await, stop.clone());
     wait_until("rows flowing", Duration::from_secs(10), async || {
@@ -803,7 +794,7 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
 /// while its rows remain, 0 once none are left; the rows stay untouched.
 #[tokio::test(flavor = "multi_thread")]
 async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remain() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     assert!(env.relay(&["pause"]).status.success());
     let out = env.relay(&["drain", "--timeout", "60s"]);
@@ -839,7 +830,7 @@ async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remai
 /// with the contract's fields; the pause fields appear while paused.
 #[tokio::test(flavor = "multi_thread")]
 async fn status_as_json_is_one_document_with_the_contract_fields() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let client = env.client().await;
     seed(&client, 7, 3, 0).await;
     assert!(env

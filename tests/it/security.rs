@@ -2,14 +2,12 @@
 //! `migrations/outbox_relay_role.sql` (every [`Env`] test does), `check` names each
 //! missing privilege, and the role can do nothing beyond the relay's statements.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use testkit::{NatsServer, Postgres, TestCa};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn least_privilege_role_relays_but_cannot_truncate_insert_or_alter() {
-    let env = Env::new("retry_backoff = \"10ms\"").await;
+    let env = Env::new(relay().retry_backoff("10ms")).await;
     let owner = env.client().await;
     seed(&owner, 500, 10, 0).await;
     let out = env.relay(&["check"]);
@@ -88,7 +86,7 @@ async fn least_privilege_role_relays_but_cannot_truncate_insert_or_alter() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let owner = env.client().await;
     owner
         .batch_execute(
@@ -126,7 +124,7 @@ async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
         )
         .await
         .unwrap();
-    env.write_config("on_publish = \"mark\"", "");
+    env.write_config(&relay().on_publish("mark"));
     let out = env.relay(&["check"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
@@ -136,7 +134,7 @@ async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
         "{stdout}"
     );
     // ... unless relay.retention deletes old published rows: then DELETE is needed again.
-    env.write_config("on_publish = \"mark\"\nretention = \"7d\"", "");
+    env.write_config(&relay().on_publish("mark").retention("7d"));
     let out = env.relay(&["check"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
@@ -147,7 +145,7 @@ async fn check_names_each_missing_privilege_and_the_grant_that_fixes_it() {
         ),
         "{stdout}"
     );
-    env.write_config("on_publish = \"mark\"", "");
+    env.write_config(&relay().on_publish("mark"));
 
     owner
         .batch_execute("REVOKE USAGE ON SCHEMA public FROM outbox_relay, PUBLIC")
@@ -198,7 +196,7 @@ async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
     let env = Env::on(
         Postgres::start_tls(&ca).unwrap(),
         NatsServer::start().unwrap(),
-        "",
+        relay(),
     )
     .await;
     let owner = env.client().await;
@@ -330,7 +328,7 @@ async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
 #[tokio::test(flavor = "multi_thread")]
 async fn tls_asked_for_is_never_given_up_for_a_plain_connection() {
     // This server has no TLS at all.
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let url = format!("{}?sslmode=require", as_relay_role(&env.db_url));
     for command in ["check", "drain"] {
         let out = with_url(&env, &url, &bounded(command));
@@ -363,7 +361,7 @@ async fn nats_over_tls_with_an_nkey_and_secrets_from_files_never_printed() {
     let ca = TestCa::new().unwrap();
     let other_ca = TestCa::new().unwrap();
     let (nats, nkey_seed) = NatsServer::start_secure(&ca).unwrap();
-    let env = Env::on(Postgres::start_tls(&ca).unwrap(), nats, "").await;
+    let env = Env::on(Postgres::start_tls(&ca).unwrap(), nats, relay()).await;
     let owner = env.client().await;
     owner
         .batch_execute(&format!("ALTER ROLE outbox_relay PASSWORD '{PASSWORD}'"))
@@ -432,7 +430,7 @@ async fn adversarial_identifiers_are_quoted_for_postgresql() {
     use outbox_relay::config::names::{adversarial_ident, Ident};
     use rand::SeedableRng;
 
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let owner = env.client().await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     for _ in 0..500 {
@@ -475,19 +473,16 @@ async fn adversarial_identifiers_are_quoted_for_postgresql() {
         ))
         .await
         .unwrap();
-    env.write_config(
-        "",
-        &format!(
-            "[[tables]]\nname = {}\n[tables.columns]\nkey = {}\npayload = {}\n",
-            toml::Value::String(format!(
-                "\"{}\".\"{}\"",
-                schema.replace('"', "\"\""),
-                table.replace('"', "\"\"")
-            )),
-            toml_ident(&key),
-            toml_ident(&body),
-        ),
-    );
+    env.write_config(&relay().section(&format!(
+        "[[tables]]\nname = {}\n[tables.columns]\nkey = {}\npayload = {}\n",
+        toml::Value::String(format!(
+            "\"{}\".\"{}\"",
+            schema.replace('"', "\"\""),
+            table.replace('"', "\"\"")
+        )),
+        toml_ident(&key),
+        toml_ident(&body),
+    )));
     let migrate = env.migrate(&[]);
     assert!(migrate.status.success(), "{}", text(&migrate));
     // Owner's URL: the role file names public.outbox only.

@@ -8,14 +8,12 @@
 //! `scripts/test` runs). Without them the test says so loudly and passes, except under
 //! `CI=true`, where it fails.
 
-mod common;
-
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// The tag the test builds: `scripts/image`'s default, `:dev`, is the release build.
 const IMAGE: &str = "localhost/outbox-relay:test";
@@ -159,27 +157,28 @@ impl Drop for Container {
     }
 }
 
-/// Waits until `/readyz` answers 200, at most `limit`; fails with the container's logs
-/// as soon as it stops running.
-fn wait_ready(container: &Container, addr: &str, limit: Duration) -> Duration {
-    let start = Instant::now();
-    loop {
-        if let Ok((200, _)) = http_get(addr, "/readyz") {
-            return start.elapsed();
-        }
-        let running = container.inspect("{{.State.Running}}");
-        assert!(
-            running == "true",
-            "the container stopped before it was ready:\n{}",
+/// Waits until `/readyz` answers 200, at most `limit`, and how long it took; fails with
+/// the container's logs as soon as it stops running.
+async fn wait_ready(container: &Container, addr: &str, limit: Duration) -> Duration {
+    wait_until(
+        Detailed(&format!("/readyz to answer 200 within {limit:?}"), || {
             container.logs()
-        );
-        assert!(
-            start.elapsed() < limit,
-            "/readyz not 200 within {limit:?}:\n{}",
-            container.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        }),
+        limit,
+        async || {
+            if let Ok((200, _)) = http_get(addr, "/readyz") {
+                return true;
+            }
+            let running = container.inspect("{{.State.Running}}");
+            assert!(
+                running == "true",
+                "the container stopped before it was ready:\n{}",
+                container.logs()
+            );
+            false
+        },
+    )
+    .await
 }
 
 /// The `Uid:`/`Gid:`/`CapEff:` line of a `/proc/<pid>/status`, its fields after the name.
@@ -209,10 +208,10 @@ async fn the_image_runs_as_a_sidecar_read_only_non_root_and_drains_on_podman_sto
         return;
     }
     build_image();
-    let relay = "workers = 2\nbatch_size = 100";
-    let env = Env::new(relay).await;
+    let relay = relay().workers(2).batch_size(100);
+    let env = Env::new(relay.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay.http(&addr));
     // The container's user (65532) reads it, whatever the test's umask (it holds no secret:
     // the throwaway PostgreSQL trusts 127.0.0.1).
     std::fs::set_permissions(
@@ -226,7 +225,7 @@ async fn the_image_runs_as_a_sidecar_read_only_non_root_and_drains_on_podman_sto
     let sent = watch_sends(&env.nats).await;
 
     let container = Container::run_sidecar(&env.config);
-    let took = wait_ready(&container, &addr, Duration::from_secs(60));
+    let took = wait_ready(&container, &addr, Duration::from_secs(60)).await;
     eprintln!("/readyz 200 {took:?} after podman run");
     wait_for_empty_outbox(&client, "the container to relay the seeded rows", 60).await;
     assert_eq!(env.stored().await.len(), 2_000, "every row in the stream");

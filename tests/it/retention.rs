@@ -2,13 +2,14 @@
 //! deleted in small chunks that never wait for a lock; young published rows, pending rows
 //! and dead rows are kept.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
-const RETENTION: &str = "on_publish = \"mark\"\nretention = \"5s\"\nmax_attempts = 1";
+/// Mark mode, published rows kept 5 s, a failed row dead at once.
+fn mark_with_retention() -> Relay {
+    relay().on_publish("mark").retention("5s").max_attempts(1)
+}
 
 async fn present(client: &tokio_postgres::Client, from: i64, to: i64) -> i64 {
     count(
@@ -33,9 +34,9 @@ async fn max_id(client: &tokio_postgres::Client) -> i64 {
 /// holds back, stay. The counter says how many rows retention deleted.
 #[tokio::test(flavor = "multi_thread")]
 async fn mark_mode_retention_deletes_old_published_rows_and_keeps_young_pending_and_dead_ones() {
-    let env = Env::new(RETENTION).await;
+    let env = Env::new(mark_with_retention()).await;
     let listen = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(RETENTION, &format!("[http]\nlisten = \"{listen}\""));
+    env.write_config(&mark_with_retention().http(&listen));
     let client = env.client().await;
     client
         .batch_execute(
@@ -153,8 +154,8 @@ async fn mark_mode_retention_deletes_old_published_rows_and_keeps_young_pending_
 /// the config, and a table without a creation-time column cannot tell where old rows end.
 #[tokio::test(flavor = "multi_thread")]
 async fn retention_outside_mark_mode_or_without_created_at_is_refused_with_the_fix() {
-    let env = Env::new("").await;
-    env.write_config("retention = \"7d\"", "");
+    let env = Env::new(relay()).await;
+    env.write_config(&relay().retention("7d"));
     let out = env.relay(&["check"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(
@@ -171,7 +172,7 @@ async fn retention_outside_mark_mode_or_without_created_at_is_refused_with_the_f
         .batch_execute("ALTER TABLE public.outbox DROP COLUMN created_at")
         .await
         .unwrap();
-    env.write_config("on_publish = \"mark\"\nretention = \"7d\"", "");
+    env.write_config(&relay().on_publish("mark").retention("7d"));
     let out = env.relay(&["drain", "--timeout", "10s"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(

@@ -2,12 +2,10 @@
 //! between the relay and PostgreSQL or NATS freezes every connection (bytes stop, sockets
 //! stay open) or delays every chunk.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::{Fault, Proxy};
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {
@@ -52,8 +50,14 @@ fn spawn(cmd: &mut Command) -> Child {
 /// finishes the table on new sessions, losing nothing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_frozen_database_connection_releases_its_row_locks_within_the_bound_and_loses_nothing() {
-    let env = Env::new("workers = 2\nbatch_size = 200").await;
-    env.set_timeouts("5s", "10s");
+    let env = Env::new(relay().workers(2).batch_size(200)).await;
+    env.write_config(
+        &relay()
+            .workers(2)
+            .batch_size(200)
+            .publish_timeout("5s")
+            .drain_timeout("10s"),
+    );
     let mut client = env.client().await;
     let proxy = Proxy::start(format!("127.0.0.1:{}", env.pg.port()).parse().unwrap()).unwrap();
     let mut relay = spawn(
@@ -86,18 +90,15 @@ async fn a_frozen_database_connection_releases_its_row_locks_within_the_bound_an
     env.nats.resume();
     // The bound: idle_in_transaction_session_timeout (5 s + 10 s), plus a margin.
     let bound = Duration::from_secs(15 + 5);
-    loop {
-        let left = pending(&client).await;
-        if lockable(&mut client).await == left {
-            break;
-        }
-        assert!(
-            frozen.elapsed() < bound,
-            "row locks still held {:?} after the freeze",
-            frozen.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_until(
+        "the row locks to be released after the freeze",
+        bound.saturating_sub(frozen.elapsed()),
+        async || {
+            let left = pending(&client).await;
+            lockable(&mut client).await == left
+        },
+    )
+    .await;
     let released = frozen.elapsed();
     eprintln!("row locks released {released:?} after the freeze");
     assert!(
@@ -115,7 +116,7 @@ async fn a_frozen_database_connection_releases_its_row_locks_within_the_bound_an
 /// key order; the cost in throughput is printed beside the same drain without latency.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_hundred_ms_on_either_link_still_delivers_every_row_in_key_order() {
-    let env = Env::new("workers = 4\nbatch_size = 500").await;
+    let env = Env::new(relay().workers(4).batch_size(500)).await;
     let client = env.client().await;
     let pg = Proxy::start(format!("127.0.0.1:{}", env.pg.port()).parse().unwrap()).unwrap();
     let nats = Proxy::start(format!("127.0.0.1:{}", env.nats.port()).parse().unwrap()).unwrap();

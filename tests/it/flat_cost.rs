@@ -6,17 +6,17 @@
 //! an operator deletes or re-queues. The byte budget (`relay.max_batch_bytes`): large
 //! rows do not take the process's memory with them.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// One worker claiming 5 rows at a time: a few thousand rows take seconds to drain, so the
 /// floor's keeper sees pending rows and raises the floor past them meanwhile.
-const SLOW: &str = "workers = 1\nbatch_size = 5";
+fn slow() -> Relay {
+    relay().workers(1).batch_size(5)
+}
 
 /// `outbox-relay run` with the floor's debug lines in `log`.
 fn spawn_logged(env: &Env, log: &Path) -> Child {
@@ -64,7 +64,7 @@ async fn published(client: &tokio_postgres::Client, id: i64) -> bool {
 /// commits its row is published at once (bound: 5 s; the NOTIFY wakes a worker).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_committed_late_below_published_ids_is_published_at_once() {
-    let env = Env::new(SLOW).await;
+    let env = Env::new(slow()).await;
     let client = env.client().await;
     let mut late = env.client().await;
     let tx = late.transaction().await.unwrap();
@@ -111,7 +111,7 @@ async fn a_row_committed_late_below_published_ids_is_published_at_once() {
 /// (stated bound on a table VACUUM keeps clean: a few seconds; tested: 15 s).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_whose_id_was_drawn_before_its_transaction_had_an_xid_is_found_by_the_sweep() {
-    let env = Env::new(SLOW).await;
+    let env = Env::new(slow()).await;
     let client = env.client().await;
     // Drawn on its own (as an application that takes ids ahead of time does), so no
     // transaction is running for the fence to wait on.
@@ -183,7 +183,7 @@ async fn keys_withheld_below_the_floor_keep_their_order_when_released() {
 
 /// Runs the scenario above with `n` rows behind each dead head; returns the relay's log.
 async fn held_rows_released(n: i64) -> String {
-    let env = Env::new(&format!("{SLOW}\nmax_attempts = 1")).await;
+    let env = Env::new(slow().max_attempts(1)).await;
     let client = env.client().await;
     let insert = |key: &'static str, topic: &'static str, n: i64| {
         let client = &client;
@@ -258,16 +258,16 @@ async fn held_rows_released(n: i64) -> String {
 /// the drain's peak RSS stays under 128 MB (a sidecar limit of 256 MB leaves room).
 #[tokio::test(flavor = "multi_thread")]
 async fn large_rows_drain_within_the_byte_budget_and_arrive_whole() {
-    drain_large_rows("").await;
+    drain_large_rows(relay()).await;
 }
 
 /// The same without a key-order promise: that claim reads sizes under its row locks.
 #[tokio::test(flavor = "multi_thread")]
 async fn large_rows_drain_within_the_byte_budget_without_key_order() {
-    drain_large_rows("ordering = \"none\"").await;
+    drain_large_rows(relay().ordering("none")).await;
 }
 
-async fn drain_large_rows(relay: &str) {
+async fn drain_large_rows(relay: Relay) {
     let env = Env::new(relay).await;
     let client = env.client().await;
     client
@@ -318,11 +318,11 @@ async fn drain_large_rows(relay: &str) {
 #[tokio::test(flavor = "multi_thread")]
 async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once() {
     const TABLES: usize = 20;
-    let env = Env::new("workers = 4").await;
+    let env = Env::new(relay().workers(4)).await;
     let more: String = (0..TABLES)
         .map(|i| format!("[[tables]]\nname = \"public.idle_{i}\"\ntopic = \"{{topic}}\"\n"))
         .collect();
-    env.write_config("workers = 4", &more);
+    env.write_config(&relay().workers(4).section(&more));
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     let client = env.client().await;
@@ -352,13 +352,12 @@ async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once()
     let bound = TABLES as f64 + 5.0;
     // Start-up claims every table and keeps each floor keeper busy for a moment (longer on
     // a loaded machine): wait for a quiet stretch, then measure.
-    let started = Instant::now();
-    while rate(3).await > bound {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "the idle relay never settled below {bound} transactions/s"
-        );
-    }
+    wait_until(
+        format!("the idle relay to settle below {bound} transactions/s"),
+        Duration::from_secs(60),
+        async || rate(3).await <= bound,
+    )
+    .await;
     let per_second = rate(10).await;
     eprintln!("{TABLES} idle tables: {per_second:.1} transactions/s");
     assert!(

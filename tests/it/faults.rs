@@ -2,13 +2,11 @@
 //! PostgreSQL stopped in immediate mode and restarted, nats-server killed and restarted,
 //! a poison row among good ones, a long transaction holding an outbox row's lock. After
 //! each, an independent audit compares the rows inserted with what the stream holds.
-//! (Kafka broker faults: tests/kafka_mock.rs.)
-
-mod common;
+//! (Kafka broker faults: tests/it/kafka_mock.rs.)
 
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 async fn pending(client: &tokio_postgres::Client) -> i64 {
     count(client, "SELECT count(*) FROM public.outbox").await
@@ -28,16 +26,14 @@ const KILLS: usize = 5;
 const WORKERS: usize = 4;
 const BATCH: usize = 200;
 
-/// kill -9 at random moments while rows flow (`relay` adds to `[relay]`): every kill lands
+/// kill -9 at random moments while rows flow (`relay` with workers and batch size set):
+/// every kill lands
 /// mid-stream (the relay published since it started, and rows are left), then a drain
 /// finishes. Nothing is lost, each key stays in id order, and what the relay sent more
 /// than once (counted by a core subscriber, before the stream's de-duplication) is bounded
 /// by the batches in flight at the kills: at most workers x batch_size per kill.
-async fn kill_9_mid_stream(relay: &str) -> Env {
-    let env = Env::new(&format!(
-        "workers = {WORKERS}\nbatch_size = {BATCH}\n{relay}"
-    ))
-    .await;
+async fn kill_9_mid_stream(relay: Relay) -> Env {
+    let env = Env::new(relay.workers(WORKERS).batch_size(BATCH)).await;
     let client = env.client().await;
     let total = 60_000;
     seed(&client, total, 100, 20).await;
@@ -84,7 +80,7 @@ async fn kill_9_mid_stream(relay: &str) -> Env {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
-    let env = kill_9_mid_stream("").await;
+    let env = kill_9_mid_stream(relay()).await;
     assert_eq!(
         count(&env.client().await, "SELECT count(*) FROM public.outbox").await,
         0
@@ -93,7 +89,7 @@ async fn kill_9_at_random_moments_loses_nothing_and_keeps_key_order() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_in_mark_mode_loses_nothing_keeps_key_order_and_marks_every_row() {
-    let env = kill_9_mid_stream("on_publish = \"mark\"").await;
+    let env = kill_9_mid_stream(relay().on_publish("mark")).await;
     let client = env.client().await;
     assert_eq!(
         count(&client, "SELECT count(*) FROM public.outbox").await,
@@ -112,7 +108,7 @@ async fn kill_9_in_mark_mode_loses_nothing_keeps_key_order_and_marks_every_row()
 
 #[tokio::test(flavor = "multi_thread")]
 async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
-    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let mut env = Env::new(relay().workers(4).batch_size(100)).await;
     let client = env.client().await;
     seed(&client, 100_000, 50, 0).await;
     let inserted = ids(&client).await;
@@ -146,13 +142,16 @@ async fn postgres_restarted_mid_stream_the_same_process_finishes_the_table() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_table() {
-    let mut env = Env::new("workers = 4\nbatch_size = 100").await;
+    let mut env = Env::new(relay().workers(4).batch_size(100)).await;
     let metrics = format!("127.0.0.1:{}", testkit::free_port());
     env.write_config(
-        "workers = 4\nbatch_size = 100",
-        &format!("[http]\nlisten = \"{metrics}\"\n"),
+        &relay()
+            .workers(4)
+            .batch_size(100)
+            .http(&metrics)
+            .publish_timeout("1s")
+            .drain_timeout("10s"),
     );
-    env.set_timeouts("1s", "10s");
     let client = env.client().await;
     seed(&client, 30_000, 50, 0).await;
     let inserted = ids(&client).await;
@@ -207,7 +206,7 @@ async fn nats_killed_for_six_seconds_mid_stream_the_same_process_finishes_the_ta
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_waits() {
-    let env = Env::new("workers = 2\nbatch_size = 100\nmax_attempts = 3").await;
+    let env = Env::new(relay().workers(2).batch_size(100).max_attempts(3)).await;
     let client = env.client().await;
     seed(&client, 1_000, 20, 0).await;
     let poison: i64 = client
@@ -249,7 +248,7 @@ async fn a_2mb_poison_row_among_good_ones_is_dead_lettered_and_only_its_key_wait
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
-    let env = Env::new("workers = 2\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(2).batch_size(50)).await;
     let client = env.client().await;
     seed(&client, 2_000, 10, 0).await;
     let inserted = ids(&client).await;
@@ -314,7 +313,7 @@ async fn a_long_transaction_holding_an_outbox_row_delays_only_its_key() {
 /// another.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hung_database_connection_is_discarded_not_reused() {
-    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let env = Env::new(relay().workers(2).batch_size(100)).await;
     let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
     let config = std::fs::read_to_string(&env.config)
         .unwrap()
@@ -353,25 +352,26 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     // before the pool was emptied on a hang: 5-31 s, once over 40 s in CI; 10-19 s with the
     // pool emptied but a failed claim not retried until the next idle look).
     let limit = Duration::from_secs(15);
-    while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
-        if started.elapsed() >= limit {
-            let sessions: Vec<String> = column(
-                &client,
-                "SELECT concat_ws(' ', pid, state, backend_xid, backend_xmin, \
-                 (SELECT string_agg(locktype || ':' || mode || ':' || coalesce(objid::text, \
-                 tuple::text, ''), ',') FROM pg_locks l WHERE l.pid = a.pid), query) \
-                 FROM pg_stat_activity a WHERE application_name = 'outbox-relay'",
-                &[],
-            )
-            .await;
-            panic!(
-                "rows still pending {limit:?} after {frozen} connections went silent; the \
-                 relay's sessions:\n{}\nthe relay's log:\n{}",
-                sessions.join("\n"),
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let emptied = poll(limit, async || {
+        (count(&client, "SELECT count(*) FROM public.outbox").await == 0).then_some(())
+    })
+    .await;
+    if emptied.is_none() {
+        let sessions: Vec<String> = column(
+            &client,
+            "SELECT concat_ws(' ', pid, state, backend_xid, backend_xmin, \
+             (SELECT string_agg(locktype || ':' || mode || ':' || coalesce(objid::text, \
+             tuple::text, ''), ',') FROM pg_locks l WHERE l.pid = a.pid), query) \
+             FROM pg_stat_activity a WHERE application_name = 'outbox-relay'",
+            &[],
+        )
+        .await;
+        panic!(
+            "rows still pending {limit:?} after {frozen} connections went silent; the \
+             relay's sessions:\n{}\nthe relay's log:\n{}",
+            sessions.join("\n"),
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
     }
     eprintln!(
         "{frozen} silent connections; rows relayed {:?} after",
@@ -391,7 +391,7 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
 /// 5 s idle look that is all a relay with a deaf listener has left.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
-    let env = Env::new("workers = 2").await;
+    let env = Env::new(relay().workers(2)).await;
     let client = env.client().await;
     let (mut relay, log) = env.spawn_run_logged();
     let listener = "SELECT pid FROM pg_stat_activity \
@@ -406,7 +406,7 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
         },
     )
     .await;
-    signal_pid(first[0], "STOP");
+    signal(first[0] as u32, Signal::Stop);
     // Its check (every 5 s, answered within `connect_timeout`, 10 s) gives up on it.
     wait_until(
         "a new LISTEN session",
@@ -417,18 +417,18 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
         },
     )
     .await;
-    signal_pid(first[0], "CONT");
+    signal(first[0] as u32, Signal::Cont);
     for i in 0..3 {
         seed(&client, 1, 1, 0).await;
-        let inserted = Instant::now();
-        while count(&client, "SELECT count(*) FROM public.outbox").await > 0 {
-            assert!(
-                inserted.elapsed() < Duration::from_secs(1),
-                "row {i} not published within 1 s of its NOTIFY; the relay's log:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            Detailed(
+                &format!("row {i} published within 1 s of its NOTIFY"),
+                log_of(&log),
+            ),
+            Duration::from_secs(1),
+            async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+        )
+        .await;
         // Land the next insert at another point of the idle look's cycle.
         tokio::time::sleep(Duration::from_millis(1_300)).await;
     }
@@ -447,8 +447,13 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
     use outbox_relay::sink::memory::MemorySink;
     use outbox_relay::sink::{Sink, SinkError};
 
-    let env =
-        Env::new("retry_backoff = \"10ms\"\nretry_backoff_max = \"50ms\"\nmax_attempts = 2").await;
+    let env = Env::new(
+        relay()
+            .retry_backoff("10ms")
+            .retry_backoff_max("50ms")
+            .max_attempts(2),
+    )
+    .await;
     env.table_option("dead_letter_topic = \"dead.{topic}\"");
     let config = outbox_relay::config::load(&env.config).unwrap();
     let client = env.client().await;

@@ -1,19 +1,23 @@
 //! Helpers shared by the integration tests: a throwaway PostgreSQL and nats-server, a
 //! migrated outbox, a config file, the built binary, and a checker that compares what the
 //! table held with what the stream stored.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use testkit::{NatsServer, Postgres, StoredMessage};
 
+mod alone;
+mod config;
+pub use alone::{alone, shared, Shared};
+pub use config::{relay, Relay};
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 /// The least-privilege role the relay runs as in every test that uses [`Env`].
-pub const ROLE_SQL: &str = include_str!("../../migrations/outbox_relay_role.sql");
+pub const ROLE_SQL: &str = include_str!("../../../migrations/outbox_relay_role.sql");
 
 /// Creates role `outbox_relay` (once per cluster) with exactly the grants of
 /// `migrations/outbox_relay_role.sql` on `table`, as the superuser behind `client`.
@@ -45,6 +49,7 @@ pub struct Env {
     pub db_url: String,
     pub config: PathBuf,
     _dir: TempDir,
+    _shared: Option<Shared>,
 }
 
 pub struct TempDir(pub PathBuf);
@@ -56,8 +61,8 @@ impl Drop for TempDir {
 }
 
 impl Env {
-    /// Servers up, table migrated, config written with `extra` appended to `[relay]`.
-    pub async fn new(relay: &str) -> Env {
+    /// Servers up, table migrated, config written from `relay`.
+    pub async fn new(relay: Relay) -> Env {
         let pg = Postgres::start().expect("start postgres");
         let nats = NatsServer::start().expect("start nats-server");
         Env::on(pg, nats, relay).await
@@ -65,7 +70,8 @@ impl Env {
 
     /// The same on servers started by the caller (e.g. [`Postgres::start_tls`],
     /// [`NatsServer::start_secure`]).
-    pub async fn on(pg: Postgres, nats: NatsServer, relay: &str) -> Env {
+    pub async fn on(pg: Postgres, nats: NatsServer, relay: Relay) -> Env {
+        let shared = shared();
         let db_url = pg.create_database("app").await.expect("create database");
         nats.create_stream(STREAM, &["events.>"])
             .await
@@ -79,11 +85,12 @@ impl Env {
         let env = Env {
             config: dir.join("relay.toml"),
             _dir: TempDir(dir),
+            _shared: shared,
             db_url,
             pg,
             nats,
         };
-        env.write_config(relay, "");
+        env.write_config(&relay);
         let out = env.migrate(&[]);
         assert!(out.status.success(), "migrate failed: {}", text(&out));
         grant_relay_role(&env.client().await, "public.outbox").await;
@@ -98,42 +105,10 @@ impl Env {
             .expect("run outbox-relay migrate")
     }
 
-    /// Rewrites the config; `relay` goes into `[relay]`, `more` is appended.
-    pub fn write_config(&self, relay: &str, more: &str) {
-        let config = format!(
-            r#"
-[postgres]
-url = "{db}"
-pool_size = 16
-
-[relay]
-{poll}
-{relay}
-
-[sink]
-kind = "nats"
-publish_timeout = "5s"
-
-[sink.nats]
-url = "{nats}"
-
-[[tables]]
-name = "public.outbox"
-topic = "{{topic}}"
-
-[shutdown]
-drain_timeout = "10s"
-{more}
-"#,
-            db = as_relay_role(&self.db_url),
-            nats = self.nats.url(),
-            poll = if relay.contains("poll_interval") {
-                ""
-            } else {
-                "poll_interval = \"50ms\""
-            },
-        );
-        std::fs::write(&self.config, config).unwrap();
+    /// Rewrites the config file from `relay`.
+    pub fn write_config(&self, relay: &Relay) {
+        let toml = relay.to_toml(&as_relay_role(&self.db_url), &self.nats.url());
+        std::fs::write(&self.config, toml).unwrap();
     }
 
     /// Adds `line` (e.g. `max_rate = 400`) to the written config's `[[tables]]` entry.
@@ -149,21 +124,6 @@ drain_timeout = "10s"
             "no [[tables]] topic line to add {line:?} after"
         );
         std::fs::write(&self.config, with).unwrap();
-    }
-
-    /// Sets `sink.publish_timeout` and `shutdown.drain_timeout` in the written config.
-    pub fn set_timeouts(&self, publish: &str, drain: &str) {
-        let config = std::fs::read_to_string(&self.config)
-            .unwrap()
-            .replace(
-                "publish_timeout = \"5s\"",
-                &format!("publish_timeout = \"{publish}\""),
-            )
-            .replace(
-                "drain_timeout = \"10s\"",
-                &format!("drain_timeout = \"{drain}\""),
-            );
-        std::fs::write(&self.config, config).unwrap();
     }
 
     /// Runs the built binary with this env's config and waits for it.
@@ -372,18 +332,12 @@ pub async fn relay_transactions(client: &tokio_postgres::Client) -> Vec<f64> {
     .await
 }
 
-/// Sends signal `name` (e.g. `TERM`) to `child`.
-pub fn signal(child: &Child, name: &str) {
-    signal_pid(child.id() as i32, name);
-}
+pub use testkit::Signal;
 
-/// Sends signal `name` to process `pid`.
-pub fn signal_pid(pid: i32, name: &str) {
-    let status = std::process::Command::new("kill")
-        .args([&format!("-{name}"), &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+/// Sends `signal` to process `pid` (a relay's `child.id()`, a server's backend pid); the
+/// test fails when it cannot be delivered. SIGKILL is `Child::kill`.
+pub fn signal(pid: u32, signal: Signal) {
+    testkit::send_signal(pid, signal).unwrap_or_else(|e| panic!("send {signal:?} to {pid}: {e}"));
 }
 
 /// How long one run of a command in a test may take before it is killed and the test
@@ -457,11 +411,68 @@ pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) 
     }
 }
 
-pub async fn wait_until(what: &str, limit: Duration, mut done: impl AsyncFnMut() -> bool) {
+/// Polls `probe` until it yields a value, at most `limit`: the value, `None` when `limit`
+/// passed first. The one poll loop of the tests; [`wait_for`] and [`wait_until`] fail the
+/// test instead of returning `None`.
+///
+/// A short wait is usually a measured bound (a row published within 1 s): it is polled
+/// finely, every 1/500 of `limit` but at least every 50 ms and at most every 10 ms, so the
+/// poll does not add to what it measures.
+pub async fn poll<T>(limit: Duration, mut probe: impl AsyncFnMut() -> Option<T>) -> Option<T> {
+    let every = (limit / 500).clamp(Duration::from_millis(10), Duration::from_millis(50));
     let start = Instant::now();
-    while !done().await {
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    loop {
+        if let Some(value) = probe().await {
+            return Some(value);
+        }
+        if start.elapsed() >= limit {
+            return None;
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// [`poll`], and the test fails naming `what` when `limit` passed first.
+pub async fn wait_for<T>(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    probe: impl AsyncFnMut() -> Option<T>,
+) -> T {
+    match poll(limit, probe).await {
+        Some(value) => value,
+        None => panic!("timed out after {limit:?} waiting for {what}"),
+    }
+}
+
+/// Waits until `done` holds, at most `limit` (else the test fails naming `what`); how
+/// long it took.
+pub async fn wait_until(
+    what: impl std::fmt::Display,
+    limit: Duration,
+    mut done: impl AsyncFnMut() -> bool,
+) -> Duration {
+    let start = Instant::now();
+    wait_for(what, limit, async || done().await.then_some(())).await;
+    start.elapsed()
+}
+
+/// A wait's `what` with details read only when it is shown, i.e. when the wait timed out
+/// (the relay's log as it is then: `Detailed("x", log_of(&path))`).
+pub struct Detailed<'a, F: Fn() -> String>(pub &'a str, pub F);
+
+impl<F: Fn() -> String> std::fmt::Display for Detailed<'_, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:\n{}", self.0, (self.1)())
+    }
+}
+
+/// The relay log at `path` as it is when called, for [`Detailed`].
+pub fn log_of(path: &Path) -> impl Fn() -> String + '_ {
+    move || {
+        format!(
+            "the relay's log:\n{}",
+            std::fs::read_to_string(path).unwrap_or_default()
+        )
     }
 }
 
@@ -474,7 +485,7 @@ pub async fn wait_for_empty_outbox(client: &tokio_postgres::Client, what: &str, 
 
 /// SIGTERM, then expect exit 0 within 15s.
 pub fn terminate_cleanly(relay: &mut Child) {
-    signal(relay, "TERM");
+    signal(relay.id(), Signal::Term);
     let (code, _) = wait_exit(relay, Duration::from_secs(15));
     assert_eq!(code, Some(0));
 }
@@ -597,11 +608,13 @@ pub struct Mocked {
     pub _pg: Postgres,
     pub client: tokio_postgres::Client,
     pub config: outbox_relay::config::Config,
+    _shared: Option<Shared>,
 }
 
 /// A migrated outbox in a throwaway PostgreSQL and a relay config aimed at `brokers`,
-/// with `relay` added to `[relay]`.
-pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
+/// with `relay`'s `[relay]` section.
+pub async fn kafka_outbox(brokers: &str, relay: Relay) -> Mocked {
+    let shared = shared();
     let pg = Postgres::start().unwrap();
     let url = pg.create_database("app").await.unwrap();
     let text = format!(
@@ -609,7 +622,6 @@ pub async fn kafka_outbox(brokers: &str, relay: &str) -> Mocked {
 [postgres]
 url = "{url}"
 [relay]
-poll_interval = "50ms"
 {relay}
 [sink]
 kind = "kafka"
@@ -622,7 +634,8 @@ brokers = "{brokers}"
 name = "public.outbox"
 [shutdown]
 drain_timeout = "10s"
-"#
+"#,
+        relay = relay.relay_section(),
     );
     let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
     let mut client = pg.connect("app").await.unwrap();
@@ -638,6 +651,7 @@ drain_timeout = "10s"
         _pg: pg,
         client,
         config,
+        _shared: shared,
     }
 }
 

@@ -2,13 +2,11 @@
 //! Kafka-protocol broker process (tansu), read back by an independent consumer that
 //! assigns itself every partition.
 
-mod common;
-
 use std::collections::HashSet;
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use testkit::{KafkaBroker, Postgres};
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
@@ -22,7 +20,7 @@ struct KafkaEnv {
 }
 
 impl KafkaEnv {
-    async fn new(relay: &str) -> KafkaEnv {
+    async fn new(relay: Relay) -> KafkaEnv {
         let pg = Postgres::start().unwrap();
         let broker = KafkaBroker::start().unwrap();
         for topic in TOPICS {
@@ -43,7 +41,6 @@ impl KafkaEnv {
 [postgres]
 url = "{relay_url}"
 [relay]
-poll_interval = "50ms"
 {relay}
 [sink]
 kind = "kafka"
@@ -57,6 +54,7 @@ name = "public.outbox"
 "#,
                 broker.bootstrap(),
                 relay_url = as_relay_role(&url),
+                relay = relay.relay_section(),
             ),
         )
         .unwrap();
@@ -155,7 +153,7 @@ fn java_murmur2_matches_known_values() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_every_row_arrives_once_keyed_with_outbox_id_and_headers_in_key_order() {
-    let env = KafkaEnv::new("workers = 4\nbatch_size = 500").await;
+    let env = KafkaEnv::new(relay().workers(4).batch_size(500)).await;
     let client = env.pg.connect("app").await.unwrap();
     seed(&client, 20_000, 200, 50).await;
     let ids: HashSet<i64> = ids(&client).await.into_iter().collect();
@@ -208,7 +206,7 @@ async fn kafka_kill_9_mid_stream_loses_nothing_and_keeps_key_order() {
     const KILLS: usize = 3;
     const WORKERS: usize = 4;
     const BATCH: usize = 200;
-    let env = KafkaEnv::new(&format!("workers = {WORKERS}\nbatch_size = {BATCH}")).await;
+    let env = KafkaEnv::new(relay().workers(WORKERS).batch_size(BATCH)).await;
     let client = env.pg.connect("app").await.unwrap();
     seed(&client, 30_000, 100, 20).await;
     let inserted = ids(&client).await;
@@ -264,7 +262,7 @@ async fn kafka_kill_9_mid_stream_loses_nothing_and_keeps_key_order() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
-    let env = KafkaEnv::new("").await;
+    let env = KafkaEnv::new(relay()).await;
     let client = env.pg.connect("app").await.unwrap();
     client
         .execute("INSERT INTO public.outbox (topic, key, payload) VALUES ('events.0', 'a', 'x'), ('missing.topic', 'a', 'y')", &[])
@@ -455,7 +453,7 @@ async fn debezium_style_table_relays_with_the_example_config_as_is() {
 /// flows without the circuit ever opening.
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_a_topic_the_brokers_do_not_know_is_the_rows_fault_and_other_keys_flow() {
-    let env = KafkaEnv::new("retry_backoff = \"10ms\"\nmax_attempts = 3").await;
+    let env = KafkaEnv::new(relay().retry_backoff("10ms").max_attempts(3)).await;
     let client = env.pg.connect("app").await.unwrap();
     client
         .batch_execute(
@@ -489,7 +487,7 @@ async fn kafka_a_topic_the_brokers_do_not_know_is_the_rows_fault_and_other_keys_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_a_null_payload_is_a_tombstone_and_a_null_key_with_it_is_a_bad_row() {
-    let env = KafkaEnv::new("max_attempts = 1\nretry_backoff = \"10ms\"").await;
+    let env = KafkaEnv::new(relay().max_attempts(1).retry_backoff("10ms")).await;
     let client = env.pg.connect("app").await.unwrap();
     client
         .batch_execute(
@@ -538,7 +536,7 @@ async fn kafka_a_null_payload_is_a_tombstone_and_a_null_key_with_it_is_a_bad_row
 /// timestamp (CreateTime) to the millisecond, as Debezium's outbox router sets it.
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_records_carry_the_rows_created_at_as_their_timestamp() {
-    let env = KafkaEnv::new("").await;
+    let env = KafkaEnv::new(relay()).await;
     let client = env.pg.connect("app").await.unwrap();
     // Creation times from the past, with sub-millisecond parts (cut, as Java's
     // toEpochMilli does), none equal to now.
@@ -576,7 +574,7 @@ async fn kafka_records_carry_the_rows_created_at_as_their_timestamp() {
 /// and the error, attempts and original topic in headers; it stays dead in the table.
 #[tokio::test(flavor = "multi_thread")]
 async fn kafka_a_dead_lettered_row_is_written_once_to_the_dead_letter_topic() {
-    let env = KafkaEnv::new("retry_backoff = \"10ms\"\nmax_attempts = 2").await;
+    let env = KafkaEnv::new(relay().retry_backoff("10ms").max_attempts(2)).await;
     let mut config = std::fs::read_to_string(&env.config).unwrap();
     config.push_str("dead_letter_topic = \"events.2\"\n");
     std::fs::write(&env.config, config).unwrap();

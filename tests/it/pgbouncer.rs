@@ -2,12 +2,10 @@
 //! `ignore_startup_parameters`; 1.18 keeps no prepared statement across transactions):
 //! the relay's session settings travel per transaction, and every promise still holds.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::PgBouncer;
 
 /// Points `cmd` at the bouncer, as the relay's role, with statements prepared afresh in
@@ -27,7 +25,7 @@ async fn pending(client: &tokio_postgres::Client) -> i64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_leak() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
     let text = std::fs::read_to_string(&env.config).unwrap().replace(
         &as_relay_role(&env.db_url),
@@ -76,7 +74,7 @@ async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_lea
 
 #[tokio::test(flavor = "multi_thread")]
 async fn three_drains_through_pgbouncer_deliver_every_row_once_in_key_order() {
-    let env = Env::new("workers = 4\nbatch_size = 40").await;
+    let env = Env::new(relay().workers(4).batch_size(40)).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
     let client = env.client().await;
     seed(&client, 6_000, 20, 11).await;
@@ -102,7 +100,7 @@ async fn three_drains_through_pgbouncer_deliver_every_row_once_in_key_order() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn kill_9_through_pgbouncer_loses_nothing_and_keeps_key_order() {
-    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let env = Env::new(relay().workers(4).batch_size(200)).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
     let client = env.client().await;
     seed(&client, 20_000, 100, 20).await;
@@ -138,7 +136,7 @@ async fn kill_9_through_pgbouncer_loses_nothing_and_keeps_key_order() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_pgbouncer_listen_url_wakes_an_idle_relay_and_without_it_the_relay_polls() {
-    let env = Env::new("poll_interval = \"30s\"").await;
+    let env = Env::new(relay().poll_interval("30s")).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
     let client = env.client().await;
     let insert = async |n: i32| {
@@ -182,7 +180,7 @@ async fn behind_pgbouncer_listen_url_wakes_an_idle_relay_and_without_it_the_rela
     terminate_cleanly(&mut relay);
 
     // Without it the relay says, once, that it polls, and it does.
-    env.write_config("poll_interval = \"200ms\"", "");
+    env.write_config(&Relay::default().poll_interval("200ms"));
     let log = env.config.with_file_name("relay.stderr");
     let mut relay = through(&bouncer, env.command(&["run"]))
         .stdout(Stdio::null())
@@ -202,7 +200,7 @@ async fn behind_pgbouncer_listen_url_wakes_an_idle_relay_and_without_it_the_rela
 
 #[tokio::test(flavor = "multi_thread")]
 async fn check_through_pgbouncer_names_what_the_pooler_needs_and_migrate_refuses_it() {
-    let env = Env::new("").await;
+    let env = Env::new(relay()).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
 
     let out = through(&bouncer, env.command(&["check"]))
@@ -275,7 +273,7 @@ async fn statements_left_on_servers(bouncer: &PgBouncer, pool: usize) -> Vec<Str
 async fn behind_pgbouncer_no_prepared_statement_outlives_its_transaction() {
     // A later relay process numbers its statements from s0 again: one left on a server
     // connection fails that process's batch with "prepared statement already exists".
-    let env = Env::new("workers = 4\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(4).batch_size(50)).await;
     let pool = 4;
     let options = testkit::PgBouncerOptions {
         pool_size: Some(pool as u32),

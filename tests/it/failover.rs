@@ -2,13 +2,11 @@
 //! promoted; the relay, given one URL naming both servers with
 //! `target_session_attrs=read-write`, follows the primary role by itself.
 
-mod common;
-
 use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::{failover_url, NatsServer, Postgres, Standby};
 
 const WORKERS: i64 = 4;
@@ -50,7 +48,7 @@ async fn primary_killed_and_standby_promoted_mid_stream_loses_no_row_and_keeps_k
     let mut env = Env::on(
         primary,
         nats,
-        &format!("workers = {WORKERS}\nbatch_size = {BATCH}"),
+        relay().workers(WORKERS as usize).batch_size(BATCH as usize),
     )
     .await;
     let url = failover_url("outbox_relay", &[&env.pg, standby.postgres()], "app");
@@ -92,14 +90,12 @@ async fn primary_killed_and_standby_promoted_mid_stream_loses_no_row_and_keeps_k
     // The first message stored after the promotion. Batches claimed on the old primary
     // finished publishing within milliseconds of the crash, long before the promotion
     // (about 200 ms), so this is the relay working on the new primary.
-    while stored_count(&env.nats).await == stored_at_promotion {
-        assert!(
-            promoted_at.elapsed() < FIRST_PUBLISH_LIMIT,
-            "no row published within {FIRST_PUBLISH_LIMIT:?} of the promotion; relay log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Detailed("a row published after the promotion", log_of(&log)),
+        FIRST_PUBLISH_LIMIT.saturating_sub(promoted_at.elapsed()),
+        async || stored_count(&env.nats).await != stored_at_promotion,
+    )
+    .await;
     let first_publish = promoted_at.elapsed();
     eprintln!(
         "failover: kill -> promoted {promotion:?}; promoted -> first publish {first_publish:?}; \
@@ -156,7 +152,7 @@ async fn hung_primary_does_not_keep_the_relay_from_the_promoted_standby() {
     let env = Env::on(
         primary,
         nats,
-        &format!("workers = {WORKERS}\nbatch_size = {BATCH}"),
+        relay().workers(WORKERS as usize).batch_size(BATCH as usize),
     )
     .await;
     let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
@@ -189,15 +185,15 @@ async fn hung_primary_does_not_keep_the_relay_from_the_promoted_standby() {
         .expect("connect to the new primary");
     let stored_before = stored_count(&env.nats).await;
     inserted.extend(insert_returning(&new_client, 5_001, 500).await);
-    while stored_count(&env.nats).await == stored_before {
-        assert!(
-            promoted_at.elapsed() < FIRST_PUBLISH_LIMIT,
-            "no row published within {FIRST_PUBLISH_LIMIT:?} of the promotion while the old \
-             primary hangs; relay log:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until(
+        Detailed(
+            "a row published after the promotion while the old primary hangs",
+            log_of(&log),
+        ),
+        FIRST_PUBLISH_LIMIT.saturating_sub(promoted_at.elapsed()),
+        async || stored_count(&env.nats).await != stored_before,
+    )
+    .await;
     eprintln!(
         "hung primary: promoted -> first publish {:?}",
         promoted_at.elapsed()

@@ -3,12 +3,10 @@
 //! What the relay sends is counted by a core NATS subscriber: the stream would drop the
 //! replayed messages as duplicates of their first publish (same `Nats-Msg-Id`).
 
-mod common;
-
 use std::collections::HashMap;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 fn id_of(msg_id: &str) -> i64 {
     msg_id.rsplit(':').next().unwrap().parse().unwrap()
@@ -16,7 +14,7 @@ fn id_of(msg_id: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn replay_publishes_exactly_the_chosen_rows_again_in_key_order_ahead_of_later_rows() {
-    let env = Env::new("on_publish = \"mark\"\nbatch_size = 50").await;
+    let env = Env::new(relay().on_publish("mark").batch_size(50)).await;
     let client = env.client().await;
     seed(&client, 300, 10, 0).await;
     // A running relay: its claim floor has moved past the rows to replay, so it finds them
@@ -114,7 +112,7 @@ async fn replay_publishes_exactly_the_chosen_rows_again_in_key_order_ahead_of_la
 #[tokio::test(flavor = "multi_thread")]
 async fn replay_by_id_warns_about_rows_not_published_is_refused_in_delete_mode_and_since_needs_created_at(
 ) {
-    let env = Env::new("on_publish = \"mark\"").await;
+    let env = Env::new(relay().on_publish("mark")).await;
     let client = env.client().await;
     seed(&client, 20, 2, 0).await;
     let out = env.relay(&["drain", "--timeout", "60s"]);
@@ -138,7 +136,7 @@ async fn replay_by_id_warns_about_rows_not_published_is_refused_in_delete_mode_a
         text(&out)
     );
 
-    env.write_config("on_publish = \"delete\"", "");
+    env.write_config(&relay().on_publish("delete"));
     let out = env.relay(&["replay", "--id", "3"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     assert!(
@@ -147,7 +145,7 @@ async fn replay_by_id_warns_about_rows_not_published_is_refused_in_delete_mode_a
         text(&out)
     );
     // A table without a creation-time column takes --id only.
-    env.write_config("on_publish = \"mark\"", "");
+    env.write_config(&relay().on_publish("mark"));
     client
         .batch_execute("ALTER TABLE public.outbox DROP COLUMN created_at")
         .await

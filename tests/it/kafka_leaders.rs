@@ -8,12 +8,10 @@
 //! throwaway PostgreSQL. Kept apart from `kafka_mock.rs` so these long streams do not
 //! share two cores with that file's tests.
 
-mod common;
-
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
@@ -83,14 +81,11 @@ async fn until_left_below(
     limit: Duration,
 ) -> Option<Duration> {
     let start = Instant::now();
-    while start.elapsed() < limit {
+    poll(limit, async || {
         let n = left(client).await;
-        if n < below || n == 0 {
-            return Some(start.elapsed());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    None
+        (n < below || n == 0).then(|| start.elapsed())
+    })
+    .await
 }
 
 /// Row id -> (topic, partition) where it was first stored.
@@ -161,7 +156,11 @@ async fn kafka_partition_leaders_moved_mid_stream_lose_nothing_and_keep_key_orde
     /// Rows the relay must deliver after a move before the next one.
     const STEP: i64 = 1_500;
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, 300, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -227,7 +226,11 @@ async fn kafka_one_broker_down_holds_back_its_partitions_keys_while_the_others_f
     const OTHERS_WITHIN: Duration = Duration::from_secs(20);
     let publish_timeout = Duration::from_secs(3);
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, KEYS, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);
@@ -322,7 +325,11 @@ async fn kafka_leaders_moved_off_a_down_broker_drain_everything_while_it_stays_d
     /// Broker 1 leads partitions 0 and 3 of every topic (see [`cluster`]).
     const DOWN: i32 = 1;
     let mock = cluster();
-    let m = kafka_outbox(&mock.bootstrap_servers(), "workers = 4\nbatch_size = 100").await;
+    let m = kafka_outbox(
+        &mock.bootstrap_servers(),
+        relay().workers(4).batch_size(100),
+    )
+    .await;
     seed(&m.client, ROWS, 200, 0).await;
     let started = Instant::now();
     let relay = spawn_drain(&m.config);

@@ -2,12 +2,10 @@
 //! `ordering = "none"`, several tables. Each test runs the built binary against a
 //! throwaway PostgreSQL and nats-server.
 
-mod common;
-
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// Position in the stream (0-based) of each message, by its `key` header.
 fn positions_of(stored: &[testkit::StoredMessage], key: impl Fn(&str) -> bool) -> Vec<usize> {
@@ -21,7 +19,7 @@ fn positions_of(stored: &[testkit::StoredMessage], key: impl Fn(&str) -> bool) -
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_hot_key_backlog_does_not_starve_other_keys() {
-    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let env = Env::new(relay().workers(2).batch_size(100)).await;
     let client = env.client().await;
     // 20,000 rows of one key first, then 20 rows for each of 20 other keys.
     client
@@ -55,7 +53,7 @@ async fn a_hot_key_backlog_does_not_starve_other_keys() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn three_run_processes_of_four_workers_keep_key_order_on_twenty_hot_keys() {
-    let env = Env::new("workers = 4\nbatch_size = 100").await;
+    let env = Env::new(relay().workers(4).batch_size(100)).await;
     let client = env.client().await;
     seed(&client, 6_000, 20, 0).await;
     let sent = watch_sends(&env.nats).await;
@@ -138,7 +136,7 @@ async fn peak_open_transactions(client: &tokio_postgres::Client, relay: &mut Chi
 
 #[tokio::test(flavor = "multi_thread")]
 async fn ordering_none_keeps_all_workers_busy_on_one_hot_key() {
-    let env = Env::new("ordering = \"none\"\nworkers = 4\nbatch_size = 100").await;
+    let env = Env::new(relay().ordering("none").workers(4).batch_size(100)).await;
     let client = env.client().await;
     // One key: in key mode only one worker at a time could hold it.
     seed(&client, 30_000, 1, 0).await;
@@ -164,10 +162,12 @@ async fn ordering_none_keeps_all_workers_busy_on_one_hot_key() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_busy_table_does_not_starve_a_quiet_one() {
-    let env = Env::new("workers = 2\nbatch_size = 100").await;
+    let env = Env::new(relay().workers(2).batch_size(100)).await;
     env.write_config(
-        "workers = 2\nbatch_size = 100",
-        "[[tables]]\nname = \"public.quiet\"\ntopic = \"{topic}\"\n",
+        &relay()
+            .workers(2)
+            .batch_size(100)
+            .section("[[tables]]\nname = \"public.quiet\"\ntopic = \"{topic}\""),
     );
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
@@ -213,7 +213,7 @@ async fn a_busy_table_does_not_starve_a_quiet_one() {
 async fn replicas_keep_key_order_and_lose_nothing_while_one_is_killed_and_another_joins() {
     // Batches of 50: a first window holds 200 rows, far less than the backlog, so every
     // claim takes buckets.
-    let env = Env::new("workers = 4\nbatch_size = 50").await;
+    let env = Env::new(relay().workers(4).batch_size(50)).await;
     let client = env.client().await;
     seed(&client, 20_000, 300, 0).await;
     let sent = watch_sends(&env.nats).await;
@@ -282,7 +282,11 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
     const ROWS: i64 = 50_000;
     const KEYS: i64 = 200;
     let env = Env::new(
-        "workers = 8\nbatch_size = 50\nretry_backoff = \"10ms\"\nretry_backoff_max = \"100ms\"",
+        relay()
+            .workers(8)
+            .batch_size(50)
+            .retry_backoff("10ms")
+            .retry_backoff_max("100ms"),
     )
     .await;
     let config = outbox_relay::config::load(&env.config).unwrap();
@@ -385,7 +389,7 @@ struct DirectClaims {
 impl DirectClaims {
     async fn new(rows: i64, keys: i64) -> DirectClaims {
         use outbox_relay::source::{table, SessionLimits, Source};
-        let env = Env::new("batch_size = 100").await;
+        let env = Env::new(relay().batch_size(100)).await;
         seed(&env.client().await, rows, keys, 0).await;
         let config = outbox_relay::config::load(&env.config).unwrap();
         let limits = SessionLimits::one_shot(&config.postgres);

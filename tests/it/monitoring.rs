@@ -3,14 +3,12 @@
 //! valid PromQL, and every metric either names is one the relay really serves, with the
 //! type its suffix implies.
 
-mod common;
-
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 
 const RULES: &str = "config/prometheus/outbox-relay.rules.yml";
 const RULE_TESTS: &str = "config/prometheus/outbox-relay.rules.test.yml";
@@ -180,10 +178,10 @@ async fn every_metric_the_rules_and_dashboard_use_is_served_by_the_relay() {
 
     // Mark mode with a retention, so that every family gets a sample: a published row
     // (counters, histograms, lag), a retention pass, the probe's gauges.
-    let relay_settings = "on_publish = \"mark\"\nretention = \"1s\"";
-    let env = Env::new(relay_settings).await;
+    let relay_settings = relay().on_publish("mark").retention("1s");
+    let env = Env::new(relay_settings.clone()).await;
     let addr = format!("127.0.0.1:{}", testkit::free_port());
-    env.write_config(relay_settings, &format!("[http]\nlisten = \"{addr}\"\n"));
+    env.write_config(&relay_settings.http(&addr));
     env.client()
         .await
         .batch_execute(
@@ -203,16 +201,14 @@ async fn every_metric_the_rules_and_dashboard_use_is_served_by_the_relay() {
             .cloned()
             .collect()
     };
-    let start = std::time::Instant::now();
-    while start.elapsed() < Duration::from_secs(30) {
+    // Not a failure of its own when it times out: the assertion below names what is missing.
+    poll(Duration::from_secs(30), async || {
         if let Ok((200, body)) = http_get(&addr, "/metrics") {
             served = body;
-            if missing(&served).is_empty() {
-                break;
-            }
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        missing(&served).is_empty().then_some(())
+    })
+    .await;
     terminate_cleanly(&mut relay);
     assert_eq!(
         missing(&served),

@@ -4,16 +4,14 @@
 //! order. Each test prints the stall it saw: the longest time in which no row left the
 //! outbox after the kill, and how long the cluster took to name a live stream leader.
 //!
-//! The tests run one at a time (they share two cores; the stall they measure would
-//! otherwise be the other test's load).
-
-mod common;
+//! The tests run alone, each with the machine to itself (`common::alone`: they share two
+//! cores; the stall they measure would otherwise be the other tests' load).
 
 use std::fs::File;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use testkit::NatsCluster;
 
 /// Rows seeded per test, over [`KEYS`] keys.
@@ -23,8 +21,6 @@ const KEYS: i64 = 50;
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 /// The relay's NATS connection name, as the servers' `/connz` shows it.
 const CLIENT_NAME: &str = "outbox-relay";
-
-static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Which server a test kills mid-drain.
 #[derive(Debug, Clone, Copy)]
@@ -53,14 +49,14 @@ struct Crash {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn stream_leader_killed_mid_drain_loses_no_row_and_keeps_key_order() {
-    let _serial = SERIAL.lock().await;
+    let _alone = alone();
     let crash = drain_through_a_crash(Victim::StreamLeader).await;
     assert!(crash.was_leader && !crash.was_relays_server);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn server_the_relay_is_connected_to_killed_mid_drain_loses_no_row_and_keeps_key_order() {
-    let _serial = SERIAL.lock().await;
+    let _alone = alone();
     let crash = drain_through_a_crash(Victim::RelaysServer).await;
     assert!(crash.was_relays_server && !crash.was_leader);
     // The stream kept its leader: the relay moves to another server and goes on, whether
@@ -83,7 +79,7 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         .await
         .expect("create a stream with three replicas");
     // Env also starts a lone nats-server; the relay is pointed past it, at the cluster.
-    let env = Env::new("workers = 4\nbatch_size = 200").await;
+    let env = Env::new(relay().workers(4).batch_size(200)).await;
     let client = env.client().await;
     seed(&client, ROWS, KEYS, 0).await;
     let inserted = ids(&client).await;
@@ -128,13 +124,12 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
     cluster.kill(killed);
     let new_leader = async {
         // Only to tell the cluster's share of the stall from the relay's.
-        while !matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed) {
-            assert!(
-                killed_at.elapsed() < Duration::from_secs(60),
-                "no new stream leader within 60 s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until(
+            "a new stream leader",
+            Duration::from_secs(60).saturating_sub(killed_at.elapsed()),
+            async || matches!(cluster.stream_leader(STREAM).await, Ok(l) if l != killed),
+        )
+        .await;
         killed_at.elapsed()
     };
     let (stall, election) = tokio::join!(wait_for_drain(&client, &mut relay, &log), new_leader);
@@ -201,29 +196,30 @@ async fn wait_for_drain(
     relay: &mut Child,
     log: &std::path::Path,
 ) -> Duration {
-    let start = Instant::now();
     let mut last = pending(client).await;
     let mut last_progress = Instant::now();
     let mut stall = Duration::ZERO;
-    while last > 0 {
-        let relay_log = || std::fs::read_to_string(log).unwrap_or_default();
-        assert!(
-            relay.try_wait().unwrap().is_none(),
-            "the relay exited mid-drain:\n{}",
-            relay_log()
-        );
-        assert!(
-            start.elapsed() < DRAIN_LIMIT,
-            "{last} rows still pending {DRAIN_LIMIT:?} after the kill; relay log:\n{}",
-            relay_log()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let now = pending(client).await;
-        if now < last {
-            stall = stall.max(last_progress.elapsed());
-            last_progress = Instant::now();
-            last = now;
-        }
-    }
+    wait_until(
+        Detailed(
+            &format!("the outbox to empty within {DRAIN_LIMIT:?} of the kill"),
+            log_of(log),
+        ),
+        DRAIN_LIMIT,
+        async || {
+            assert!(
+                relay.try_wait().unwrap().is_none(),
+                "the relay exited mid-drain:\n{}",
+                log_of(log)()
+            );
+            let now = pending(client).await;
+            if now < last {
+                stall = stall.max(last_progress.elapsed());
+                last_progress = Instant::now();
+                last = now;
+            }
+            last == 0
+        },
+    )
+    .await;
     stall
 }

@@ -4,11 +4,9 @@
 //! Counted through `testkit::Proxy` with a latency, which counts the times a client spoke
 //! again after being answered; the speed-up itself is measured by `outbox-bench --distant`.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use outbox_relay::source::{SessionLimits, Source};
 
 /// A `Source` for `env`'s database through `proxy` (its `[postgres]` gets `extra`).
@@ -81,7 +79,7 @@ async fn empty_claim(source: &Source) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_the_commit() {
     for prepared in ["true", "false"] {
-        let env = Env::new("").await;
+        let env = Env::new(relay()).await;
         let client = env.client().await;
         seed(&client, 4, 2, 0).await;
         let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
@@ -119,7 +117,7 @@ async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction() {
     for prepared in ["true", "false"] {
-        let env = Env::new("").await;
+        let env = Env::new(relay()).await;
         let client = env.client().await;
         seed(&client, 3, 3, 0).await;
         let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
