@@ -232,9 +232,50 @@ pub enum Requeue {
 #[derive(Debug, Clone)]
 pub struct RequeueReport {
     pub table: String,
+    /// `requeue --waiting`: the rows were waiting for a retry, not dead.
+    pub waiting: bool,
     pub requeued: Vec<i64>,
     /// Ids asked for that were not dead-lettered (pending, published or not there).
     pub not_dead: Vec<i64>,
+}
+
+impl RequeueReport {
+    /// What was made due, for the operator.
+    pub fn summary(&self) -> String {
+        let done = if self.waiting {
+            format!(
+                "made {} rows waiting for a retry due now",
+                self.requeued.len()
+            )
+        } else {
+            format!("requeued {} dead rows", self.requeued.len())
+        };
+        let ids = if self.requeued.is_empty() {
+            String::new()
+        } else {
+            format!(" (ids {})", id_list(&self.requeued))
+        };
+        format!("{}: {done}{ids}", self.table)
+    }
+
+    /// A warning naming ids that were not dead, if any.
+    pub fn warning(&self) -> Option<String> {
+        (!self.not_dead.is_empty()).then(|| {
+            format!(
+                "warning: {}: not dead-lettered, left as they are: {}",
+                self.table,
+                id_list(&self.not_dead)
+            )
+        })
+    }
+}
+
+/// Ids as the commands print them: `1, 2, 3`.
+fn id_list(ids: &[i64]) -> String {
+    ids.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Clears `dead_at` and `attempts` of the chosen dead rows of `table` (or of the only
@@ -249,6 +290,7 @@ pub async fn requeue(
     let index = pick_table(config, table)?;
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
+    let waiting = matches!(which, Requeue::Waiting);
     let requeued: Vec<i64> = source
         .in_transaction(async |tx| {
             let rows = match &which {
@@ -275,6 +317,7 @@ pub async fn requeue(
     requeued.sort_unstable();
     Ok(RequeueReport {
         table: table.config.name.to_string(),
+        waiting,
         requeued,
         not_dead,
     })
@@ -286,6 +329,28 @@ pub async fn requeue(
 pub struct PauseReport {
     pub table: String,
     pub before: Option<Paused>,
+}
+
+impl PauseReport {
+    /// What `pause` did, for the operator.
+    pub fn after_pause(&self) -> String {
+        match &self.before {
+            None => format!(
+                "{}: paused; every relay stops claiming it within about a second (batches \
+                 in flight finish) until `outbox-relay resume`",
+                self.table
+            ),
+            Some(p) => format!("{}: already {p}; left as it was", self.table),
+        }
+    }
+
+    /// What `resume` did, for the operator.
+    pub fn after_resume(&self) -> String {
+        match &self.before {
+            Some(p) => format!("{}: resumed (was {p})", self.table),
+            None => format!("{}: was not paused", self.table),
+        }
+    }
 }
 
 /// Pauses `table`, or every configured table, for every relay; a table already paused
@@ -380,10 +445,42 @@ pub enum Replay {
 #[derive(Debug)]
 pub struct ReplayReport {
     pub table: String,
+    /// `--dry-run`: counted, nothing changed.
+    pub dry_run: bool,
     /// Rows made pending again (with `--dry-run`: rows that would be).
     pub replayed: usize,
     /// Ids asked for that were not kept as published (pending, dead or not there).
     pub not_published: Vec<i64>,
+}
+
+impl ReplayReport {
+    /// How many rows were (or would be) made pending again, for the operator.
+    pub fn summary(&self) -> String {
+        if self.dry_run {
+            format!(
+                "{}: would replay {} published rows (dry run: nothing changed)",
+                self.table, self.replayed
+            )
+        } else {
+            format!(
+                "{}: replayed {} published rows: pending again, the relays publish them in \
+                 id order per key",
+                self.table, self.replayed
+            )
+        }
+    }
+
+    /// A warning naming ids that were not kept as published, if any.
+    pub fn warning(&self) -> Option<String> {
+        (!self.not_published.is_empty()).then(|| {
+            format!(
+                "warning: {}: not kept as published (pending, dead or not there), left as \
+                 they are: {}",
+                self.table,
+                id_list(&self.not_published)
+            )
+        })
+    }
 }
 
 /// Rows per replay transaction: each holds its rows' locks only this long.
@@ -457,6 +554,7 @@ pub async fn replay(
     }
     Ok(ReplayReport {
         table: name,
+        dry_run,
         replayed,
         not_published,
     })

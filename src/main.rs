@@ -85,16 +85,7 @@ async fn execute(command: Command, config: Config) -> u8 {
         Command::Pause { table, reason } => {
             match admin::pause(&config, table.as_deref(), &reason).await {
                 Ok(reports) => {
-                    for r in &reports {
-                        say(&match &r.before {
-                            None => format!(
-                                "{}: paused; every relay stops claiming it within about a \
-                                 second (batches in flight finish) until `outbox-relay resume`",
-                                r.table
-                            ),
-                            Some(p) => format!("{}: already {p}; left as it was", r.table),
-                        });
-                    }
+                    reports.iter().for_each(|r| say(&r.after_pause()));
                     EXIT_OK
                 }
                 Err(e) => admin_error(e),
@@ -102,12 +93,7 @@ async fn execute(command: Command, config: Config) -> u8 {
         }
         Command::Resume { table } => match admin::resume(&config, table.as_deref()).await {
             Ok(reports) => {
-                for r in &reports {
-                    say(&match &r.before {
-                        Some(p) => format!("{}: resumed (was {p})", r.table),
-                        None => format!("{}: was not paused", r.table),
-                    });
-                }
+                reports.iter().for_each(|r| say(&r.after_resume()));
                 EXIT_OK
             }
             Err(e) => admin_error(e),
@@ -139,32 +125,14 @@ async fn run_replay(
     which: admin::Replay,
     dry_run: bool,
 ) -> u8 {
-    let report = match admin::replay(config, table, which, dry_run).await {
-        Ok(report) => report,
-        Err(e) => return admin_error(e),
-    };
-    if dry_run {
-        say(&format!(
-            "{}: would replay {} published rows (dry run: nothing changed)",
-            report.table, report.replayed
-        ));
-    } else {
-        say(&format!(
-            "{}: replayed {} published rows: pending again, the relays publish them in id \
-             order per key",
-            report.table, report.replayed
-        ));
+    match admin::replay(config, table, which, dry_run).await {
+        Ok(report) => {
+            say(&report.summary());
+            report.warning().inspect(|w| say_err(w));
+            EXIT_OK
+        }
+        Err(e) => admin_error(e),
     }
-    if !report.not_published.is_empty() {
-        let ids: Vec<String> = report.not_published.iter().map(i64::to_string).collect();
-        say_err(&format!(
-            "warning: {}: not kept as published (pending, dead or not there), left as they \
-             are: {}",
-            report.table,
-            ids.join(", ")
-        ));
-    }
-    EXIT_OK
 }
 
 /// `check`: one line per finding; exit 1 if any failed.
@@ -182,39 +150,14 @@ async fn run_check(config: &Config) -> u8 {
 
 /// `requeue`: what was made due, and a warning naming ids that were not dead.
 async fn run_requeue(config: &Config, table: Option<&str>, which: admin::Requeue) -> u8 {
-    let waiting = matches!(which, admin::Requeue::Waiting);
-    let report = match admin::requeue(config, table, which).await {
-        Ok(report) => report,
-        Err(e) => return admin_error(e),
-    };
-    let list = |ids: &[i64]| {
-        ids.iter()
-            .map(i64::to_string)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    let done = if waiting {
-        format!(
-            "made {} rows waiting for a retry due now",
-            report.requeued.len()
-        )
-    } else {
-        format!("requeued {} dead rows", report.requeued.len())
-    };
-    let ids = if report.requeued.is_empty() {
-        String::new()
-    } else {
-        format!(" (ids {})", list(&report.requeued))
-    };
-    say(&format!("{}: {done}{ids}", report.table));
-    if !report.not_dead.is_empty() {
-        say_err(&format!(
-            "warning: {}: not dead-lettered, left as they are: {}",
-            report.table,
-            list(&report.not_dead)
-        ));
+    match admin::requeue(config, table, which).await {
+        Ok(report) => {
+            say(&report.summary());
+            report.warning().inspect(|w| say_err(w));
+            EXIT_OK
+        }
+        Err(e) => admin_error(e),
     }
-    EXIT_OK
 }
 
 fn admin_error(e: admin::AdminError) -> u8 {
