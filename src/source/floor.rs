@@ -376,12 +376,8 @@ impl Floor {
         listed.sort_unstable();
         listed.dedup();
         if listed.len() > STRAGGLER_CAP {
-            let mut withheld = self.withheld.clone();
-            for (id, key) in &listed {
-                let w = withheld.entry(key.clone()).or_insert(*id);
-                *w = (*w).min(*id);
-            }
-            if withheld.len() <= WITHHELD_CAP && !withheld.contains_key("") {
+            let rows = listed.iter().map(|(id, key)| (key.as_str(), *id));
+            if let Some(withheld) = self.with_hidden(rows) {
                 self.withheld = withheld;
                 listed.clear();
             } else {
@@ -396,15 +392,29 @@ impl Floor {
     /// Raises the floor to `f`, withholding every key of `summary` from its first held-back
     /// row, if no more than [`WITHHELD_CAP`] keys are withheld then; else leaves it.
     fn withhold(&mut self, f: i64, summary: &HashMap<String, i64>) {
-        let mut withheld = self.withheld.clone();
-        for (key, first) in summary.iter().filter(|(_, first)| **first < f) {
-            let w = withheld.entry(key.clone()).or_insert(*first);
-            *w = (*w).min(*first);
-        }
-        if withheld.len() <= WITHHELD_CAP {
+        let rows = summary
+            .iter()
+            .filter(|(_, first)| **first < f)
+            .map(|(key, first)| (key.as_str(), *first));
+        if let Some(withheld) = self.with_hidden(rows) {
             self.withheld = withheld;
             self.value = f;
         }
+    }
+
+    /// The withheld keys with `rows`' keys hidden from those rows on too (each key from
+    /// its lowest), unless that would withhold more than [`WITHHELD_CAP`] keys or a row
+    /// has no key.
+    fn with_hidden<'a>(
+        &self,
+        rows: impl Iterator<Item = (&'a str, i64)>,
+    ) -> Option<HashMap<String, i64>> {
+        let mut withheld = self.withheld.clone();
+        for (key, id) in rows {
+            let w = withheld.entry(key.to_owned()).or_insert(id);
+            *w = (*w).min(id);
+        }
+        (withheld.len() <= WITHHELD_CAP && !withheld.contains_key("")).then_some(withheld)
     }
 
     /// Whether the next look should summarize held-back rows by key (keys are withheld).
