@@ -228,6 +228,7 @@ async fn run_phases(
 ) -> Result<Batch, BatchError> {
     let abort = shared.shutdown.abort_token();
     let claim_started = SystemTime::now();
+    let claim_clock = Instant::now();
     // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
     let claim = claim(shared, lane, table, session, allowed);
     let (tx, claimed) = tokio::select! {
@@ -251,6 +252,7 @@ async fn run_phases(
     let _active = shared.state.enter_batch();
     table.floor.note_claimed(rows.iter().map(|r| r.id).max());
     let started = Instant::now();
+    let claimed_in = claim_clock.elapsed();
     tracing::Span::current().record("rows", rows.len());
     let meters = shared.meters(table);
     let _in_flight = InFlight::new(&shared.ops.metrics.in_flight, rows.len());
@@ -302,6 +304,7 @@ async fn run_phases(
         outcomes: &outcomes,
         settlement: &settlement,
         dead: &dead,
+        claimed_in,
         started,
         acked_after,
     };
@@ -557,6 +560,8 @@ struct Committed<'a> {
     settlement: &'a Settlement,
     /// Rows dead-lettered by the commit.
     dead: &'a [i64],
+    /// From the claim's first statement to its rows in hand.
+    claimed_in: Duration,
     started: Instant,
     /// Seconds from the first send to the last acknowledgement.
     acked_after: f64,
@@ -615,6 +620,8 @@ fn observe(
         table = %table.config.name,
         rows = batch.rows.len(),
         published = published.len(),
+        claim = ?batch.claimed_in,
+        publish = ?Duration::from_secs_f64(batch.acked_after),
         elapsed = ?elapsed,
         "Batch committed"
     );

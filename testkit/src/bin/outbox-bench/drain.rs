@@ -300,7 +300,7 @@ impl Bench {
         let child = Command::new(&self.a.relay)
             .args(["drain", "--config"])
             .arg(&path)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", relay_log())
             .stdout(std::process::Stdio::null())
             .spawn()
             .context("start outbox-relay")?;
@@ -364,4 +364,11 @@ impl Bench {
             other => bail!("no stored count for sink {other}"),
         }
     }
+}
+
+/// The `RUST_LOG` of the relays a drain runs: `BENCH_RELAY_LOG` (say
+/// `outbox_relay::relay::batch=debug` for each batch's claim and publish times), `warn`
+/// without it.
+pub(crate) fn relay_log() -> String {
+    std::env::var("BENCH_RELAY_LOG").unwrap_or_else(|_| "warn".to_owned())
 }
