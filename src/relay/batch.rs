@@ -195,6 +195,7 @@ async fn relay_batch_of(
     allowed: usize,
 ) -> Result<Batch, BatchError> {
     let stop = shared.shutdown.stop_token();
+    let asked = Instant::now();
     let mut session = tokio::select! {
         biased;
         _ = stop.cancelled() => return Ok(Batch::Stopped),
@@ -206,6 +207,7 @@ async fn relay_batch_of(
         table = %table.config.name,
         rows = tracing::field::Empty,
         duration_ms = tracing::field::Empty,
+        session_wait_us = asked.elapsed().as_micros() as u64,
     );
     let result = run_phases(shared, lane, table, &mut session, allowed)
         .instrument(span)

@@ -45,7 +45,7 @@
 //! ([`super::sql::bucket_of`]; a row without a key goes by its id), and the bucket index
 //! (migration 0004) holds the pending rows by bucket, then id. The claim ranks the buckets
 //! by their first row in the first window (the oldest work first, then every other
-//! bucket), and one statement ([`super::sql::TableSql::pick_window`]) takes the
+//! bucket), and one statement ([`super::sql::TableSql::pick_lock`]) takes the
 //! transaction-level advisory lock `(table tag, bucket)` of the first bucket(s) no other
 //! transaction holds and reads each one's pending rows through the index, from the floor
 //! on (with the bucket's stragglers and rows with a failure history below it), as a
@@ -149,7 +149,7 @@
 //!   first), the bucket window must not take a later row of the released key as its head.
 //!   `requeue` keeps `next_attempt_at` set (to the time of the requeue), and bucket reads
 //!   past a first window treat any pending row with `next_attempt_at` set as holding back
-//!   its key (`sql::TableSql::pick_window`, `held_in_window`); the released row is due,
+//!   its key (`sql::TableSql::pick_lock`, `held_in_window`); the released row is due,
 //!   and the next claim's first window takes it as the head. Time alone cannot cause it:
 //!   `now()` is fixed for the whole claim transaction. (A surplus claim reads no first
 //!   window: its bucket reads are its first look, and take the released row as the head.)
@@ -533,9 +533,13 @@ async fn take_buckets(
             .min(room)
             .max(1)
             + reread;
+        // The rows the statement locks: the batch's room and a quarter more, in id
+        // order (more only when the keys met first are held elsewhere), and the rows of
+        // known keys it reads again.
+        let lock_limit = room + room / 4 + reread;
         let read = tx
             .query(
-                &sql.pick_window,
+                &sql.pick_lock,
                 &[
                     &after,
                     &(per_bucket as i64),
@@ -544,10 +548,16 @@ async fn take_buckets(
                     &stragglers,
                     &sql.tag,
                     &(want as i64),
+                    &(lock_limit as i64),
                 ],
             )
             .await?;
-        let (window, got) = split_picked(&read);
+        let Picked {
+            window,
+            got,
+            tried,
+            locked,
+        } = Picked::split(&read, &sql.layout, lock_limit);
         // The read starts at the floor, in its own snapshot: its rows up to the first
         // window's end of keys this claim met there are theirs already (planned, or
         // left to others); those of other keys are their heads now.
@@ -572,8 +582,10 @@ async fn take_buckets(
             .len();
         let before = plan.reserved;
         // A bucket read's rows planned partly are fine: its keys get no later rows. The
-        // bucket is this claim's: its keys' tails are tried with their heads.
-        lock_rounds(tx, sql, plan, &window, 0, rows, true).await?;
+        // rows it locked are known: the rounds are planned without another statement.
+        let locked_ids: HashSet<i64> = locked.keys().copied().collect();
+        rows.extend(locked);
+        plan_locked(plan, &window, &tried, &locked_ids);
         depth.observe(got.len(), keys, plan.reserved - before, room);
     }
     Ok(found)
@@ -666,18 +678,67 @@ fn most_in_one_bucket(window: &[Candidate]) -> usize {
     counts.into_iter().max().unwrap_or(0)
 }
 
-/// A pick's rows, and the buckets it got (the rows with a NULL order value), in the order
-/// they were got.
-fn split_picked(read: &[Row]) -> (Vec<Candidate>, Vec<i32>) {
-    let mut window = Vec::new();
-    let mut got = Vec::new();
-    for r in read {
-        match r.get::<_, Option<i64>>(0) {
-            Some(_) => window.push(Candidate::from_row(r)),
-            None => got.push(r.get(3)),
+/// What one [`TableSql::pick_lock`] read, locked and got.
+struct Picked {
+    /// The rows read.
+    window: Vec<Candidate>,
+    /// The buckets got, in the order they were got.
+    got: Vec<i32>,
+    /// The rows the statement tried to lock: the first of `window` in id order.
+    tried: HashSet<i64>,
+    /// The rows it locked.
+    locked: HashMap<i64, ClaimedRow>,
+}
+
+impl Picked {
+    /// Splits a pick's answer: each row read is the locked row's columns (NULL when not
+    /// locked) then the four of the read; a bucket got is a row of NULLs but its bucket.
+    fn split(read: &[Row], layout: &RowLayout, lock_limit: usize) -> Picked {
+        let at = layout.width();
+        let mut picked = Picked {
+            window: Vec::new(),
+            got: Vec::new(),
+            tried: HashSet::new(),
+            locked: HashMap::new(),
+        };
+        for r in read {
+            if r.get::<_, Option<i64>>(at).is_none() {
+                picked.got.push(r.get(at + 3));
+                continue;
+            }
+            picked.window.push(Candidate::from_row_at(r, at));
+            if r.get::<_, Option<i64>>(0).is_some() {
+                let row = ClaimedRow::from_row(r, layout);
+                picked.locked.insert(row.id, row);
+            }
         }
+        let mut ids: Vec<i64> = picked.window.iter().map(|c| c.id).collect();
+        ids.sort_unstable();
+        picked.tried = ids.into_iter().take(lock_limit).collect();
+        picked
     }
-    (window, got)
+}
+
+/// Plans `window`, whose rows in `tried` were locked (those in `locked`) by the statement
+/// that read it, in rounds as [`lock_rounds`] does, without a statement: a head or a tail
+/// that was not tried counts as held elsewhere, except tails (of keys owned before) that
+/// are not in the window, which stay for the claim's last statement.
+fn plan_locked(
+    plan: &mut KeyPlan,
+    window: &[Candidate],
+    tried: &HashSet<i64>,
+    locked: &HashSet<i64>,
+) {
+    let mut cursor = 0;
+    let mut rounds = 0;
+    while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
+        if plan.plan_round(window, &mut cursor).is_empty() {
+            break;
+        }
+        rounds += 1;
+        plan.tails_tried_where(|id| tried.contains(&id));
+        plan.settle_round(locked);
+    }
 }
 
 /// What this process has seen of a table's buckets lately, from its picks: how many
@@ -813,11 +874,16 @@ pub struct Candidate {
 
 impl Candidate {
     fn from_row(r: &Row) -> Candidate {
+        Candidate::from_row_at(r, 0)
+    }
+
+    /// The candidate whose four columns start at column `at`.
+    fn from_row_at(r: &Row, at: usize) -> Candidate {
         Candidate {
-            id: r.get(0),
-            key: r.get(1),
-            size: r.get::<_, i64>(2).max(0) as u64,
-            bucket: r.get(3),
+            id: r.get(at),
+            key: r.get(at + 1),
+            size: r.get::<_, i64>(at + 2).max(0) as u64,
+            bucket: r.get(at + 3),
         }
     }
 }
@@ -972,6 +1038,20 @@ impl KeyPlan {
         self.tried.extend(&ids);
         ids.sort_unstable();
         ids
+    }
+
+    /// Marks as tried the tails (of keys owned or planned) that `tried` says a statement
+    /// tried to lock along with the round's heads.
+    pub fn tails_tried_where(&mut self, tried: impl Fn(i64) -> bool) {
+        for (key, state) in &self.keys {
+            if matches!(state, KeyState::Blocked) {
+                continue;
+            }
+            if let Some(tail) = self.tails.get(key) {
+                self.tried
+                    .extend(tail.iter().copied().filter(|id| tried(*id)));
+            }
+        }
     }
 
     /// Records which of the round's heads this transaction locked; keys whose head it did

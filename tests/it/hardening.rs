@@ -555,14 +555,17 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
         .await
         .unwrap();
     let sql = &tables[0].sql;
-    let ids = |rows: Vec<tokio_postgres::Row>| {
+    // The order values of a first window's rows (column 0), or of a bucket read's
+    // (the read's own columns follow the locked row's).
+    let ids_at = |rows: Vec<tokio_postgres::Row>, at: usize| {
         let mut ids: Vec<i64> = rows
             .iter()
-            .filter_map(|r| r.get::<_, Option<i64>>(0))
+            .filter_map(|r| r.get::<_, Option<i64>>(at))
             .collect();
         ids.sort_unstable();
         ids
     };
+    let ids = |rows| ids_at(rows, 0);
     let first = client
         .query(&sql.window, &[&100i64, &i64::MIN, &Vec::<i64>::new()])
         .await
@@ -572,9 +575,9 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
         let client = &client;
         let all_buckets = &all_buckets;
         async move {
-            client
+            let read = client
                 .query(
-                    &sql.pick_window,
+                    &sql.pick_lock,
                     &[
                         &after,
                         &100i64,
@@ -583,10 +586,12 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
                         &Vec::<i64>::new(),
                         &sql.tag,
                         &(BUCKETS as i64),
+                        &100i64,
                     ],
                 )
                 .await
-                .unwrap()
+                .unwrap();
+            ids_at(read, sql.layout.width())
         }
     };
     // First window: the released row 1 is due and is its key's head, row 2 follows it;
@@ -594,7 +599,7 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
     assert_eq!(ids(first), [1, 2, 3]);
     // A bucket read past the first window of the same claim: row 2 must not pass for the
     // head of `k`.
-    assert_eq!(ids(buckets(0).await), [1, 3]);
+    assert_eq!(buckets(0).await, [1, 3]);
     // A bucket read that is the claim's first look reads like a first window.
-    assert_eq!(ids(buckets(FIRST_WINDOW).await), [1, 2, 3]);
+    assert_eq!(buckets(FIRST_WINDOW).await, [1, 2, 3]);
 }

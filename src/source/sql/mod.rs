@@ -63,12 +63,16 @@ pub struct TableSql {
     /// `$6`) of the first `$7` buckets in `$3` (in that order) that no other transaction
     /// holds, and returns each one's pending, due rows from the floor `$4` on, at most `$2`
     /// a bucket, read through the bucket index, with the stragglers `$5` and the rows with
-    /// a failure history below the floor, in no particular order; and one row per bucket
-    /// got with a NULL order value. Rows up to `$1` are read again on purpose (see
+    /// a failure history below the floor, in no particular order. Rows up to `$1` are read again on purpose (see
     /// *Buckets* in `claim.rs`). Rows held back are left out as in
     /// [`TableSql::window`], and past a first window also those behind a row with a
     /// failure history (see `held_in_window`).
-    pub pick_window: String,
+    ///
+    /// In the same statement, it locks the first `$8` rows read (in id order) that are
+    /// still pending and due, `SKIP LOCKED`: each row read comes back as the locked row's
+    /// columns ([`RowLayout`], all NULL when it was not locked), then its order value,
+    /// key, size and bucket; a bucket got as a row of NULLs but its bucket.
+    pub pick_lock: String,
     /// The floor's look at the table, one snapshot: its xmin and xmax, whether any pending
     /// row has a failure history, the first pending row without one from the floor `$1`
     /// on that no earlier held row of its key holds back (the candidate), the rows without
@@ -182,6 +186,16 @@ pub struct RowLayout {
     pub dead_letter_columns: usize,
 }
 
+impl RowLayout {
+    /// Columns of a claimed row.
+    pub fn width(&self) -> usize {
+        8 + usize::from(self.message_id)
+            + self.topic_columns
+            + self.header_columns
+            + self.dead_letter_columns
+    }
+}
+
 impl TableSql {
     /// Every statement of `table`, by concern: a claim's ([`claim`]), the floor's
     /// ([`floor`]), a batch's end ([`settle`]), the operator's and the probe's ([`admin`])
@@ -198,7 +212,7 @@ impl TableSql {
             claim_unordered: claim.claim_unordered,
             claim_unordered_low: claim.claim_unordered_low,
             window: claim.window,
-            pick_window: claim.pick_window,
+            pick_lock: claim.pick_lock,
             advance: floor.advance,
             sweep: floor.sweep,
             withheld_released: floor.withheld_released,
