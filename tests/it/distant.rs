@@ -157,3 +157,93 @@ async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction(
         );
     }
 }
+
+/// A deep key-ordered backlog: a claim of a worker above lane 0 reads and locks its
+/// buckets in one statement (`pick_lock`, with `BEGIN`), and plans its heads and their
+/// runs from what that statement locked, so the claim waits one round trip and its
+/// transaction two, the commit included. Before: the first window, its lock round, the
+/// bucket read, its lock round and the tails, 6 and more. What it took is still each key's
+/// oldest rows, a prefix of its pending rows.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_oldest_rows() {
+    use outbox_relay::source::claim::{claim_batch, Budget};
+    use outbox_relay::source::floor::FloorView;
+    const KEYS: i64 = 20;
+    for prepared in ["true", "false"] {
+        let env = Env::new(relay().batch_size(100)).await;
+        let client = env.client().await;
+        // 20 keys: the first window (256 rows) holds every key, so a second claim that
+        // meets the first's heads finds nothing left in it.
+        seed(&client, 5_000, KEYS, 0).await;
+        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+        let source =
+            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        let config = outbox_relay::config::load(&env.config).unwrap();
+        let plans = outbox_relay::source::table::prepare(&source, &config)
+            .await
+            .unwrap();
+        let plan = &plans[0];
+        let budget = Budget {
+            rows: 100,
+            bytes: u64::MAX,
+        };
+        let floor = FloorView::default();
+        let claim = async |tx: &outbox_relay::source::Tx<'_>, lane: usize| {
+            let ordering = outbox_relay::config::Ordering::Key;
+            claim_batch(tx, &plan.sql, ordering, budget, lane, &floor, &plan.depth)
+                .await
+                .unwrap()
+        };
+        // Not counted: two claims of lane 0 at once, so the second meets the first's
+        // heads and picks buckets (the process learns the backlog is deep, and how deep
+        // its buckets are); then one of lane 1, which prepares its statements.
+        let (mut a, mut b) = (
+            source.session().await.unwrap(),
+            source.session().await.unwrap(),
+        );
+        let first = source.begin(&mut a).await.unwrap();
+        assert_eq!(claim(&first, 0).await.rows.len(), 100);
+        let second = source.begin(&mut b).await.unwrap();
+        assert!(
+            claim(&second, 0).await.contended,
+            "every key is the first claim's"
+        );
+        first.rollback().unwrap();
+        second.rollback().unwrap();
+        drop((a, b));
+        source
+            .in_transaction(async |tx| Ok(claim(tx, 1).await))
+            .await
+            .unwrap();
+        settled(&client).await;
+
+        proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
+        let before = proxy.round_trips();
+        let claimed = source
+            .in_transaction(async |tx| Ok(claim(tx, 1).await))
+            .await
+            .unwrap();
+        let waited = proxy.round_trips() - before;
+        proxy.set(testkit::Fault::None);
+        assert_eq!(claimed.rows.len(), 100, "a full batch");
+        assert_eq!(
+            waited, 2,
+            "round trips of a deep claim above lane 0 and its commit (prepared_statements = {prepared})"
+        );
+        // Each key's rows in the claim are its oldest pending rows (nothing was deleted:
+        // seed puts row n in key n % KEYS, so key k's rows are k, k + KEYS, ...).
+        let mut by_key: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        for row in &claimed.rows {
+            by_key
+                .entry(row.key.clone().unwrap())
+                .or_default()
+                .push(row.id);
+        }
+        for (key, ids) in by_key {
+            let k: i64 = key[1..].parse().unwrap();
+            let first = if k == 0 { KEYS } else { k };
+            let oldest: Vec<i64> = (0..ids.len() as i64).map(|i| first + KEYS * i).collect();
+            assert_eq!(ids, oldest, "key {key} takes its oldest rows, in id order");
+        }
+    }
+}
