@@ -29,8 +29,8 @@ pub enum Level {
 #[derive(Debug, Clone)]
 pub struct Finding {
     pub level: Level,
-    pub subject: String,
-    pub message: String,
+    pub(crate) subject: String,
+    pub(crate) message: String,
 }
 
 impl std::fmt::Display for Finding {

@@ -28,6 +28,10 @@
 //! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
 //! - [`retry`]: the one capped exponential backoff with full jitter everyone uses.
 
+// `pub(crate)` by default: an item is `pub` only if the binary, the integration tests or
+// testkit use it (the public surface). A `pub` nothing outside can reach is flagged.
+#![warn(unreachable_pub)]
+
 pub mod admin;
 pub mod check;
 pub mod cli;
@@ -35,7 +39,7 @@ pub mod config;
 pub mod error;
 pub mod ops;
 pub mod relay;
-pub mod retry;
+mod retry;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

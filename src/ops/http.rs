@@ -14,14 +14,18 @@ use tokio_util::sync::CancellationToken;
 use super::Ops;
 
 /// Binds `listen` now, so a taken port fails the start, not a later scrape.
-pub async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+pub(crate) async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, String> {
     tokio::net::TcpListener::bind(listen)
         .await
         .map_err(|e| format!("http.listen: cannot listen on {listen}: {e}"))
 }
 
 /// Serves until `stop` fires.
-pub async fn serve(listener: tokio::net::TcpListener, ops: Arc<Ops>, stop: CancellationToken) {
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    ops: Arc<Ops>,
+    stop: CancellationToken,
+) {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))

@@ -40,11 +40,11 @@ use crate::config::TracingConfig;
 use crate::sink::Message;
 
 /// The W3C header that carries a span's identity.
-pub const TRACEPARENT: &str = "traceparent";
+pub(crate) const TRACEPARENT: &str = "traceparent";
 
 /// Span export, on or off; cheap to ask when off.
 #[derive(Default)]
-pub struct Otel {
+pub(crate) struct Otel {
     exporting: Option<Exporting>,
 }
 
@@ -60,7 +60,7 @@ struct Exporting {
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (as is), else `OTEL_EXPORTER_OTLP_ENDPOINT` (plus
 /// `/v1/traces`), as the OTLP exporter specification says; `None`: export off (none set, or
 /// `OTEL_SDK_DISABLED=true`).
-pub fn traces_url(config: &TracingConfig) -> Option<String> {
+pub(crate) fn traces_url(config: &TracingConfig) -> Option<String> {
     traces_url_from(config, |name| std::env::var(name).ok())
 }
 
@@ -89,7 +89,7 @@ const COLLECTOR_LIMIT: Duration = Duration::from_secs(5);
 
 /// Posts an empty export (a valid, empty `ExportTraceServiceRequest`) to `url` with the
 /// configured headers, as `check` does: `Ok` when the collector accepts it. Blocking.
-pub fn probe_collector(url: &str) -> Result<(), String> {
+pub(crate) fn probe_collector(url: &str) -> Result<(), String> {
     let client = reqwest::blocking::Client::builder()
         .timeout(COLLECTOR_LIMIT)
         .build()
@@ -140,13 +140,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 impl Otel {
     /// Export off.
-    pub fn off() -> Otel {
+    pub(crate) fn off() -> Otel {
         Otel::default()
     }
 
     /// Starts exporting to `url` (from [`traces_url`]). Blocking (the exporter builds its
     /// HTTP client on a thread of its own): call it where a thread may block.
-    pub fn start(url: String, system: &'static str) -> Result<Otel, String> {
+    pub(crate) fn start(url: String, system: &'static str) -> Result<Otel, String> {
         use opentelemetry_otlp::WithExportConfig;
         // Headers (OTEL_EXPORTER_OTLP_HEADERS), timeout and compression come from the
         // standard variables, read by the exporter.
@@ -177,13 +177,13 @@ impl Otel {
     }
 
     /// Whether spans are made at all.
-    pub fn is_on(&self) -> bool {
+    pub(crate) fn is_on(&self) -> bool {
         self.exporting.is_some()
     }
 
     /// Opens the span of a batch of `rows` claimed from `table` since `started`; `None`
     /// when export is off.
-    pub fn batch(
+    pub(crate) fn batch(
         &self,
         table: &dyn std::fmt::Display,
         worker: usize,
@@ -212,7 +212,7 @@ impl Otel {
     }
 
     /// Exports what is queued and stops the exporter, within `timeout`. Blocking.
-    pub fn shutdown(&self, timeout: Duration) {
+    pub(crate) fn shutdown(&self, timeout: Duration) {
         if let Some(e) = &self.exporting {
             if let Err(error) = e.provider.shutdown_with_timeout(timeout) {
                 tracing::warn!(%error, "Trace spans not all exported at shutdown");
@@ -239,7 +239,7 @@ fn resource() -> Resource {
 
 /// The spans of one batch: the batch span and one send span per message (or none).
 /// Spans not ended explicitly end when dropped (a batch rolled back at the deadline).
-pub struct BatchTrace<'a> {
+pub(crate) struct BatchTrace<'a> {
     e: &'a Exporting,
     table: String,
     batch: Span,
@@ -250,7 +250,7 @@ impl BatchTrace<'_> {
     /// Opens the send span of `message` (row `row_id`, `wait` seconds after its
     /// `created_at`) and puts its `traceparent` on the message. Call once per message of
     /// the batch, in order; a message that cannot be built gets `None`.
-    pub fn send(&mut self, message: Option<&mut Message>, row_id: i64, wait: Option<f64>) {
+    pub(crate) fn send(&mut self, message: Option<&mut Message>, row_id: i64, wait: Option<f64>) {
         let span = message.and_then(|m| self.start_send(m, row_id, wait));
         self.sends.push(span);
     }
@@ -299,7 +299,7 @@ impl BatchTrace<'_> {
     }
 
     /// Ends the send span of message `index`: `Err` for a row not acknowledged.
-    pub fn sent(&mut self, index: usize, outcome: Result<(), &str>) {
+    pub(crate) fn sent(&mut self, index: usize, outcome: Result<(), &str>) {
         if let Some(mut span) = self.sends.get_mut(index).and_then(Option::take) {
             if let Err(why) = outcome {
                 span.set_status(Status::error(why.to_owned()));
@@ -309,7 +309,7 @@ impl BatchTrace<'_> {
     }
 
     /// Ends the batch span once the batch is committed: `published` rows acknowledged.
-    pub fn committed(mut self, published: usize) {
+    pub(crate) fn committed(mut self, published: usize) {
         self.batch
             .set_attribute(KeyValue::new("outbox.batch.published", published as i64));
         self.batch.end();

@@ -7,10 +7,10 @@
 //! the deadline (`abort`) comes first, in-flight batches roll back and the report says so.
 
 mod batch;
-pub mod breaker;
+mod breaker;
 mod drain;
 mod message;
-pub mod order;
+mod order;
 mod pause;
 mod start;
 mod state;
@@ -71,7 +71,7 @@ pub struct Report {
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
     /// Background tasks (probe, floor keeper, ...) still running when the run returned,
     /// each also named in a WARN; empty when every one stopped (see `tasks`).
-    pub tasks_left: Vec<String>,
+    pub(crate) tasks_left: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.

@@ -20,10 +20,10 @@ use openssl::ssl::{SslConnector, SslFiletype, SslMethod, SslVerifyMode};
 use postgres_openssl::MakeTlsConnector;
 
 use crate::config::postgres::{file_error, key_mismatch};
-pub use crate::config::postgres::{TlsMode, TlsSettings};
+pub(crate) use crate::config::postgres::{TlsMode, TlsSettings};
 
 /// Builds the OpenSSL connector for the settings taken out of `postgres.url`.
-pub trait Connector {
+pub(crate) trait Connector {
     /// Builds the connector for these settings. Certificate files are read here (and were
     /// already checked with the configuration), so a file that changed since is reported
     /// at connect time, naming the file.
@@ -97,7 +97,7 @@ impl TlsSettings {
 }
 
 /// A clearer sentence for TLS failures than OpenSSL's error stack alone.
-pub fn explain(message: &str) -> Option<&'static str> {
+pub(crate) fn explain(message: &str) -> Option<&'static str> {
     if message.contains("hostname mismatch") || message.contains("IP address mismatch") {
         Some(
             "the server's certificate does not name the host in postgres.url \

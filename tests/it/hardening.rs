@@ -530,7 +530,7 @@ async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
 /// read that is a claim's first look (a surplus claim's) takes the released row as the head.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
-    use outbox_relay::source::sql::{BUCKETS, FIRST_WINDOW};
+    use outbox_relay::source::claim::{BUCKETS, FIRST_WINDOW};
     let env = Env::new(relay()).await;
     let client = env.client().await;
     client
