@@ -62,6 +62,7 @@ impl Backoff {
     }
 
     /// The ceiling the next pause is drawn under.
+    #[cfg(test)]
     pub(crate) fn next_ceiling(&self) -> Duration {
         ceiling(self.base, self.cap, self.attempt)
     }

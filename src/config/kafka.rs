@@ -27,7 +27,7 @@ use super::{ConfigError, Secret};
 mod check;
 
 use check::check;
-pub(crate) use check::{max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES};
+pub(crate) use check::max_message_bytes;
 
 /// `[sink.kafka]` as written.
 #[derive(Debug, Deserialize)]

@@ -39,7 +39,9 @@ pub(crate) use postgres::PostgresConfig;
 pub use raw::Ordering;
 pub(crate) use raw::{OnPublish, SinkKind};
 pub(crate) use secret::Secret;
-pub(crate) use tables::{Columns, OptionalColumn, TableConfig};
+#[cfg(test)]
+pub(crate) use tables::Columns;
+pub(crate) use tables::{OptionalColumn, TableConfig};
 
 /// Where the config is read from when neither `--config` nor `OUTBOX_RELAY_CONFIG` is set.
 pub(crate) const DEFAULT_PATH: &str = "/etc/outbox-relay/relay.toml";

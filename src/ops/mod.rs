@@ -94,14 +94,6 @@ impl Health {
         self.broker_seen.fetch_or(up, Relaxed);
     }
 
-    /// Whether PostgreSQL, and the broker, ever answered since start.
-    pub(crate) fn ever_reached(&self) -> (bool, bool) {
-        (
-            self.postgres_seen.load(Relaxed),
-            self.broker_seen.load(Relaxed),
-        )
-    }
-
     /// `Ok` when alive; otherwise why not.
     pub(crate) fn liveness(&self) -> Result<(), String> {
         let quiet = self.since(&self.alive_ms);

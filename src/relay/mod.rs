@@ -69,9 +69,6 @@ pub struct Report {
     /// `drain` only: paused tables that still hold publishable rows, each with its pause
     /// (`drain` does not wait for them, and exits 3).
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
-    /// Background tasks (probe, floor keeper, ...) still running when the run returned,
-    /// each also named in a WARN; empty when every one stopped (see `tasks`).
-    pub(crate) tasks_left: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
@@ -183,7 +180,7 @@ pub async fn run_with_sink(
 }
 
 /// Stops the tasks that outlive the workers, once the run is over whichever way it ended,
-/// and waits for them; the report names those that did not stop in time.
+/// and waits for them; a WARN names those that did not stop in time.
 async fn stop_background(
     relayed: Result<Report, RelayError>,
     endpoints: Endpoints,
@@ -194,11 +191,8 @@ async fn stop_background(
     } else {
         BACKGROUND_STOP
     };
-    let tasks_left = endpoints.stop(within).await;
-    relayed.map(|report| Report {
-        tasks_left,
-        ..report
-    })
+    endpoints.stop(within).await;
+    relayed
 }
 
 async fn relay(
@@ -478,7 +472,6 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         elapsed: started.elapsed(),
         aborted,
         drained: shared.state.drained() && !aborted,
-        tasks_left: Vec::new(), // filled in by `stop_background`
     };
     tracing::info!(
         published = report.published,

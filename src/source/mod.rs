@@ -31,7 +31,7 @@ use crate::config::PostgresConfig;
 use crate::error::ErrorClass;
 use tls::Connector as _;
 
-pub(crate) use session::{attempt_limit, connect, connect_timeout, session_config, Connection};
+pub(crate) use session::{attempt_limit, connect_timeout, session_config};
 pub use session::{SessionLimits, SessionMode};
 
 /// What a client-side deadline gives a statement beyond the server's `statement_timeout`:

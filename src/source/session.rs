@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::tls::Connector as _;
-use super::{describe, SourceError};
+use super::SourceError;
 use crate::config::PostgresConfig;
 
 /// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.
@@ -25,19 +25,6 @@ pub enum SessionMode {
     /// are set `LOCAL` at the start of every transaction, and every statement runs inside
     /// an explicit transaction ([`super::Tx`]), never on its own.
     Pooled,
-}
-
-/// Opens one connection with `config` and the TLS settings of `pg`; the error is a
-/// sentence for the operator.
-pub(crate) async fn connect(
-    pg: &PostgresConfig,
-    config: &tokio_postgres::Config,
-) -> Result<(tokio_postgres::Client, Connection), String> {
-    match connect_raw(pg, config).await {
-        Ok(connected) => Ok(connected),
-        Err(SourceError::Db(e)) => Err(describe(&e)),
-        Err(e) => Err(e.to_string()),
-    }
 }
 
 /// Host by host ([`super::hosts`]), each within [`connect_timeout`].

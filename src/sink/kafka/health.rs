@@ -33,9 +33,6 @@ use std::time::{Duration, Instant};
 use rdkafka::ClientContext;
 use serde::Deserialize;
 
-/// How often librdkafka reports, unless `statistics.interval.ms` is set.
-pub(crate) const STATISTICS_INTERVAL_MS: &str = "500";
-
 /// How long every sample must say a broker is not connected before its partitions count
 /// as unavailable.
 pub(crate) const DOWN_AFTER: Duration = Duration::from_secs(1);

@@ -45,12 +45,12 @@ impl MemorySink {
     }
 
     /// Makes every publish of message `id` fail with `error`.
-    pub(crate) fn fail(&self, id: &str, error: SinkError) {
+    pub fn fail(&self, id: &str, error: SinkError) {
         self.failures.lock().unwrap().insert(id.to_owned(), error);
     }
 
     /// Makes `check` reject message `id`, as a sink does for a message bad on its face.
-    pub(crate) fn reject(&self, id: &str, error: SinkError) {
+    pub fn reject(&self, id: &str, error: SinkError) {
         self.rejections.lock().unwrap().insert(id.to_owned(), error);
     }
 
@@ -76,12 +76,6 @@ impl MemorySink {
         } else {
             unavailable.insert(key.to_owned());
         }
-    }
-
-    /// Stops failing message `id`.
-    pub(crate) fn heal(&self, id: &str) {
-        self.failures.lock().unwrap().remove(id);
-        self.rejections.lock().unwrap().remove(id);
     }
 
     /// Everything acknowledged so far, in acknowledgement order.
