@@ -32,7 +32,9 @@ use std::time::Duration;
 
 pub use error::ConfigError;
 pub(crate) use kafka::KafkaConfig;
-pub use names::{adversarial_ident, Ident};
+#[cfg(feature = "testing")]
+pub use names::adversarial_ident;
+pub use names::Ident;
 pub(crate) use names::{TableName, Template};
 pub(crate) use nats::{NatsAuth, NatsConfig};
 pub(crate) use postgres::PostgresConfig;

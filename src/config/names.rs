@@ -220,7 +220,7 @@ impl Template {
 /// Random identifiers made to break quoting: quotes, dots, spaces, semicolons, comment
 /// and dollar-quote starters, backslashes, upper case and multi-byte characters, 1 to 63
 /// bytes, no NUL. Shared by the property tests here and against PostgreSQL.
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub fn adversarial_ident(rng: &mut impl rand::Rng) -> String {
     const PIECES: &[&str] = &[
         "\"",

@@ -166,7 +166,9 @@ pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Repo
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
-/// publishable is left (`Mode::Drain`).
+/// publishable is left (`Mode::Drain`). For tests and benchmarks (the `testing` feature),
+/// with the memory sink.
+#[cfg(feature = "testing")]
 pub async fn run_with_sink(
     config: &Config,
     mode: Mode,

@@ -6,7 +6,8 @@
 //! - [`Sink::healthcheck`] and [`Sink::close`] (flush, within a deadline).
 //!
 //! Implementations: [`kafka`] (idempotent rdkafka producer), [`nats`] (JetStream),
-//! [`stdout`] (JSON lines, debugging) and [`memory`] (tests).
+//! [`stdout`] (JSON lines, debugging) and `memory` (tests: unit tests and the `testing`
+//! feature only; not in the shipped binary).
 //!
 //! Only rows whose message got `Ok` are ever marked or deleted.
 //!
@@ -15,6 +16,7 @@
 //! its line in [`Sink::connect`] and in `dispatch!`).
 
 pub mod kafka;
+#[cfg(any(test, feature = "testing"))]
 pub mod memory;
 pub(crate) mod nats;
 mod stdout;
@@ -139,7 +141,8 @@ pub enum Sink {
     Nats(Box<nats::NatsSink>),
     /// [`stdout`].
     Stdout(stdout::StdoutSink),
-    /// [`memory`], for tests.
+    /// [`memory`], for tests (the `testing` feature).
+    #[cfg(any(test, feature = "testing"))]
     Memory(memory::MemorySink),
 }
 
@@ -151,6 +154,7 @@ macro_rules! dispatch {
             Sink::Kafka($s) => $call,
             Sink::Nats($s) => $call,
             Sink::Stdout($s) => $call,
+            #[cfg(any(test, feature = "testing"))]
             Sink::Memory($s) => $call,
         }
     };
