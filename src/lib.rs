@@ -36,7 +36,7 @@ pub mod admin;
 pub mod check;
 pub mod cli;
 pub mod config;
-pub mod error;
+mod error;
 pub mod ops;
 pub mod relay;
 mod retry;
