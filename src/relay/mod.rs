@@ -45,6 +45,9 @@ pub enum RelayError {
     Source(#[from] SourceError),
     #[error(transparent)]
     Sink(#[from] SinkError),
+    /// `[http] listen` could not be bound.
+    #[error(transparent)]
+    Http(#[from] ops::http::BindError),
     #[error("{0}")]
     Fatal(String),
     /// Stopped (drain --timeout, a signal) before a dependency was ever reached.

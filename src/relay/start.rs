@@ -124,9 +124,7 @@ impl Endpoints {
         let done = CancellationToken::new();
         let tasks = Background::default();
         if let Some(http) = &config.http {
-            let listener = ops::http::bind(http.listen)
-                .await
-                .map_err(RelayError::Fatal)?;
+            let listener = ops::http::bind(http.listen).await?;
             tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
             tasks.spawn(
                 "http",
