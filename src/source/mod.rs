@@ -56,7 +56,7 @@ pub enum SourceError {
     Schema(String),
     /// TLS could not be set up (a certificate or key file unreadable since start-up).
     #[error("PostgreSQL TLS: {0}")]
-    Tls(String),
+    Tls(#[from] tls::TlsError),
 }
 
 impl SourceError {
@@ -403,7 +403,7 @@ impl Source {
         let manager = Manager::from_connect(
             session_config(pg, limits, mode),
             hosts::EachHost {
-                tls: pg.tls.connector().map_err(SourceError::Tls)?,
+                tls: pg.tls.connector()?,
                 per_host: connect_timeout(pg),
             },
             ManagerConfig {

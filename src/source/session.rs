@@ -32,7 +32,7 @@ async fn connect_raw(
     pg: &PostgresConfig,
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), SourceError> {
-    let tls = pg.tls.connector().map_err(SourceError::Tls)?;
+    let tls = pg.tls.connector()?;
     match super::hosts::connect(config, tls, connect_timeout(pg)).await {
         Some(connected) => Ok(connected?),
         None => Err(SourceError::Timeout(attempt_limit(pg))),
