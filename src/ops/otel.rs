@@ -87,13 +87,32 @@ fn traces_url_from(config: &TracingConfig, env: impl Fn(&str) -> Option<String>)
 /// reachable collector answers at once, and `check` must not hang on one that does not.
 const COLLECTOR_LIMIT: Duration = Duration::from_secs(5);
 
+/// Why `check`'s empty export was not accepted by the trace collector.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CollectorError {
+    #[error("cannot build an HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// No HTTP answer (refused, timed out, TLS); the message holds the whole chain, as
+    /// reqwest's own message is only its top.
+    #[error("no answer: {}", error_chain(.0))]
+    NoAnswer(#[source] reqwest::Error),
+    /// An answer, but not a success.
+    #[error("answered {0}")]
+    Status(reqwest::StatusCode),
+}
+
+/// The OTLP span exporter could not be set up (`Otel::start`).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up the OTLP span exporter: {0}")]
+pub struct ExporterError(#[from] opentelemetry_otlp::ExporterBuildError);
+
 /// Posts an empty export (a valid, empty `ExportTraceServiceRequest`) to `url` with the
 /// configured headers, as `check` does: `Ok` when the collector accepts it. Blocking.
-pub(crate) fn probe_collector(url: &str) -> Result<(), String> {
+pub(crate) fn probe_collector(url: &str) -> Result<(), CollectorError> {
     let client = reqwest::blocking::Client::builder()
         .timeout(COLLECTOR_LIMIT)
         .build()
-        .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
+        .map_err(CollectorError::Client)?;
     let mut request = client
         .post(url)
         .header("content-type", "application/x-protobuf")
@@ -101,13 +120,11 @@ pub(crate) fn probe_collector(url: &str) -> Result<(), String> {
     for (name, value) in export_headers() {
         request = request.header(name, value);
     }
-    let response = request
-        .send()
-        .map_err(|e| format!("no answer: {}", error_chain(&e)))?;
+    let response = request.send().map_err(CollectorError::NoAnswer)?;
     if response.status().is_success() {
         Ok(())
     } else {
-        Err(format!("answered {}", response.status()))
+        Err(CollectorError::Status(response.status()))
     }
 }
 
@@ -146,7 +163,7 @@ impl Otel {
 
     /// Starts exporting to `url` (from [`traces_url`]). Blocking (the exporter builds its
     /// HTTP client on a thread of its own): call it where a thread may block.
-    pub(crate) fn start(url: String, system: &'static str) -> Result<Otel, String> {
+    pub(crate) fn start(url: String, system: &'static str) -> Result<Otel, ExporterError> {
         use opentelemetry_otlp::WithExportConfig;
         // Headers (OTEL_EXPORTER_OTLP_HEADERS), timeout and compression come from the
         // standard variables, read by the exporter.
@@ -154,8 +171,7 @@ impl Otel {
             .with_http()
             .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
             .with_endpoint(url.clone())
-            .build()
-            .map_err(|e| format!("cannot set up the OTLP span exporter: {e}"))?;
+            .build()?;
         let provider = SdkTracerProvider::builder()
             .with_batch_exporter(exporter)
             .with_resource(resource())

@@ -48,6 +48,9 @@ pub enum RelayError {
     /// `[http] listen` could not be bound.
     #[error(transparent)]
     Http(#[from] ops::http::BindError),
+    /// Trace export is on and its exporter could not be set up.
+    #[error(transparent)]
+    Tracing(#[from] ops::otel::ExporterError),
     #[error("{0}")]
     Fatal(String),
     /// Stopped (drain --timeout, a signal) before a dependency was ever reached.
@@ -217,8 +220,7 @@ async fn relay(
             let system = sink.name();
             tokio::task::spawn_blocking(move || Otel::start(url, system))
                 .await
-                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))?
-                .map_err(RelayError::Fatal)?
+                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))??
         }
     };
     // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
