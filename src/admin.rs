@@ -21,41 +21,41 @@ const HELD_ROWS_SHOWN: i64 = 10;
 /// One table's state, as `status` prints it.
 #[derive(Debug, Clone)]
 pub struct TableStatus {
-    pub table: String,
-    pub pending: i64,
+    pub(crate) table: String,
+    pub(crate) pending: i64,
     /// Pending rows that failed at least once (being retried).
-    pub failing: i64,
-    pub dead: i64,
+    pub(crate) failing: i64,
+    pub(crate) dead: i64,
     /// Rows kept with `published_at` set (mark mode).
-    pub published: i64,
+    pub(crate) published: i64,
     /// Pending rows waiting for their next attempt (`next_attempt_at` in the future).
-    pub waiting: i64,
+    pub(crate) waiting: i64,
     /// The earliest next attempt among them, as PostgreSQL prints a timestamp.
-    pub next_attempt: Option<String>,
+    pub(crate) next_attempt: Option<String>,
     /// Pending rows held back (key order) by an earlier dead or waiting row of their key.
-    pub held_back: i64,
+    pub(crate) held_back: i64,
     /// Age of the oldest pending row; `None` when nothing is pending or the table has no
     /// creation-time column.
-    pub oldest_pending: Option<Duration>,
+    pub(crate) oldest_pending: Option<Duration>,
     /// The oldest held rows, dead or waiting.
-    pub held_rows: Vec<HeldRow>,
+    pub(crate) held_rows: Vec<HeldRow>,
     /// Set while the table is paused for every relay.
-    pub paused: Option<Paused>,
+    pub(crate) paused: Option<Paused>,
 }
 
 /// A row that holds back the later rows of its key: dead, or waiting for a retry.
 #[derive(Debug, Clone)]
-pub struct HeldRow {
-    pub id: i64,
-    pub attempts: i64,
+pub(crate) struct HeldRow {
+    pub(crate) id: i64,
+    pub(crate) attempts: i64,
     /// Set when dead-lettered.
-    pub dead_at: Option<String>,
+    pub(crate) dead_at: Option<String>,
     /// Set while waiting for its next attempt.
-    pub next_attempt_at: Option<String>,
-    pub last_error: Option<String>,
-    pub key: Option<String>,
+    pub(crate) next_attempt_at: Option<String>,
+    pub(crate) last_error: Option<String>,
+    pub(crate) key: Option<String>,
     /// Later pending rows of its key.
-    pub holds_back: i64,
+    pub(crate) holds_back: i64,
 }
 
 impl fmt::Display for TableStatus {
@@ -231,12 +231,12 @@ pub enum Requeue {
 /// What `requeue` did to one table.
 #[derive(Debug, Clone)]
 pub struct RequeueReport {
-    pub table: String,
+    pub(crate) table: String,
     /// `requeue --waiting`: the rows were waiting for a retry, not dead.
-    pub waiting: bool,
-    pub requeued: Vec<i64>,
+    pub(crate) waiting: bool,
+    pub(crate) requeued: Vec<i64>,
     /// Ids asked for that were not dead-lettered (pending, published or not there).
-    pub not_dead: Vec<i64>,
+    pub(crate) not_dead: Vec<i64>,
 }
 
 impl RequeueReport {
@@ -327,8 +327,8 @@ pub async fn requeue(
 /// it was not paused).
 #[derive(Debug, Clone)]
 pub struct PauseReport {
-    pub table: String,
-    pub before: Option<Paused>,
+    pub(crate) table: String,
+    pub(crate) before: Option<Paused>,
 }
 
 impl PauseReport {
@@ -444,13 +444,13 @@ pub enum Replay {
 /// What `replay` did.
 #[derive(Debug)]
 pub struct ReplayReport {
-    pub table: String,
+    pub(crate) table: String,
     /// `--dry-run`: counted, nothing changed.
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
     /// Rows made pending again (with `--dry-run`: rows that would be).
-    pub replayed: usize,
+    pub(crate) replayed: usize,
     /// Ids asked for that were not kept as published (pending, dead or not there).
-    pub not_published: Vec<i64>,
+    pub(crate) not_published: Vec<i64>,
 }
 
 impl ReplayReport {

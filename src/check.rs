@@ -29,8 +29,8 @@ pub enum Level {
 #[derive(Debug, Clone)]
 pub struct Finding {
     pub level: Level,
-    pub subject: String,
-    pub message: String,
+    pub(crate) subject: String,
+    pub(crate) message: String,
 }
 
 impl std::fmt::Display for Finding {
@@ -92,7 +92,8 @@ async fn check_tracing(config: &Config, out: &mut Findings) {
     let target = format!("tracing {}", crate::config::redact_userinfo(&url));
     let probe = tokio::task::spawn_blocking(move || crate::ops::otel::probe_collector(&url))
         .await
-        .unwrap_or_else(|e| Err(format!("the probe failed: {e}")));
+        .map_err(|e| format!("the probe failed: {e}"))
+        .and_then(|accepted| accepted.map_err(|e| e.to_string()));
     match probe {
         Ok(()) => out.push(Level::Ok, target, "the collector accepts OTLP/HTTP exports"),
         Err(e) => out.push(

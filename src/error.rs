@@ -4,7 +4,7 @@
 
 /// How the relay reacts to a failure.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ErrorClass {
+pub(crate) enum ErrorClass {
     /// The dependency is unwell (connection reset, timeout, broker unavailable): back off
     /// and try the same rows again later. Does not count against a row's attempts.
     Transient,

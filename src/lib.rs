@@ -10,32 +10,54 @@
 //! - [`config`]: a leaf. TOML + `${VAR}` + `OUTBOX_RELAY__*` overrides -> a checked
 //!   [`config::Config`]; the one place input is checked (exit 2), each sink's keys in its
 //!   own file.
-//! - [`source`]: PostgreSQL. Session deadlines per command ([`source::session`]), tables
-//!   ready to relay ([`source::table`]), the SQL ([`source::sql`]), the key-ordered claim
+//! - [`source`]: PostgreSQL. Session deadlines per command (`source::session`), tables
+//!   ready to relay ([`source::table`]), the SQL (`source::sql`), the key-ordered claim
 //!   (its invariant proved in [`source::claim`], key buckets for many claimers included),
 //!   the claim floor, retention, the `migrate` command ([`source::migrate`]),
-//!   LISTEN/NOTIFY, and what to do about each error ([`source::class`]).
-//! - [`sink`]: the sink contract ([`sink::SinkService`]) and one folder per implementation:
-//!   Kafka, NATS JetStream, stdout, memory (tests).
+//!   LISTEN/NOTIFY, and what to do about each error (`source::class`).
+//! - [`sink`]: the sink contract (`sink::SinkService`) and one folder per implementation:
+//!   Kafka, NATS JetStream, stdout, memory (tests: the `testing` feature).
 //! - [`relay`]: `run`/`drain`: start-up, the workers, which tables are due for a claim
 //!   (`relay::wake`: idle tables cost next to nothing), one batch in phases (claim ->
-//!   publish -> settle -> finalize), per-key publish order ([`relay::order`]), the circuit
+//!   publish -> settle -> finalize), per-key publish order (`relay::order`), the circuit
 //!   breaker, the run's state and report, and the background tasks it awaits at the end.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.
 //! - [`check`]: the `check` command's findings.
 //! - [`admin`]: the `status`, `requeue`, `replay` and `pause`/`resume` commands.
-//! - [`error`]: the three classes every error falls into: transient, bad row, fatal.
-//! - [`retry`]: the one capped exponential backoff with full jitter everyone uses.
+//! - `error`: the three classes every error falls into: transient, bad row, fatal.
+//! - `retry`: the one capped exponential backoff with full jitter everyone uses.
+//!
+//! # The public surface
+//!
+//! This library is the binary's, not a published API: an item is `pub(crate)` unless
+//! `main.rs`, the integration tests (`tests/it/`) or testkit (its `outbox-bench` and
+//! `outbox-soak` link the relay) use it, and `#![warn(unreachable_pub)]` keeps it so, so
+//! that the compiler reports dead code. What is `pub`:
+//!
+//! - the commands: [`cli`], [`config::load`] and [`config::Config`], [`relay::run`] with
+//!   its [`relay::Report`], [`source::migrate`], [`check`], [`admin`], [`shutdown`], and
+//!   `ops::progress::Stderr` (drain's progress line);
+//! - for tests that drive the parts directly: [`source::Source`] and its transactions,
+//!   [`source::table::prepare`], [`source::claim::claim_batch`] (with the claim's
+//!   constants), [`sink::Sink`], [`sink::Message`], [`sink::SinkError`] and
+//!   [`sink::kafka::partition_of`];
+//! - with the `testing` feature only (testkit turns it on; the shipped binary is built
+//!   without it): the memory sink (`sink::memory`), `relay::run_with_sink` and
+//!   `config::adversarial_ident`.
+
+// `pub(crate)` by default: an item is `pub` only if the binary, the integration tests or
+// testkit use it (the public surface). A `pub` nothing outside can reach is flagged.
+#![warn(unreachable_pub)]
 
 pub mod admin;
 pub mod check;
 pub mod cli;
 pub mod config;
-pub mod error;
+mod error;
 pub mod ops;
 pub mod relay;
-pub mod retry;
+mod retry;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

@@ -10,12 +10,12 @@
 use std::time::Duration;
 
 /// The ceiling of the `attempt`-th wait (from 0): `min(cap, base * 2^attempt)`.
-pub fn ceiling(base: Duration, cap: Duration, attempt: u32) -> Duration {
+pub(crate) fn ceiling(base: Duration, cap: Duration, attempt: u32) -> Duration {
     base.saturating_mul(1u32 << attempt.min(30)).min(cap)
 }
 
 /// A random wait in `[0, ceiling(base, cap, attempt)]`.
-pub fn full_jitter(base: Duration, cap: Duration, attempt: u32) -> Duration {
+pub(crate) fn full_jitter(base: Duration, cap: Duration, attempt: u32) -> Duration {
     let top = ceiling(base, cap, attempt).as_micros() as u64;
     Duration::from_micros(rand::random_range(0..=top))
 }
@@ -23,30 +23,30 @@ pub fn full_jitter(base: Duration, cap: Duration, attempt: u32) -> Duration {
 /// Successive waits of one retry loop: [`full_jitter`] with a floor, so a loop that keeps
 /// failing never spins.
 #[derive(Debug, Clone)]
-pub struct Backoff {
+pub(crate) struct Backoff {
     base: Duration,
     cap: Duration,
     attempt: u32,
 }
 
 /// The shortest pause a [`Backoff`] returns.
-pub const MIN_PAUSE: Duration = Duration::from_millis(10);
+pub(crate) const MIN_PAUSE: Duration = Duration::from_millis(10);
 
 /// The first pause before trying a dependency again (start-up, LISTEN): one that is
 /// starting alongside the relay is usually up within it.
-pub const RECONNECT_FIRST: Duration = Duration::from_millis(250);
+pub(crate) const RECONNECT_FIRST: Duration = Duration::from_millis(250);
 /// The longest pause between tries: a dependency that comes back is found within it,
 /// without hammering one that stays down.
-pub const RECONNECT_MAX: Duration = Duration::from_secs(10);
+pub(crate) const RECONNECT_MAX: Duration = Duration::from_secs(10);
 
 impl Backoff {
     /// The pauses between attempts to reach a dependency: [`RECONNECT_FIRST`] doubling to
     /// [`RECONNECT_MAX`].
-    pub fn reconnect() -> Backoff {
+    pub(crate) fn reconnect() -> Backoff {
         Backoff::new(RECONNECT_FIRST, RECONNECT_MAX)
     }
 
-    pub fn new(base: Duration, cap: Duration) -> Backoff {
+    pub(crate) fn new(base: Duration, cap: Duration) -> Backoff {
         Backoff {
             base,
             cap,
@@ -55,19 +55,20 @@ impl Backoff {
     }
 
     /// The next wait: random in `[MIN_PAUSE, min(cap, base * 2^attempt)]`.
-    pub fn next_pause(&mut self) -> Duration {
+    pub(crate) fn next_pause(&mut self) -> Duration {
         let pause = full_jitter(self.base, self.cap, self.attempt);
         self.attempt = self.attempt.saturating_add(1);
         pause.max(MIN_PAUSE)
     }
 
     /// The ceiling the next pause is drawn under.
-    pub fn next_ceiling(&self) -> Duration {
+    #[cfg(test)]
+    pub(crate) fn next_ceiling(&self) -> Duration {
         ceiling(self.base, self.cap, self.attempt)
     }
 
     /// Back to the first, shortest wait.
-    pub fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.attempt = 0;
     }
 }

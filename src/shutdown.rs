@@ -34,12 +34,12 @@ impl Shutdown {
     }
 
     /// Cancelled when the relay should stop claiming.
-    pub fn stop_token(&self) -> &CancellationToken {
+    pub(crate) fn stop_token(&self) -> &CancellationToken {
         &self.stop
     }
 
     /// Cancelled when in-flight work must be rolled back now.
-    pub fn abort_token(&self) -> &CancellationToken {
+    pub(crate) fn abort_token(&self) -> &CancellationToken {
         &self.abort
     }
 
@@ -54,7 +54,7 @@ impl Shutdown {
     }
 
     /// Starts the drain clock: `deadline` after the stop request, abort. Needs a runtime.
-    pub fn arm_deadline(&self, deadline: Duration) {
+    pub(crate) fn arm_deadline(&self, deadline: Duration) {
         let this = self.clone();
         tokio::spawn(async move {
             tokio::select! {

@@ -6,12 +6,12 @@ use toml::{Table, Value};
 use super::error::{ConfigError, Override};
 
 /// Prefix of the variables that override configuration keys.
-pub const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
+pub(crate) const OVERRIDE_PREFIX: &str = "OUTBOX_RELAY__";
 
 /// Replaces `${VAR}` in every string value of the parsed file (not in comments or key
 /// names, and a value can never change the file's structure, whatever it contains). An
 /// error names the key: `postgres.url: ${PGPASSWORD} is used but PGPASSWORD is not set`.
-pub fn interpolate_values(
+pub(crate) fn interpolate_values(
     table: &mut Table,
     lookup: &impl Fn(&str) -> Option<String>,
 ) -> Result<(), ConfigError> {
@@ -52,7 +52,10 @@ pub fn interpolate_values(
 
 /// Replaces every `${VAR}` in `text` with the variable's value; `$${` stands for a literal
 /// `${`. A reference to an unset variable is an error naming it.
-pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Result<String, String> {
+pub(crate) fn interpolate(
+    text: &str,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<String, String> {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(at) = rest.find('$') {
@@ -89,7 +92,7 @@ pub fn interpolate(text: &str, lookup: impl Fn(&str) -> Option<String>) -> Resul
 /// TOML numbers and booleans, everything else a string. A numeric path segment indexes an
 /// array (`OUTBOX_RELAY__TABLES__0__TOPIC`). Below `sink.kafka.properties` (and
 /// `property_files`) the rest of the path is one dotted librdkafka name.
-pub fn apply_overrides(
+pub(crate) fn apply_overrides(
     root: &mut Table,
     vars: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Vec<Override>, ConfigError> {

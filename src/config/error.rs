@@ -6,9 +6,9 @@ use std::path::PathBuf;
 /// One applied `OUTBOX_RELAY__...` override (see `env`), kept so that an error on its key
 /// can name the variable.
 #[derive(Debug, Clone)]
-pub struct Override {
-    pub variable: String,
-    pub path: Vec<String>,
+pub(crate) struct Override {
+    pub(crate) variable: String,
+    pub(crate) path: Vec<String>,
 }
 
 /// A configuration problem: always the operator's to fix, always exit code 2.
@@ -24,16 +24,16 @@ pub struct ConfigError {
     /// What is wrong and what to write instead. Never holds a secret.
     pub problem: String,
     /// The `OUTBOX_RELAY__...` variable that set the key, if one did.
-    pub set_by: Option<String>,
+    pub(crate) set_by: Option<String>,
     /// Further problems found in the same pass (all Kafka properties are checked at once).
-    pub more: Vec<ConfigError>,
+    pub(crate) more: Vec<ConfigError>,
     /// The configuration file, once the problem is reported for it.
-    pub file: Option<PathBuf>,
+    pub(crate) file: Option<PathBuf>,
 }
 
 impl ConfigError {
     /// A problem with `key`.
-    pub fn new(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    pub(crate) fn new(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
         ConfigError {
             key: key.into(),
             problem: problem.into(),
@@ -44,12 +44,12 @@ impl ConfigError {
     }
 
     /// A problem that is no single key's (the message says where).
-    pub fn general(problem: impl Into<String>) -> ConfigError {
+    pub(crate) fn general(problem: impl Into<String>) -> ConfigError {
         ConfigError::new("", problem)
     }
 
     /// All of `problems` at once; `Ok` when there is none.
-    pub fn all(problems: Vec<ConfigError>) -> Result<(), ConfigError> {
+    pub(crate) fn all(problems: Vec<ConfigError>) -> Result<(), ConfigError> {
         let mut problems = problems.into_iter();
         match problems.next() {
             None => Ok(()),
@@ -61,7 +61,7 @@ impl ConfigError {
     }
 
     /// Every problem, this one first.
-    pub fn problems(&self) -> impl Iterator<Item = &ConfigError> {
+    pub(crate) fn problems(&self) -> impl Iterator<Item = &ConfigError> {
         std::iter::once(self).chain(self.more.iter())
     }
 

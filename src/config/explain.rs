@@ -22,7 +22,7 @@ const SECRET_KEYS: &[&str] = &[
 
 /// `line 2, column 12: text must be in double quotes: write ordering = "key"`, followed by
 /// the line itself and a caret under the column (unless the line holds a secret).
-pub fn syntax_error(text: &str, e: &toml::de::Error) -> String {
+pub(crate) fn syntax_error(text: &str, e: &toml::de::Error) -> String {
     let Some(span) = e.span() else {
         return format!("not valid TOML: {}", plain_syntax(e.message(), None, None));
     };
@@ -157,7 +157,7 @@ fn plain_syntax(message: &str, unquoted: Option<(&str, &str)>, line: Option<&str
 /// `relay.workerz: unknown key; did you mean workers?`, `postgres.url: required key is
 /// missing`, `relay.workers: expected a whole number, got the text "x"`. A key set by an
 /// `OUTBOX_RELAY__...` variable names the variable.
-pub fn serde_error(
+pub(crate) fn serde_error(
     e: &serde_path_to_error::Error<toml::de::Error>,
     overrides: &[Override],
 ) -> ConfigError {
@@ -350,7 +350,7 @@ fn plain_got(got: &str, path: &str) -> String {
 
 /// `[[relay]]` makes `relay` a list of tables, which serde would then read field by field
 /// and answer with nonsense (`relay[0]: expected usize`). Only `[[tables]]` is a list.
-pub fn check_lists(root: &toml::Table) -> Result<(), ConfigError> {
+pub(crate) fn check_lists(root: &toml::Table) -> Result<(), ConfigError> {
     fn walk(value: &toml::Value, path: &str) -> Result<(), ConfigError> {
         match value {
             toml::Value::Table(t) => t

@@ -2,20 +2,20 @@
 //! used by `[tables.header_columns]` at load and by the NATS sink for a row's headers.
 
 /// The Kafka header that carries the message id (`<table>:<id>`).
-pub const ID_HEADER: &str = "outbox-id";
+pub(crate) const ID_HEADER: &str = "outbox-id";
 
 /// The NATS header JetStream de-duplicates on; it carries the message id.
-pub const NATS_MSG_ID_HEADER: &str = "Nats-Msg-Id";
+pub(crate) const NATS_MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
 /// Whether `name` may be a header name: printable ASCII, no space, no `:` (what both the
 /// NATS and the HTTP header grammars allow).
-pub fn is_valid_name(name: &str) -> bool {
+pub(crate) fn is_valid_name(name: &str) -> bool {
     !name.is_empty() && name.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
 /// Whether the relay sets header `name` itself (compared without case, as NATS and HTTP
 /// do), so a configured header must not take it.
-pub fn is_reserved(name: &str) -> bool {
+pub(crate) fn is_reserved(name: &str) -> bool {
     [ID_HEADER, NATS_MSG_ID_HEADER]
         .iter()
         .any(|reserved| reserved.eq_ignore_ascii_case(name))

@@ -27,25 +27,25 @@ use super::{ConfigError, Secret};
 mod check;
 
 use check::check;
-pub use check::{max_message_bytes, DEFAULT_MAX_MESSAGE_BYTES};
+pub(crate) use check::max_message_bytes;
 
 /// `[sink.kafka]` as written.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawKafka {
+pub(crate) struct RawKafka {
     /// `bootstrap.servers`. Required when `sink.kind = "kafka"`.
-    pub brokers: String,
+    pub(crate) brokers: String,
     /// Passed through to librdkafka.
     #[serde(default)]
-    pub properties: BTreeMap<String, PropertyValue>,
+    pub(crate) properties: BTreeMap<String, PropertyValue>,
     /// librdkafka properties whose values are read from files (e.g. `sasl.password`).
     #[serde(default)]
-    pub property_files: BTreeMap<String, std::path::PathBuf>,
+    pub(crate) property_files: BTreeMap<String, std::path::PathBuf>,
 }
 
 /// A librdkafka property: written as a string, number or boolean, passed on as a string.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PropertyValue(pub String);
+pub(crate) struct PropertyValue(pub(crate) String);
 
 impl<'de> Deserialize<'de> for PropertyValue {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -79,11 +79,11 @@ impl<'de> Deserialize<'de> for PropertyValue {
 #[derive(Clone)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
-    pub brokers: String,
+    pub(crate) brokers: String,
     /// `[sink.kafka.properties]`, passed to librdkafka after [`PRODUCER_DEFAULTS`].
-    pub properties: BTreeMap<String, String>,
+    pub(crate) properties: BTreeMap<String, String>,
     /// `[sink.kafka.property_files]`: properties whose values came from files.
-    pub secret_properties: BTreeMap<String, Secret>,
+    pub(crate) secret_properties: BTreeMap<String, Secret>,
 }
 
 impl fmt::Debug for KafkaConfig {
@@ -154,11 +154,11 @@ pub(super) fn validate(
 
 /// A property the relay refuses, and what to write instead.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
+pub(crate) struct Refusal {
     /// The property as written, e.g. `acks`.
-    pub property: String,
+    pub(crate) property: String,
     /// Which promise it breaks and what to write instead. Never holds a secret.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 /// The key of a property set in the file.
@@ -168,12 +168,12 @@ const PROPERTY_FILES: &str = "sink.kafka.property_files";
 
 impl Refusal {
     /// The refusal as a config error on `sink.kafka.properties.<property>`.
-    pub fn to_error(&self) -> ConfigError {
+    pub(crate) fn to_error(&self) -> ConfigError {
         ConfigError::new(format!("{PROPERTIES}.{}", self.property), &self.reason)
     }
 
     /// `acks: is "1", but ...`: the refusal without the section, for `check`'s report.
-    pub fn short(&self) -> String {
+    pub(crate) fn short(&self) -> String {
         format!("{}: {}", self.property, self.reason)
     }
 }
@@ -279,7 +279,7 @@ const BROKERS_ELSEWHERE: &str =
 
 /// The properties that would break the at-least-once or the per-key order promise, or
 /// that the relay sets itself. None of them is a secret, so their values may be shown.
-pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal> {
+pub(crate) fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal> {
     RULES
         .iter()
         .filter_map(|rule| {
@@ -304,7 +304,7 @@ pub fn refused_properties(properties: &BTreeMap<String, String>) -> Vec<Refusal>
 ///
 /// `sasl.username` is left out on purpose: it is no secret, and scrubbing a short user
 /// name from every client error would mangle the messages.
-pub const SECRET_PROPERTIES: &[&str] = &[
+pub(crate) const SECRET_PROPERTIES: &[&str] = &[
     "sasl.password",
     "sasl.oauthbearer.config",
     "sasl.oauthbearer.client.secret",
@@ -329,7 +329,7 @@ const SECRET_WORDS: &[&str] = &["password", "passphrase", "secret", "token", "ke
 /// Whether the value of librdkafka property `name` is a secret (see [`SECRET_PROPERTIES`]):
 /// the one policy for redaction in `Debug`, in config errors, in client errors, and for
 /// what `[sink.kafka.property_files]` accepts.
-pub fn is_secret(name: &str) -> bool {
+pub(crate) fn is_secret(name: &str) -> bool {
     let name = name.trim().to_ascii_lowercase();
     SECRET_PROPERTIES.contains(&name.as_str()) || SECRET_WORDS.iter().any(|w| name.contains(w))
 }
@@ -340,7 +340,7 @@ pub fn is_secret(name: &str) -> bool {
 /// which partitions can take records now: statistics twice a second, and a connection to
 /// every broker, so a broker that went down is retried and seen coming back (see
 /// `sink::kafka::health`).
-pub const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
+pub(crate) const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("enable.idempotence", "true"),
     ("acks", "all"),
     ("partitioner", "murmur2_random"),

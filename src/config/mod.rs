@@ -16,31 +16,37 @@
 mod env;
 mod error;
 mod explain;
-pub mod headers;
-pub mod kafka;
-pub mod names;
-pub mod nats;
+pub(crate) mod headers;
+pub(crate) mod kafka;
+mod names;
+mod nats;
 mod pem;
-pub mod postgres;
-pub mod raw;
-pub mod secret;
-pub mod tables;
+pub(crate) mod postgres;
+pub(crate) mod raw;
+mod secret;
+mod tables;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use error::ConfigError;
-pub use kafka::KafkaConfig;
-pub use names::{Ident, TableName, Template};
-pub use nats::{NatsAuth, NatsConfig};
-pub use postgres::PostgresConfig;
-pub use raw::{OnPublish, Ordering, SinkKind};
-pub use secret::Secret;
-pub use tables::{Columns, OptionalColumn, TableConfig};
+pub(crate) use kafka::KafkaConfig;
+#[cfg(feature = "testing")]
+pub use names::adversarial_ident;
+pub use names::Ident;
+pub(crate) use names::{TableName, Template};
+pub(crate) use nats::{NatsAuth, NatsConfig};
+pub(crate) use postgres::PostgresConfig;
+pub use raw::Ordering;
+pub(crate) use raw::{OnPublish, SinkKind};
+pub(crate) use secret::Secret;
+#[cfg(test)]
+pub(crate) use tables::Columns;
+pub(crate) use tables::{OptionalColumn, TableConfig};
 
 /// Where the config is read from when neither `--config` nor `OUTBOX_RELAY_CONFIG` is set.
-pub const DEFAULT_PATH: &str = "/etc/outbox-relay/relay.toml";
+pub(crate) const DEFAULT_PATH: &str = "/etc/outbox-relay/relay.toml";
 
 /// The checked configuration. Everything in it has been validated.
 #[derive(Debug, Clone)]
@@ -48,49 +54,49 @@ pub struct Config {
     /// `[postgres]`.
     pub postgres: PostgresConfig,
     /// `[relay]`.
-    pub relay: RelayConfig,
+    pub(crate) relay: RelayConfig,
     /// `[sink]`.
     pub sink: SinkConfig,
     /// `[[tables]]`, at least one, no table twice.
     pub tables: Vec<TableConfig>,
     /// `[http]`; `None`: no HTTP server.
-    pub http: Option<HttpConfig>,
+    pub(crate) http: Option<HttpConfig>,
     /// `[shutdown]`.
-    pub shutdown: ShutdownConfig,
+    pub(crate) shutdown: ShutdownConfig,
     /// `[tracing]`.
     pub tracing: TracingConfig,
 }
 
 /// `[relay]`, checked.
 #[derive(Debug, Clone)]
-pub struct RelayConfig {
+pub(crate) struct RelayConfig {
     /// Concurrent claim/publish loops, 1 to 256. Default 4.
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Rows claimed per transaction, 1 to 10000. Default 500.
-    pub batch_size: usize,
+    pub(crate) batch_size: usize,
     /// Idle re-check when no NOTIFY arrives, at least 1 ms. Default 100 ms.
-    pub poll_interval: Duration,
+    pub(crate) poll_interval: Duration,
     /// Which rows keep `id` order. Default `key`.
-    pub ordering: Ordering,
+    pub(crate) ordering: Ordering,
     /// Delete or mark a published row. Default `delete`.
-    pub on_publish: OnPublish,
+    pub(crate) on_publish: OnPublish,
     /// Failed attempts before a row is dead-lettered, at least 1. Default 10.
-    pub max_attempts: u32,
+    pub(crate) max_attempts: u32,
     /// The first retry's ceiling: a failed row's next attempt is due within
     /// `min(retry_backoff_max, retry_backoff * 2^(attempts-1))` (full jitter). Default 1 s.
-    pub retry_backoff: Duration,
+    pub(crate) retry_backoff: Duration,
     /// The longest wait between two attempts of a row. Default 5 min.
-    pub retry_backoff_max: Duration,
+    pub(crate) retry_backoff_max: Duration,
     /// Payload bytes one claim takes at most; a single larger row is claimed alone.
     /// At least 1 KiB. Default 8 MiB.
-    pub max_batch_bytes: u64,
+    pub(crate) max_batch_bytes: u64,
     /// Mark mode: published rows whose `published_at` is older than this are deleted
     /// (the source's retention task); `None` (the default) keeps them.
-    pub retention: Option<Duration>,
+    pub(crate) retention: Option<Duration>,
     /// The bad-row valve: a table whose rows fail for their own sake this many times
     /// within `bad_row_window`, most of its attempts there, pauses itself. `None`: off
     /// (`pause_after_bad_rows = 0`). Default 100 within 1 min.
-    pub bad_row_valve: Option<(u32, Duration)>,
+    pub(crate) bad_row_valve: Option<(u32, Duration)>,
 }
 
 /// `[sink]`, checked.
@@ -115,16 +121,16 @@ pub enum SinkTarget {
 
 /// `[http]`, checked.
 #[derive(Debug, Clone)]
-pub struct HttpConfig {
+pub(crate) struct HttpConfig {
     /// Address for /metrics, /healthz and /readyz.
-    pub listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
 }
 
 /// `[shutdown]`, checked.
 #[derive(Debug, Clone)]
-pub struct ShutdownConfig {
+pub(crate) struct ShutdownConfig {
     /// After the first SIGTERM, how long in-flight batches may take. Default 25 s.
-    pub drain_timeout: Duration,
+    pub(crate) drain_timeout: Duration,
 }
 
 /// `[tracing]`, checked.
@@ -347,7 +353,7 @@ fn positive(key: &str, value: raw::DurationValue) -> Result<Duration, ConfigErro
 }
 
 /// Removes `user:password@` from a URL.
-pub fn redact_userinfo(url: &str) -> String {
+pub(crate) fn redact_userinfo(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme_end), Some(at)) if at > scheme_end => {
             format!("{}://<redacted>@{}", &url[..scheme_end], &url[at + 1..])

@@ -63,7 +63,7 @@ impl Ident {
     }
 
     /// The name as PostgreSQL stores it in the catalog.
-    pub fn as_str(&self) -> &str {
+    pub(crate) fn as_str(&self) -> &str {
         &self.0
     }
 
@@ -81,13 +81,13 @@ impl fmt::Display for Ident {
 
 /// A schema-qualified table name. `outbox` alone means `public.outbox`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct TableName {
-    pub schema: Ident,
-    pub table: Ident,
+pub(crate) struct TableName {
+    pub(crate) schema: Ident,
+    pub(crate) table: Ident,
 }
 
 impl TableName {
-    pub fn parse(text: &str) -> Result<TableName, String> {
+    pub(crate) fn parse(text: &str) -> Result<TableName, String> {
         let (first, rest) = Ident::parse_prefix(text.trim())?;
         if rest.is_empty() {
             return Ok(TableName {
@@ -105,7 +105,7 @@ impl TableName {
     }
 
     /// `"schema"."table"`, for SQL.
-    pub fn quoted(&self) -> String {
+    pub(crate) fn quoted(&self) -> String {
         format!("{}.{}", self.schema.quoted(), self.table.quoted())
     }
 }
@@ -120,7 +120,7 @@ impl fmt::Display for TableName {
 /// A topic or subject template such as `outbox.event.{aggregatetype}`: literal text and
 /// `{column}` references, `{{` and `}}` for literal braces.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Template {
+pub(crate) struct Template {
     parts: Vec<Part>,
     columns: Vec<Ident>,
 }
@@ -133,7 +133,7 @@ enum Part {
 }
 
 impl Template {
-    pub fn parse(text: &str) -> Result<Template, String> {
+    pub(crate) fn parse(text: &str) -> Result<Template, String> {
         let mut parts = Vec::new();
         let mut columns: Vec<Ident> = Vec::new();
         let mut literal = String::new();
@@ -183,13 +183,13 @@ impl Template {
     }
 
     /// The columns referenced, in the order [`Template::render`] expects their values.
-    pub fn columns(&self) -> &[Ident] {
+    pub(crate) fn columns(&self) -> &[Ident] {
         &self.columns
     }
 
     /// Renders the template from the values of [`Template::columns`]; a NULL value is an
     /// error naming the column.
-    pub fn render(&self, values: &[Option<String>]) -> Result<String, String> {
+    pub(crate) fn render(&self, values: &[Option<String>]) -> Result<String, String> {
         let mut out = String::new();
         for part in &self.parts {
             match part {
@@ -209,7 +209,7 @@ impl Template {
     }
 
     /// The topic when the template has no column references.
-    pub fn literal(&self) -> Option<&str> {
+    pub(crate) fn literal(&self) -> Option<&str> {
         match self.parts.as_slice() {
             [Part::Literal(s)] => Some(s),
             _ => None,
@@ -220,7 +220,7 @@ impl Template {
 /// Random identifiers made to break quoting: quotes, dots, spaces, semicolons, comment
 /// and dollar-quote starters, backslashes, upper case and multi-byte characters, 1 to 63
 /// bytes, no NUL. Shared by the property tests here and against PostgreSQL.
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub fn adversarial_ident(rng: &mut impl rand::Rng) -> String {
     const PIECES: &[&str] = &[
         "\"",

@@ -12,24 +12,24 @@ use super::{pem, redact_userinfo, secret, ConfigError, Secret};
 /// `[sink.nats]` as written.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawNats {
+pub(crate) struct RawNats {
     /// Server URL(s), comma separated. Default `nats://127.0.0.1:4222`.
     #[serde(default = "default_url")]
-    pub url: String,
+    pub(crate) url: String,
     /// A `.creds` file (user JWT and nkey seed).
     #[serde(default)]
-    pub credentials_file: Option<std::path::PathBuf>,
+    pub(crate) credentials_file: Option<std::path::PathBuf>,
     /// A file holding a user nkey seed (`SU...`).
     #[serde(default)]
-    pub nkey_file: Option<std::path::PathBuf>,
+    pub(crate) nkey_file: Option<std::path::PathBuf>,
     /// CA certificates (PEM) to verify the server with; implies TLS.
     #[serde(default)]
-    pub tls_ca_file: Option<std::path::PathBuf>,
+    pub(crate) tls_ca_file: Option<std::path::PathBuf>,
     /// Client certificate and key (PEM) for servers that verify clients.
     #[serde(default)]
-    pub tls_cert_file: Option<std::path::PathBuf>,
+    pub(crate) tls_cert_file: Option<std::path::PathBuf>,
     #[serde(default)]
-    pub tls_key_file: Option<std::path::PathBuf>,
+    pub(crate) tls_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for RawNats {
@@ -55,18 +55,18 @@ fn default_url() -> String {
 pub struct NatsConfig {
     /// Server URLs (`url`, comma separated); may carry `user:password@`, so `Debug` is
     /// redacted.
-    pub urls: Vec<String>,
+    pub(crate) urls: Vec<String>,
     /// `credentials_file` or `nkey_file`, if either is set.
-    pub auth: NatsAuth,
+    pub(crate) auth: NatsAuth,
     /// `tls_ca_file`: verify the server against these CAs (and require TLS).
-    pub tls_ca: Option<PathBuf>,
+    pub(crate) tls_ca: Option<PathBuf>,
     /// `tls_cert_file` and `tls_key_file`.
-    pub tls_client: Option<(PathBuf, PathBuf)>,
+    pub(crate) tls_client: Option<(PathBuf, PathBuf)>,
 }
 
 /// How the relay authenticates to NATS beyond what the URL carries.
 #[derive(Debug, Clone)]
-pub enum NatsAuth {
+pub(crate) enum NatsAuth {
     /// The URL's credentials, if any.
     None,
     /// A `.creds` file, read by the client at connect time.
@@ -77,7 +77,7 @@ pub enum NatsAuth {
 
 impl NatsConfig {
     /// The server URLs with any credentials removed.
-    pub fn redacted(&self) -> String {
+    pub(crate) fn redacted(&self) -> String {
         self.urls
             .iter()
             .map(|u| redact_userinfo(u))

@@ -10,7 +10,7 @@ use openssl::pkey::{PKey, Private};
 use openssl::x509::X509;
 
 /// The certificates in `path`, at least one.
-pub fn certificates(path: &Path) -> Result<Vec<X509>, String> {
+pub(crate) fn certificates(path: &Path) -> Result<Vec<X509>, String> {
     let certs = read(path, X509::stack_from_pem)?;
     if certs.is_empty() {
         return Err(unusable("no PEM certificate in it"));
@@ -19,7 +19,7 @@ pub fn certificates(path: &Path) -> Result<Vec<X509>, String> {
 }
 
 /// The private key in `path`, decrypted with `passphrase` if it is encrypted.
-pub fn private_key(path: &Path, passphrase: Option<&str>) -> Result<PKey<Private>, String> {
+pub(crate) fn private_key(path: &Path, passphrase: Option<&str>) -> Result<PKey<Private>, String> {
     match passphrase {
         Some(p) => read(path, |pem| {
             PKey::private_key_from_pem_passphrase(pem, p.as_bytes())
@@ -29,12 +29,12 @@ pub fn private_key(path: &Path, passphrase: Option<&str>) -> Result<PKey<Private
 }
 
 /// Whether `key` is the private half of `cert`'s public key.
-pub fn belongs_to(key: &PKey<Private>, cert: &X509) -> bool {
+pub(crate) fn belongs_to(key: &PKey<Private>, cert: &X509) -> bool {
     cert.public_key().is_ok_and(|public| public.public_eq(key))
 }
 
 /// `does not exist` or `cannot be used (why)`.
-pub fn why(path: &Path, error: &dyn std::fmt::Display) -> String {
+pub(crate) fn why(path: &Path, error: &dyn std::fmt::Display) -> String {
     if path.exists() {
         unusable(error)
     } else {

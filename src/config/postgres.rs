@@ -19,32 +19,32 @@ use super::{pem, positive, ConfigError, Secret};
 #[derive(Clone)]
 pub struct PostgresConfig {
     /// Parsed connection settings; may hold a password, so this type's `Debug` is redacted.
-    pub connection: tokio_postgres::Config,
+    pub(crate) connection: tokio_postgres::Config,
     /// Connections in the pool; at least `relay.workers`. Default 8.
-    pub pool_size: usize,
+    pub(crate) pool_size: usize,
     /// Client and server-side deadline for one statement. Default 30 s.
-    pub statement_timeout: Duration,
+    pub(crate) statement_timeout: Duration,
     /// Deadline for opening a connection. Default 10 s.
-    pub connect_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
     /// Keep the claim's statements prepared per session (see `source::Tx`). Default true.
-    pub prepared_statements: bool,
+    pub(crate) prepared_statements: bool,
     /// `sslmode`, `sslrootcert`, `sslcert`, `sslkey` from the URL (see `source::tls`).
-    pub tls: TlsSettings,
+    pub(crate) tls: TlsSettings,
     /// `listen_url`: where LISTEN connects instead of `url` (a pooler in transaction mode
     /// cannot keep a LISTEN).
-    pub listen: Option<ListenTarget>,
+    pub(crate) listen: Option<ListenTarget>,
 }
 
 /// A connection target for LISTEN (`postgres.listen_url`).
 #[derive(Clone)]
-pub struct ListenTarget {
-    pub connection: tokio_postgres::Config,
-    pub tls: TlsSettings,
+pub(crate) struct ListenTarget {
+    pub(crate) connection: tokio_postgres::Config,
+    pub(crate) tls: TlsSettings,
 }
 
 impl PostgresConfig {
     /// The settings LISTEN connects with: `listen_url`'s when given, else `url`'s.
-    pub fn for_listen(&self) -> PostgresConfig {
+    pub(crate) fn for_listen(&self) -> PostgresConfig {
         let mut pg = self.clone();
         if let Some(listen) = &self.listen {
             pg.connection = listen.connection.clone();
@@ -56,7 +56,7 @@ impl PostgresConfig {
 
 impl PostgresConfig {
     /// `postgres://user@host:port/db` without the password, for logs and `check`.
-    pub fn redacted(&self) -> String {
+    pub(crate) fn redacted(&self) -> String {
         let c = &self.connection;
         let user = c.get_user().unwrap_or("");
         let hosts: Vec<String> = c
@@ -179,7 +179,7 @@ pub(super) fn validate(
 
 /// How the relay's sessions use TLS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TlsMode {
+pub(crate) enum TlsMode {
     /// Never encrypted.
     Disable,
     /// Encrypted if the server offers it; the certificate is not checked (as libpq).
@@ -194,23 +194,23 @@ pub enum TlsMode {
 
 /// TLS settings taken out of `postgres.url`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsSettings {
+pub(crate) struct TlsSettings {
     /// `sslmode`; default `prefer`, as with libpq.
-    pub mode: TlsMode,
+    pub(crate) mode: TlsMode,
     /// CA certificates (PEM) the server's chain must lead to; `None` with `system`.
-    pub root_cert: Option<PathBuf>,
+    pub(crate) root_cert: Option<PathBuf>,
     /// `sslrootcert=system`: the operating system's CA store.
-    pub system_roots: bool,
+    pub(crate) system_roots: bool,
     /// Client certificate (PEM), for `clientcert=verify-*` in pg_hba.conf.
-    pub client_cert: Option<PathBuf>,
+    pub(crate) client_cert: Option<PathBuf>,
     /// The client certificate's private key (PEM).
-    pub client_key: Option<PathBuf>,
+    pub(crate) client_key: Option<PathBuf>,
 }
 
 impl TlsSettings {
     /// What tokio-postgres itself should do with the connector: only `disable` and
     /// `prefer` may end up without TLS.
-    pub fn ssl_mode(&self) -> SslMode {
+    pub(crate) fn ssl_mode(&self) -> SslMode {
         match self.mode {
             TlsMode::Disable => SslMode::Disable,
             TlsMode::Prefer => SslMode::Prefer,
@@ -220,7 +220,7 @@ impl TlsSettings {
 
     /// The mode in effect: libpq checks the chain under `require` when a root certificate
     /// was given.
-    pub fn effective_mode(&self) -> TlsMode {
+    pub(crate) fn effective_mode(&self) -> TlsMode {
         match self.mode {
             TlsMode::Require if self.root_cert.is_some() => TlsMode::VerifyCa,
             mode => mode,
@@ -228,7 +228,7 @@ impl TlsSettings {
     }
 
     /// Whether the server's certificate chain is checked.
-    pub fn verifies_chain(&self) -> bool {
+    pub(crate) fn verifies_chain(&self) -> bool {
         matches!(
             self.effective_mode(),
             TlsMode::VerifyCa | TlsMode::VerifyFull
@@ -239,7 +239,7 @@ impl TlsSettings {
     /// certificate only when the chain is checked, the client certificate and key
     /// together, and the key must belong to the certificate. Errors name the parameter
     /// and the file, never a file's contents.
-    pub fn check_files(&self) -> Result<(), String> {
+    pub(crate) fn check_files(&self) -> Result<(), String> {
         if let (true, Some(path)) = (self.verifies_chain(), &self.root_cert) {
             pem::certificates(path).map_err(|why| at("sslrootcert", path, why))?;
         }
@@ -259,7 +259,7 @@ impl TlsSettings {
 }
 
 /// `sslkey ... does not belong to sslcert ...`.
-pub fn key_mismatch(cert: &Path, key: &Path) -> String {
+pub(crate) fn key_mismatch(cert: &Path, key: &Path) -> String {
     format!(
         "sslkey {} does not belong to sslcert {}",
         key.display(),
@@ -274,7 +274,7 @@ fn at(param: &str, path: &Path, why: String) -> String {
 
 /// `sslrootcert /ca.pem does not exist: give a readable PEM file`, or `cannot be used`
 /// with the reason: for the connector, which reads the files again.
-pub fn file_error(param: &str, path: &Path, error: &dyn std::fmt::Display) -> String {
+pub(crate) fn file_error(param: &str, path: &Path, error: &dyn std::fmt::Display) -> String {
     at(param, path, pem::why(path, error))
 }
 
@@ -283,7 +283,7 @@ const TLS_PARAMS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
 /// Takes the TLS parameters out of a connection string (URL or key=value), returning the
 /// rest for tokio-postgres and the settings. tokio-postgres knows only three `sslmode`s
 /// and none of the file parameters, so they are read here.
-pub fn split_tls_params(conn: &str) -> Result<(String, TlsSettings), String> {
+pub(crate) fn split_tls_params(conn: &str) -> Result<(String, TlsSettings), String> {
     let (rest, found) = if conn.starts_with("postgres://") || conn.starts_with("postgresql://") {
         split_url(conn)?
     } else {

@@ -8,104 +8,104 @@ use std::time::Duration;
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
 
-pub use super::kafka::RawKafka;
-pub use super::nats::RawNats;
+pub(crate) use super::kafka::RawKafka;
+pub(crate) use super::nats::RawNats;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawConfig {
+pub(crate) struct RawConfig {
     /// `[postgres]`, required (it holds the required `url`).
-    pub postgres: RawPostgres,
+    pub(crate) postgres: RawPostgres,
     /// `[relay]`, every key defaulted.
     #[serde(default)]
-    pub relay: RawRelay,
+    pub(crate) relay: RawRelay,
     /// `[sink]`, required (`kind` has no sensible default).
-    pub sink: RawSink,
+    pub(crate) sink: RawSink,
     /// `[[tables]]`, at least one.
-    pub tables: Vec<RawTable>,
+    pub(crate) tables: Vec<RawTable>,
     /// `[http]`; no server unless `listen` is set.
     #[serde(default)]
-    pub http: RawHttp,
+    pub(crate) http: RawHttp,
     /// `[shutdown]`.
     #[serde(default)]
-    pub shutdown: RawShutdown,
+    pub(crate) shutdown: RawShutdown,
     /// `[tracing]`; no span export unless `otlp_endpoint` (or `OTEL_EXPORTER_OTLP_ENDPOINT`)
     /// is set.
     #[serde(default)]
-    pub tracing: RawTracing,
+    pub(crate) tracing: RawTracing,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawPostgres {
+pub(crate) struct RawPostgres {
     /// Connection URL or key=value string. Required. May hold a password: never printed.
-    pub url: String,
+    pub(crate) url: String,
     /// Connections in the pool. Default 8; must be at least `relay.workers`.
     #[serde(default = "defaults::pool_size")]
-    pub pool_size: usize,
+    pub(crate) pool_size: usize,
     /// Client and server-side deadline for one statement. Default `30s`.
     #[serde(default = "defaults::statement_timeout")]
-    pub statement_timeout: DurationValue,
+    pub(crate) statement_timeout: DurationValue,
     /// Deadline for opening a connection. Default `10s`.
     #[serde(default = "defaults::connect_timeout")]
-    pub connect_timeout: DurationValue,
+    pub(crate) connect_timeout: DurationValue,
     /// Keep the hot path's statements prepared on each session. Default true; false
     /// behind PgBouncer before 1.21 in transaction mode.
     #[serde(default = "defaults::yes")]
-    pub prepared_statements: bool,
+    pub(crate) prepared_statements: bool,
     /// The password, read from this file (Kubernetes secret, systemd credential) instead
     /// of the URL.
     #[serde(default)]
-    pub password_file: Option<std::path::PathBuf>,
+    pub(crate) password_file: Option<std::path::PathBuf>,
     /// A direct connection (not through a pooler in transaction mode) for LISTEN, when
     /// `url` goes through PgBouncer. Default: LISTEN on `url`.
     #[serde(default)]
-    pub listen_url: Option<String>,
+    pub(crate) listen_url: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawRelay {
+pub(crate) struct RawRelay {
     /// Concurrent claim/publish loops. Default 4.
     #[serde(default = "defaults::workers")]
-    pub workers: usize,
+    pub(crate) workers: usize,
     /// Rows claimed per transaction. Default 500.
     #[serde(default = "defaults::batch_size")]
-    pub batch_size: usize,
+    pub(crate) batch_size: usize,
     /// Idle re-check when no NOTIFY arrives: how often a table NOTIFY does not reach is
     /// looked at (tables NOTIFY reaches: every 5 s). Default `100ms`.
     #[serde(default = "defaults::poll_interval")]
-    pub poll_interval: DurationValue,
+    pub(crate) poll_interval: DurationValue,
     /// `key` (default): same-key rows in id order; `none`: no order promise.
     #[serde(default)]
-    pub ordering: Ordering,
+    pub(crate) ordering: Ordering,
     /// `delete` (default) or `mark` (sets `published_at`).
     #[serde(default)]
-    pub on_publish: OnPublish,
+    pub(crate) on_publish: OnPublish,
     /// Failed attempts before a row is dead-lettered. Default 10.
     #[serde(default = "defaults::max_attempts")]
-    pub max_attempts: u32,
+    pub(crate) max_attempts: u32,
     /// A failed row waits this long before its next attempt, doubling with full jitter.
     /// Default `1s`.
     #[serde(default = "defaults::retry_backoff")]
-    pub retry_backoff: DurationValue,
+    pub(crate) retry_backoff: DurationValue,
     /// The longest wait between two attempts of one row. Default `5m`.
     #[serde(default = "defaults::retry_backoff_max")]
-    pub retry_backoff_max: DurationValue,
+    pub(crate) retry_backoff_max: DurationValue,
     /// Payload bytes claimed per transaction at most (a larger row goes alone).
     /// Default `8MiB`.
     #[serde(default = "defaults::max_batch_bytes")]
-    pub max_batch_bytes: SizeValue,
+    pub(crate) max_batch_bytes: SizeValue,
     /// Mark mode: published rows older than this are deleted. Default: kept forever.
     #[serde(default)]
-    pub retention: Option<DurationValue>,
+    pub(crate) retention: Option<DurationValue>,
     /// A table whose rows fail for their own sake this many times within
     /// `bad_row_window` (and mostly fail there) pauses itself; 0 turns this off. Default 100.
     #[serde(default = "defaults::pause_after_bad_rows")]
-    pub pause_after_bad_rows: u32,
+    pub(crate) pause_after_bad_rows: u32,
     /// The bad-row valve's window. Default `1m`.
     #[serde(default = "defaults::bad_row_window")]
-    pub bad_row_window: DurationValue,
+    pub(crate) bad_row_window: DurationValue,
 }
 
 impl Default for RawRelay {
@@ -139,7 +139,7 @@ pub enum Ordering {
 
 /// What happens to a row once the broker acknowledged it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OnPublish {
+pub(crate) enum OnPublish {
     /// Delete the row.
     #[default]
     Delete,
@@ -149,7 +149,7 @@ pub enum OnPublish {
 
 /// Where messages go: `sink.kind`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SinkKind {
+pub(crate) enum SinkKind {
     Kafka,
     Nats,
     Stdout,
@@ -233,82 +233,82 @@ impl<'de> Deserialize<'de> for SinkKind {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawSink {
+pub(crate) struct RawSink {
     /// `kafka`, `nats` or `stdout`. Required.
-    pub kind: SinkKind,
+    pub(crate) kind: SinkKind,
     /// Longest wait for the broker to acknowledge a batch; rows still unacknowledged then
     /// stay in the table. Default `10s`.
     #[serde(default = "defaults::publish_timeout")]
-    pub publish_timeout: DurationValue,
-    pub kafka: Option<RawKafka>,
-    pub nats: Option<RawNats>,
+    pub(crate) publish_timeout: DurationValue,
+    pub(crate) kafka: Option<RawKafka>,
+    pub(crate) nats: Option<RawNats>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawTable {
+pub(crate) struct RawTable {
     /// Schema-qualified table name, e.g. `public.outbox`. Required.
-    pub name: String,
+    pub(crate) name: String,
     /// Topic or subject template: literals and `{column}` references. Default `{topic}`.
     #[serde(default = "defaults::topic")]
-    pub topic: String,
+    pub(crate) topic: String,
     /// `[tables.columns]`: which column plays which part. Default: the contract's table.
     #[serde(default)]
-    pub columns: RawColumns,
+    pub(crate) columns: RawColumns,
     /// `[tables.header_columns]`: header name = column, copied to every message.
     #[serde(default)]
-    pub header_columns: BTreeMap<String, String>,
+    pub(crate) header_columns: BTreeMap<String, String>,
     /// Rows per second published from this table by all its relays together. Default:
     /// unlimited.
-    pub max_rate: Option<f64>,
+    pub(crate) max_rate: Option<f64>,
     /// A template like `topic`: a dead-lettered row is also published there once.
-    pub dead_letter_topic: Option<String>,
+    pub(crate) dead_letter_topic: Option<String>,
 }
 
 /// Column names per role; each defaults to the role's name in the default table.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawColumns {
+pub(crate) struct RawColumns {
     /// Message id, sent as `<table>:<id>`; any type. Default `id`.
-    pub id: Option<String>,
+    pub(crate) id: Option<String>,
     /// Order within a key and the row's handle: an integer column with unique values.
     /// Default: the id column.
-    pub order: Option<String>,
-    pub key: Option<String>,
-    pub payload: Option<String>,
+    pub(crate) order: Option<String>,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: Option<String>,
     /// JSON object of strings. `""`: the table has none. Default `headers` if present.
-    pub headers: Option<String>,
+    pub(crate) headers: Option<String>,
     /// Lag is measured from here. `""`: the table has none. Default `created_at` if present.
-    pub created_at: Option<String>,
-    pub published_at: Option<String>,
-    pub attempts: Option<String>,
-    pub last_error: Option<String>,
-    pub dead_at: Option<String>,
+    pub(crate) created_at: Option<String>,
+    pub(crate) published_at: Option<String>,
+    pub(crate) attempts: Option<String>,
+    pub(crate) last_error: Option<String>,
+    pub(crate) dead_at: Option<String>,
     /// Not claimed before this time (set after a failure). Default `next_attempt_at`.
-    pub next_attempt_at: Option<String>,
+    pub(crate) next_attempt_at: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawHttp {
+pub(crate) struct RawHttp {
     /// Address for /metrics, /healthz, /readyz. Default: no HTTP server.
-    pub listen: Option<String>,
+    pub(crate) listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawTracing {
+pub(crate) struct RawTracing {
     /// OTLP/HTTP collector base URL, e.g. `http://127.0.0.1:4318` (spans go to
     /// `<url>/v1/traces`). Default: none, no export.
-    pub otlp_endpoint: Option<String>,
+    pub(crate) otlp_endpoint: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawShutdown {
+pub(crate) struct RawShutdown {
     /// After the first SIGTERM, how long in-flight batches may take. Default `25s`.
     #[serde(default = "defaults::drain_timeout")]
-    pub drain_timeout: DurationValue,
+    pub(crate) drain_timeout: DurationValue,
 }
 
 impl Default for RawShutdown {
@@ -321,7 +321,7 @@ impl Default for RawShutdown {
 
 /// A duration written as `"250ms"`, `"25s"`, `"5m"` or `"1h"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DurationValue(pub Duration);
+pub(crate) struct DurationValue(pub(crate) Duration);
 
 impl<'de> Deserialize<'de> for DurationValue {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -359,7 +359,7 @@ impl<'de> Deserialize<'de> for DurationValue {
 
 /// A size in bytes, written `"8MiB"`, `"512KiB"`, `"1GB"` or a bare number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SizeValue(pub u64);
+pub(crate) struct SizeValue(pub(crate) u64);
 
 impl<'de> Deserialize<'de> for SizeValue {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -387,7 +387,7 @@ impl<'de> Deserialize<'de> for SizeValue {
 
 /// Parses `"8MiB"`, `"512KiB"`, `"1GB"`, `"4096"` (bytes): binary units KiB/MiB/GiB,
 /// decimal kB/KB/MB/GB, B for bytes.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_size(text: &str) -> Result<u64, String> {
     let bad = || {
         format!(
             "invalid size {text:?}: write a whole number followed by B, KiB, MiB or GiB (or \
@@ -415,7 +415,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// [`humantime`] reads them (which also takes `"1.5s"`, `"1h 30m"` and unit words such as
 /// `"2min"` or `"3days"`). White space around the text is ignored; a bare number is not a
 /// duration.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     // humantime reads a bare `M` as months: "5M" meant as five minutes would wait five
     // months. Ask for the unambiguous spelling instead.
     let units = text.split(|c: char| !c.is_ascii_alphabetic());
@@ -437,53 +437,53 @@ mod defaults {
     use super::DurationValue;
     use std::time::Duration;
 
-    pub fn pool_size() -> usize {
+    pub(crate) fn pool_size() -> usize {
         8
     }
-    pub fn yes() -> bool {
+    pub(crate) fn yes() -> bool {
         true
     }
 
-    pub fn statement_timeout() -> DurationValue {
+    pub(crate) fn statement_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(30))
     }
-    pub fn connect_timeout() -> DurationValue {
+    pub(crate) fn connect_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(10))
     }
-    pub fn workers() -> usize {
+    pub(crate) fn workers() -> usize {
         4
     }
-    pub fn batch_size() -> usize {
+    pub(crate) fn batch_size() -> usize {
         500
     }
-    pub fn poll_interval() -> DurationValue {
+    pub(crate) fn poll_interval() -> DurationValue {
         DurationValue(Duration::from_millis(100))
     }
-    pub fn retry_backoff() -> DurationValue {
+    pub(crate) fn retry_backoff() -> DurationValue {
         DurationValue(Duration::from_secs(1))
     }
-    pub fn retry_backoff_max() -> DurationValue {
+    pub(crate) fn retry_backoff_max() -> DurationValue {
         DurationValue(Duration::from_secs(300))
     }
-    pub fn max_batch_bytes() -> super::SizeValue {
+    pub(crate) fn max_batch_bytes() -> super::SizeValue {
         super::SizeValue(8 << 20)
     }
-    pub fn max_attempts() -> u32 {
+    pub(crate) fn max_attempts() -> u32 {
         10
     }
-    pub fn pause_after_bad_rows() -> u32 {
+    pub(crate) fn pause_after_bad_rows() -> u32 {
         100
     }
-    pub fn bad_row_window() -> DurationValue {
+    pub(crate) fn bad_row_window() -> DurationValue {
         DurationValue(Duration::from_secs(60))
     }
-    pub fn publish_timeout() -> DurationValue {
+    pub(crate) fn publish_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(10))
     }
-    pub fn topic() -> String {
+    pub(crate) fn topic() -> String {
         "{topic}".to_owned()
     }
-    pub fn drain_timeout() -> DurationValue {
+    pub(crate) fn drain_timeout() -> DurationValue {
         DurationValue(Duration::from_secs(25))
     }
 }

@@ -10,18 +10,18 @@ use super::ConfigError;
 /// A secret value. It has no `Display`, and its `Debug` shows only that it is set: the
 /// one way to the value is [`Secret::expose`], at the point of use.
 #[derive(Clone)]
-pub struct Secret(SecretString);
+pub(crate) struct Secret(SecretString);
 
 impl Secret {
     /// Takes `value` in as a secret.
-    pub fn new(value: String) -> Secret {
+    pub(crate) fn new(value: String) -> Secret {
         Secret(SecretString::from(value))
     }
 
     /// Reads a secret file as Kubernetes and systemd credentials write them: the whole
     /// file, one trailing newline dropped. `key` names the config key for errors, which
     /// show the path, never the contents.
-    pub fn from_file(key: &str, path: &Path) -> Result<Secret, ConfigError> {
+    pub(crate) fn from_file(key: &str, path: &Path) -> Result<Secret, ConfigError> {
         let whole = std::fs::read_to_string(path)
             .map(Secret::new)
             .map_err(|e| {
@@ -45,7 +45,7 @@ impl Secret {
     }
 
     /// The value, at the point of use only.
-    pub fn expose(&self) -> &str {
+    pub(crate) fn expose(&self) -> &str {
         self.0.expose_secret()
     }
 }
@@ -57,7 +57,7 @@ impl std::fmt::Debug for Secret {
 }
 
 /// A file the relay reads later (a NATS `.creds` file, a CA): it must exist now.
-pub fn existing_file(key: &str, path: PathBuf) -> Result<PathBuf, ConfigError> {
+pub(crate) fn existing_file(key: &str, path: PathBuf) -> Result<PathBuf, ConfigError> {
     match std::fs::metadata(&path) {
         Ok(m) if m.is_file() => Ok(path),
         Ok(_) => Err(ConfigError::new(

@@ -9,53 +9,53 @@ use super::{headers, ConfigError, Ident, TableName, Template};
 #[derive(Debug, Clone)]
 pub struct TableConfig {
     /// `name`: the schema-qualified table.
-    pub name: TableName,
+    pub(crate) name: TableName,
     /// `topic`: the Kafka topic or NATS subject, from literals and columns. Default
     /// `{topic}`.
-    pub topic: Template,
+    pub(crate) topic: Template,
     /// `[tables.columns]`: which column plays which part.
-    pub columns: Columns,
+    pub(crate) columns: Columns,
     /// Extra headers: header name and the column whose value it carries.
-    pub header_columns: Vec<(String, Ident)>,
+    pub(crate) header_columns: Vec<(String, Ident)>,
     /// `max_rate`: rows per second published by all relays of the table together
     /// (`None`: unlimited).
-    pub max_rate: Option<f64>,
+    pub(crate) max_rate: Option<f64>,
     /// `dead_letter_topic`: where a dead-lettered row is also published once.
-    pub dead_letter_topic: Option<Template>,
+    pub(crate) dead_letter_topic: Option<Template>,
 }
 
 /// The columns the relay reads and writes. The default is the contract's table
 /// (section 5); `[tables.columns]` maps any of them to other names.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Columns {
+pub(crate) struct Columns {
     /// Message id: `<table>:<value>`. Any type.
-    pub id: Ident,
+    pub(crate) id: Ident,
     /// Order within a key, and the row's handle in claims, marks and deletes: an integer
     /// column with unique values. The id column unless mapped.
-    pub order: Ident,
+    pub(crate) order: Ident,
     /// Ordering and partition key; NULL = unordered.
-    pub key: Ident,
+    pub(crate) key: Ident,
     /// Message body.
-    pub payload: Ident,
+    pub(crate) payload: Ident,
     /// A JSON object of strings copied to message headers.
-    pub headers: OptionalColumn,
+    pub(crate) headers: OptionalColumn,
     /// Lag is measured from here.
-    pub created_at: OptionalColumn,
+    pub(crate) created_at: OptionalColumn,
     /// Set in mark mode.
-    pub published_at: Ident,
+    pub(crate) published_at: Ident,
     /// Failed publish attempts.
-    pub attempts: Ident,
+    pub(crate) attempts: Ident,
     /// The last publish error.
-    pub last_error: Ident,
+    pub(crate) last_error: Ident,
     /// Set when the row is dead-lettered.
-    pub dead_at: Ident,
+    pub(crate) dead_at: Ident,
     /// After a failure: the row is not claimed before this time (NULL = due).
-    pub next_attempt_at: Ident,
+    pub(crate) next_attempt_at: Ident,
 }
 
 /// A column the relay can do without.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OptionalColumn {
+pub(crate) enum OptionalColumn {
     /// Not configured: used when the table has a column of the default name.
     Default(Ident),
     /// Configured: the table must have it.
@@ -66,7 +66,7 @@ pub enum OptionalColumn {
 
 impl OptionalColumn {
     /// The column to look for, if any.
-    pub fn name(&self) -> Option<&Ident> {
+    pub(crate) fn name(&self) -> Option<&Ident> {
         match self {
             OptionalColumn::Default(c) | OptionalColumn::Named(c) => Some(c),
             OptionalColumn::Off => None,
@@ -95,7 +95,7 @@ impl Default for Columns {
 
 impl Columns {
     /// Whether these are the default table's column names (however they were written).
-    pub fn is_default_layout(&self) -> bool {
+    pub(crate) fn is_default_layout(&self) -> bool {
         let d = Columns::default();
         let names = |c: &Columns| {
             [

@@ -13,15 +13,27 @@ use tokio_util::sync::CancellationToken;
 
 use super::Ops;
 
+/// `[http] listen` could not be bound (the port taken, the address not this host's).
+#[derive(Debug, thiserror::Error)]
+#[error("http.listen: cannot listen on {listen}: {source}")]
+pub struct BindError {
+    listen: SocketAddr,
+    source: std::io::Error,
+}
+
 /// Binds `listen` now, so a taken port fails the start, not a later scrape.
-pub async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+pub(crate) async fn bind(listen: SocketAddr) -> Result<tokio::net::TcpListener, BindError> {
     tokio::net::TcpListener::bind(listen)
         .await
-        .map_err(|e| format!("http.listen: cannot listen on {listen}: {e}"))
+        .map_err(|source| BindError { listen, source })
 }
 
 /// Serves until `stop` fires.
-pub async fn serve(listener: tokio::net::TcpListener, ops: Arc<Ops>, stop: CancellationToken) {
+pub(crate) async fn serve(
+    listener: tokio::net::TcpListener,
+    ops: Arc<Ops>,
+    stop: CancellationToken,
+) {
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))

@@ -14,25 +14,25 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TableSink {
-    pub table: String,
-    pub sink: String,
+pub(crate) struct TableSink {
+    pub(crate) table: String,
+    pub(crate) sink: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TableLabel {
-    pub table: String,
+pub(crate) struct TableLabel {
+    pub(crate) table: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SinkLabel {
-    pub sink: String,
+pub(crate) struct SinkLabel {
+    pub(crate) sink: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DependencyLabel {
+pub(crate) struct DependencyLabel {
     /// `postgres` or `broker`.
-    pub dependency: String,
+    pub(crate) dependency: String,
 }
 
 type Seconds = Family<TableSink, Histogram, fn() -> Histogram>;
@@ -40,65 +40,65 @@ type Seconds = Family<TableSink, Histogram, fn() -> Histogram>;
 /// The handles of one table's batch metrics ([`Metrics::table_meters`]): each shares its
 /// value with the family's member of the same labels.
 #[derive(Clone, Debug)]
-pub struct TableMeters {
-    pub published: Counter,
-    pub failed: Counter,
-    pub dead: Counter,
-    pub replayed: Counter,
-    pub publish_seconds: Histogram,
-    pub batch_seconds: Histogram,
-    pub delivery_lag: Histogram,
+pub(crate) struct TableMeters {
+    pub(crate) published: Counter,
+    pub(crate) failed: Counter,
+    pub(crate) dead: Counter,
+    pub(crate) replayed: Counter,
+    pub(crate) publish_seconds: Histogram,
+    pub(crate) batch_seconds: Histogram,
+    pub(crate) delivery_lag: Histogram,
 }
 
 /// Every metric the relay exports.
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     /// Rows the broker acknowledged and the relay deleted or marked.
-    pub published: Family<TableSink, Counter>,
+    pub(crate) published: Family<TableSink, Counter>,
     /// Failed publish attempts of rows at fault (each counts against `max_attempts`).
-    pub failed: Family<TableSink, Counter>,
+    pub(crate) failed: Family<TableSink, Counter>,
     /// Rows dead-lettered.
-    pub dead: Family<TableSink, Counter>,
+    pub(crate) dead: Family<TableSink, Counter>,
     /// Published rows deleted by `relay.retention` (mark mode).
-    pub retention_deleted: Family<TableLabel, Counter>,
+    pub(crate) retention_deleted: Family<TableLabel, Counter>,
     /// Rows made pending again by `outbox-relay replay` and published again (also counted
     /// in `published`).
-    pub replayed: Family<TableSink, Counter>,
+    pub(crate) replayed: Family<TableSink, Counter>,
     /// Rows waiting for their next attempt after a failure (refreshed on an interval).
-    pub waiting_retry: Family<TableLabel, Gauge>,
+    pub(crate) waiting_retry: Family<TableLabel, Gauge>,
     /// From the first send of a batch to its last acknowledgement.
-    pub publish_seconds: Seconds,
+    pub(crate) publish_seconds: Seconds,
     /// From claim to commit.
-    pub batch_seconds: Seconds,
+    pub(crate) batch_seconds: Seconds,
     /// From a row's creation time to the broker's acknowledgement (replayed rows left out).
-    pub delivery_lag: Family<TableLabel, Histogram, fn() -> Histogram>,
+    pub(crate) delivery_lag: Family<TableLabel, Histogram, fn() -> Histogram>,
     /// Pending rows (refreshed on an interval).
-    pub backlog: Family<TableLabel, Gauge>,
+    pub(crate) backlog: Family<TableLabel, Gauge>,
     /// Age of the oldest pending row (refreshed on an interval; 0 when none).
-    pub oldest_age_seconds: Family<TableLabel, Gauge<f64, AtomicU64>>,
+    pub(crate) oldest_age_seconds: Family<TableLabel, Gauge<f64, AtomicU64>>,
     /// Dead tuples in the outbox table (`pg_stat_user_tables`, refreshed on an interval).
-    pub dead_tuples: Family<TableLabel, Gauge>,
+    pub(crate) dead_tuples: Family<TableLabel, Gauge>,
     /// 1 while the table is paused (`outbox-relay pause`, the bad-row valve), else 0.
-    pub table_paused: Family<TableLabel, Gauge>,
+    pub(crate) table_paused: Family<TableLabel, Gauge>,
     /// Times this process's bad-row valve paused the table.
-    pub valve_paused: Family<TableLabel, Counter>,
+    pub(crate) valve_paused: Family<TableLabel, Counter>,
     /// How long the oldest transaction whose snapshot holds back VACUUM has been open, in
     /// this database (refreshed on an interval; sessions this role may see).
-    pub oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) oldest_snapshot_age_seconds: Gauge<f64, AtomicU64>,
     /// Transactions between the oldest xmin that holds back VACUUM (sessions, prepared
     /// transactions, replication slots) and now.
-    pub oldest_snapshot_xid_age: Gauge,
+    pub(crate) oldest_snapshot_xid_age: Gauge,
     /// Rows claimed and not yet committed.
-    pub in_flight: Gauge,
+    pub(crate) in_flight: Gauge,
     /// 1 while the circuit breaker is open (the broker looks down).
-    pub circuit_open: Family<SinkLabel, Gauge>,
+    pub(crate) circuit_open: Family<SinkLabel, Gauge>,
     /// Times the circuit opened.
-    pub circuit_opened: Family<SinkLabel, Counter>,
+    pub(crate) circuit_opened: Family<SinkLabel, Counter>,
     /// 1 while `/readyz` would answer 200.
-    pub ready: Gauge,
+    pub(crate) ready: Gauge,
     /// Per dependency (`postgres`, `broker`): 1 when it answered the last probe, 0 when
     /// not, or not yet reached (from the moment the configuration is valid).
-    pub up: Family<DependencyLabel, Gauge>,
+    pub(crate) up: Family<DependencyLabel, Gauge>,
 }
 
 fn lag_histogram() -> Histogram {
@@ -216,7 +216,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// The Prometheus text exposition of every metric.
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
@@ -225,7 +225,7 @@ impl Metrics {
 
     /// One table's batch metrics, looked up once: a batch then updates them without
     /// building label strings or searching a family.
-    pub fn table_meters(&self, table: &str, sink: &str) -> TableMeters {
+    pub(crate) fn table_meters(&self, table: &str, sink: &str) -> TableMeters {
         let labels = Self::table_sink(table, sink);
         let table = TableLabel {
             table: table.to_owned(),
@@ -241,7 +241,7 @@ impl Metrics {
         }
     }
 
-    pub fn table_sink(table: &str, sink: &str) -> TableSink {
+    pub(crate) fn table_sink(table: &str, sink: &str) -> TableSink {
         TableSink {
             table: table.to_owned(),
             sink: sink.to_owned(),

@@ -8,10 +8,10 @@
 //!   probe (every [`PROBE_INTERVAL`]), and a worker completed a claim within the progress
 //!   window; not while stopping.
 
-pub mod http;
-pub mod metrics;
-pub mod otel;
-pub mod probe;
+pub(crate) mod http;
+pub(crate) mod metrics;
+pub(crate) mod otel;
+pub(crate) mod probe;
 pub mod progress;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -20,17 +20,17 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-pub use metrics::Metrics;
+pub(crate) use metrics::Metrics;
 
 /// How often readiness is probed and the gauges that need the database are refreshed.
-pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(2);
 /// How often backlog and oldest-age gauges are refreshed.
-pub const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
+pub(crate) const GAUGE_INTERVAL: Duration = Duration::from_secs(5);
 /// A relay whose loops have not gone round for this long is not alive.
-pub const ALIVE_WINDOW: Duration = Duration::from_secs(60);
+pub(crate) const ALIVE_WINDOW: Duration = Duration::from_secs(60);
 
 /// Liveness and readiness state, updated by the relay's loops and the probe task.
-pub struct Health {
+pub(crate) struct Health {
     started: Instant,
     /// Milliseconds since `started` of the last loop iteration of any kind.
     alive_ms: AtomicU64,
@@ -46,7 +46,7 @@ pub struct Health {
 }
 
 impl Health {
-    pub fn new(poll_interval: Duration) -> Health {
+    pub(crate) fn new(poll_interval: Duration) -> Health {
         Health {
             started: Instant::now(),
             alive_ms: AtomicU64::new(0),
@@ -69,41 +69,33 @@ impl Health {
     }
 
     /// A loop went round.
-    pub fn alive(&self) {
+    pub(crate) fn alive(&self) {
         self.alive_ms.store(self.now_ms(), Relaxed);
     }
 
     /// A claim completed (rows or none): the database and the loop work.
-    pub fn progress(&self) {
+    pub(crate) fn progress(&self) {
         let now = self.now_ms();
         self.alive_ms.store(now, Relaxed);
         self.progress_ms.store(now, Relaxed);
     }
 
-    pub fn set_stopping(&self) {
+    pub(crate) fn set_stopping(&self) {
         self.stopping.store(true, Relaxed);
     }
 
-    pub fn set_postgres_reachable(&self, up: bool) {
+    pub(crate) fn set_postgres_reachable(&self, up: bool) {
         self.postgres_ok.store(up, Relaxed);
         self.postgres_seen.fetch_or(up, Relaxed);
     }
 
-    pub fn set_broker_reachable(&self, up: bool) {
+    pub(crate) fn set_broker_reachable(&self, up: bool) {
         self.broker_ok.store(up, Relaxed);
         self.broker_seen.fetch_or(up, Relaxed);
     }
 
-    /// Whether PostgreSQL, and the broker, ever answered since start.
-    pub fn ever_reached(&self) -> (bool, bool) {
-        (
-            self.postgres_seen.load(Relaxed),
-            self.broker_seen.load(Relaxed),
-        )
-    }
-
     /// `Ok` when alive; otherwise why not.
-    pub fn liveness(&self) -> Result<(), String> {
+    pub(crate) fn liveness(&self) -> Result<(), String> {
         let quiet = self.since(&self.alive_ms);
         if quiet > ALIVE_WINDOW {
             return Err(format!("no relay loop went round for {}s", quiet.as_secs()));
@@ -112,7 +104,7 @@ impl Health {
     }
 
     /// `Ok` when ready; otherwise every reason why not.
-    pub fn readiness(&self) -> Result<(), String> {
+    pub(crate) fn readiness(&self) -> Result<(), String> {
         let mut reasons = Vec::new();
         if self.stopping.load(Relaxed) {
             reasons.push("stopping".to_owned());
@@ -142,18 +134,18 @@ impl Health {
 }
 
 /// Metrics and health, shared by the relay and the HTTP server.
-pub struct Ops {
-    pub metrics: Metrics,
-    pub health: Health,
+pub(crate) struct Ops {
+    pub(crate) metrics: Metrics,
+    pub(crate) health: Health,
     /// Rows published (run total) when the backlog gauges were last read: drain's progress
     /// line takes off what was published since.
-    pub published_at_backlog_read: AtomicU64,
+    pub(crate) published_at_backlog_read: AtomicU64,
     /// Whether the metrics endpoint serves these (`[http]` is configured).
     served: bool,
 }
 
 impl Ops {
-    pub fn new(poll_interval: Duration, served: bool) -> Arc<Ops> {
+    pub(crate) fn new(poll_interval: Duration, served: bool) -> Arc<Ops> {
         Arc::new(Ops {
             metrics: Metrics::default(),
             health: Health::new(poll_interval),
@@ -164,19 +156,19 @@ impl Ops {
 
     /// Whether the metrics endpoint serves the metrics: gauges that cost a read are read
     /// only when something shows them.
-    pub fn served(&self) -> bool {
+    pub(crate) fn served(&self) -> bool {
         self.served
     }
 
     /// Records whether PostgreSQL answered: readiness and the `dependency_up` gauge.
-    pub fn postgres_reachable(&self, up: bool) {
+    pub(crate) fn postgres_reachable(&self, up: bool) {
         self.health.alive();
         self.health.set_postgres_reachable(up);
         self.set_up("postgres", up);
     }
 
     /// Records whether the broker answered: readiness and the `dependency_up` gauge.
-    pub fn broker_reachable(&self, up: bool) {
+    pub(crate) fn broker_reachable(&self, up: bool) {
         self.health.alive();
         self.health.set_broker_reachable(up);
         self.set_up("broker", up);
@@ -194,22 +186,22 @@ impl Ops {
 }
 
 /// Tells systemd (when it started us with `Type=notify`) that the relay is ready.
-pub fn notify_ready() {
+pub(crate) fn notify_ready() {
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
 }
 
 /// Tells systemd that the relay is stopping.
-pub fn notify_stopping() {
+pub(crate) fn notify_stopping() {
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
 }
 
 /// The systemd watchdog interval, when one is set (`WatchdogSec=`).
-pub fn watchdog_interval() -> Option<Duration> {
+pub(crate) fn watchdog_interval() -> Option<Duration> {
     sd_notify::watchdog_enabled()
 }
 
 /// Pings the systemd watchdog while the relay is alive.
-pub async fn watchdog(ops: Arc<Ops>, interval: Duration, stop: CancellationToken) {
+pub(crate) async fn watchdog(ops: Arc<Ops>, interval: Duration, stop: CancellationToken) {
     let period = interval / 2;
     loop {
         tokio::select! {

@@ -40,11 +40,11 @@ use crate::config::TracingConfig;
 use crate::sink::Message;
 
 /// The W3C header that carries a span's identity.
-pub const TRACEPARENT: &str = "traceparent";
+pub(crate) const TRACEPARENT: &str = "traceparent";
 
 /// Span export, on or off; cheap to ask when off.
 #[derive(Default)]
-pub struct Otel {
+pub(crate) struct Otel {
     exporting: Option<Exporting>,
 }
 
@@ -60,7 +60,7 @@ struct Exporting {
 /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (as is), else `OTEL_EXPORTER_OTLP_ENDPOINT` (plus
 /// `/v1/traces`), as the OTLP exporter specification says; `None`: export off (none set, or
 /// `OTEL_SDK_DISABLED=true`).
-pub fn traces_url(config: &TracingConfig) -> Option<String> {
+pub(crate) fn traces_url(config: &TracingConfig) -> Option<String> {
     traces_url_from(config, |name| std::env::var(name).ok())
 }
 
@@ -87,13 +87,32 @@ fn traces_url_from(config: &TracingConfig, env: impl Fn(&str) -> Option<String>)
 /// reachable collector answers at once, and `check` must not hang on one that does not.
 const COLLECTOR_LIMIT: Duration = Duration::from_secs(5);
 
+/// Why `check`'s empty export was not accepted by the trace collector.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CollectorError {
+    #[error("cannot build an HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    /// No HTTP answer (refused, timed out, TLS); the message holds the whole chain, as
+    /// reqwest's own message is only its top.
+    #[error("no answer: {}", error_chain(.0))]
+    NoAnswer(#[source] reqwest::Error),
+    /// An answer, but not a success.
+    #[error("answered {0}")]
+    Status(reqwest::StatusCode),
+}
+
+/// The OTLP span exporter could not be set up (`Otel::start`).
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up the OTLP span exporter: {0}")]
+pub struct ExporterError(#[from] opentelemetry_otlp::ExporterBuildError);
+
 /// Posts an empty export (a valid, empty `ExportTraceServiceRequest`) to `url` with the
 /// configured headers, as `check` does: `Ok` when the collector accepts it. Blocking.
-pub fn probe_collector(url: &str) -> Result<(), String> {
+pub(crate) fn probe_collector(url: &str) -> Result<(), CollectorError> {
     let client = reqwest::blocking::Client::builder()
         .timeout(COLLECTOR_LIMIT)
         .build()
-        .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
+        .map_err(CollectorError::Client)?;
     let mut request = client
         .post(url)
         .header("content-type", "application/x-protobuf")
@@ -101,13 +120,11 @@ pub fn probe_collector(url: &str) -> Result<(), String> {
     for (name, value) in export_headers() {
         request = request.header(name, value);
     }
-    let response = request
-        .send()
-        .map_err(|e| format!("no answer: {}", error_chain(&e)))?;
+    let response = request.send().map_err(CollectorError::NoAnswer)?;
     if response.status().is_success() {
         Ok(())
     } else {
-        Err(format!("answered {}", response.status()))
+        Err(CollectorError::Status(response.status()))
     }
 }
 
@@ -140,13 +157,13 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 impl Otel {
     /// Export off.
-    pub fn off() -> Otel {
+    pub(crate) fn off() -> Otel {
         Otel::default()
     }
 
     /// Starts exporting to `url` (from [`traces_url`]). Blocking (the exporter builds its
     /// HTTP client on a thread of its own): call it where a thread may block.
-    pub fn start(url: String, system: &'static str) -> Result<Otel, String> {
+    pub(crate) fn start(url: String, system: &'static str) -> Result<Otel, ExporterError> {
         use opentelemetry_otlp::WithExportConfig;
         // Headers (OTEL_EXPORTER_OTLP_HEADERS), timeout and compression come from the
         // standard variables, read by the exporter.
@@ -154,8 +171,7 @@ impl Otel {
             .with_http()
             .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
             .with_endpoint(url.clone())
-            .build()
-            .map_err(|e| format!("cannot set up the OTLP span exporter: {e}"))?;
+            .build()?;
         let provider = SdkTracerProvider::builder()
             .with_batch_exporter(exporter)
             .with_resource(resource())
@@ -177,13 +193,13 @@ impl Otel {
     }
 
     /// Whether spans are made at all.
-    pub fn is_on(&self) -> bool {
+    pub(crate) fn is_on(&self) -> bool {
         self.exporting.is_some()
     }
 
     /// Opens the span of a batch of `rows` claimed from `table` since `started`; `None`
     /// when export is off.
-    pub fn batch(
+    pub(crate) fn batch(
         &self,
         table: &dyn std::fmt::Display,
         worker: usize,
@@ -212,7 +228,7 @@ impl Otel {
     }
 
     /// Exports what is queued and stops the exporter, within `timeout`. Blocking.
-    pub fn shutdown(&self, timeout: Duration) {
+    pub(crate) fn shutdown(&self, timeout: Duration) {
         if let Some(e) = &self.exporting {
             if let Err(error) = e.provider.shutdown_with_timeout(timeout) {
                 tracing::warn!(%error, "Trace spans not all exported at shutdown");
@@ -239,7 +255,7 @@ fn resource() -> Resource {
 
 /// The spans of one batch: the batch span and one send span per message (or none).
 /// Spans not ended explicitly end when dropped (a batch rolled back at the deadline).
-pub struct BatchTrace<'a> {
+pub(crate) struct BatchTrace<'a> {
     e: &'a Exporting,
     table: String,
     batch: Span,
@@ -250,7 +266,7 @@ impl BatchTrace<'_> {
     /// Opens the send span of `message` (row `row_id`, `wait` seconds after its
     /// `created_at`) and puts its `traceparent` on the message. Call once per message of
     /// the batch, in order; a message that cannot be built gets `None`.
-    pub fn send(&mut self, message: Option<&mut Message>, row_id: i64, wait: Option<f64>) {
+    pub(crate) fn send(&mut self, message: Option<&mut Message>, row_id: i64, wait: Option<f64>) {
         let span = message.and_then(|m| self.start_send(m, row_id, wait));
         self.sends.push(span);
     }
@@ -299,7 +315,7 @@ impl BatchTrace<'_> {
     }
 
     /// Ends the send span of message `index`: `Err` for a row not acknowledged.
-    pub fn sent(&mut self, index: usize, outcome: Result<(), &str>) {
+    pub(crate) fn sent(&mut self, index: usize, outcome: Result<(), &str>) {
         if let Some(mut span) = self.sends.get_mut(index).and_then(Option::take) {
             if let Err(why) = outcome {
                 span.set_status(Status::error(why.to_owned()));
@@ -309,7 +325,7 @@ impl BatchTrace<'_> {
     }
 
     /// Ends the batch span once the batch is committed: `published` rows acknowledged.
-    pub fn committed(mut self, published: usize) {
+    pub(crate) fn committed(mut self, published: usize) {
         self.batch
             .set_attribute(KeyValue::new("outbox.batch.published", published as i64));
         self.batch.end();

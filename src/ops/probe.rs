@@ -24,24 +24,24 @@ use crate::source::table::TablePlan;
 use crate::source::{vacuum, Source};
 
 /// What the probe looks at.
-pub struct Probed<'a> {
-    pub source: &'a Source,
-    pub sink: &'a Sink,
-    pub tables: &'a [TablePlan],
+pub(crate) struct Probed<'a> {
+    pub(crate) source: &'a Source,
+    pub(crate) sink: &'a Sink,
+    pub(crate) tables: &'a [TablePlan],
     /// The circuit breaker: whether it is open now, and how often it opened since start.
-    pub circuit: &'a (dyn Fn() -> (bool, u64) + Sync),
+    pub(crate) circuit: &'a (dyn Fn() -> (bool, u64) + Sync),
     /// Whether anything shows the backlog gauges (the metrics endpoint, the progress line).
-    pub backlog_shown: bool,
+    pub(crate) backlog_shown: bool,
     /// Rows this process published so far (the progress line subtracts what was published
     /// after the backlog was read: [`Ops::published_at_backlog_read`]).
-    pub published: &'a AtomicU64,
+    pub(crate) published: &'a AtomicU64,
 }
 
 /// How many times as long as the last backlog read took the next one waits at least.
 const BACKLOG_SHARE: u32 = 50;
 
 /// Probes until `done`.
-pub async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
+pub(crate) async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) {
     let mut opened_seen = 0;
     let mut gauges_due = Instant::now();
     let mut backlog_due = Instant::now();

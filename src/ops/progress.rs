@@ -18,7 +18,7 @@ const REDRAW: Duration = Duration::from_secs(1);
 /// Draws `drain`'s line every [`REDRAW`] until `stop` or `done`: rows published, the rate over
 /// the last second and the backlog left over `tables` (as of the last gauge refresh, less
 /// what was published since).
-pub async fn show(
+pub(crate) async fn show(
     ops: &Ops,
     tables: &[String],
     published: &AtomicU64,
@@ -60,7 +60,7 @@ static SHOWN: AtomicBool = AtomicBool::new(false);
 const ERASE: &str = "\r\x1b[2K";
 
 /// Draws `line` in place of the previous one, on stderr.
-pub fn draw(line: &str) {
+pub(crate) fn draw(line: &str) {
     let mut err = std::io::stderr().lock();
     let _ = write!(err, "{ERASE}{line}");
     let _ = err.flush();
@@ -68,7 +68,7 @@ pub fn draw(line: &str) {
 }
 
 /// Erases the line, for good or until the next [`draw`].
-pub fn clear() {
+pub(crate) fn clear() {
     if SHOWN.swap(false, Relaxed) {
         let mut err = std::io::stderr().lock();
         let _ = write!(err, "{ERASE}");

@@ -33,7 +33,7 @@ use crate::source::{Source, SourceError, Tx};
 
 /// Why a batch could not run; each maps to retry-later or stop-the-process.
 #[derive(Debug, thiserror::Error)]
-pub enum BatchError {
+pub(crate) enum BatchError {
     #[error(transparent)]
     Source(#[from] SourceError),
     #[error("{0}")]
@@ -41,7 +41,7 @@ pub enum BatchError {
 }
 
 impl BatchError {
-    pub fn class(&self) -> ErrorClass {
+    pub(crate) fn class(&self) -> ErrorClass {
         match self {
             BatchError::Source(e) => e.class(),
             BatchError::Sink(e) => e.class,
@@ -50,7 +50,7 @@ impl BatchError {
 }
 
 /// How one attempt at a table ended.
-pub enum Batch {
+pub(crate) enum Batch {
     /// Nothing to claim in this table.
     Empty,
     /// Rows are there, but other claimers hold every bucket of them.
@@ -75,41 +75,41 @@ pub enum Batch {
 
 /// What a batch writes back, decided from its rows' outcomes alone.
 #[derive(Debug, Default, PartialEq)]
-pub struct Settlement {
+pub(crate) struct Settlement {
     /// Acknowledged by the broker: marked published or deleted.
-    pub published: Vec<i64>,
+    pub(crate) published: Vec<i64>,
     /// Refused for their own sake: each records an attempt (dead-lettered at
     /// `max_attempts`) and waits before its next one.
-    pub failed: Failures,
+    pub(crate) failed: Failures,
     /// Some rows failed for the broker's sake or got no answer in time: they stay pending
     /// and the worker backs off.
-    pub trouble: Option<SinkError>,
+    pub(crate) trouble: Option<SinkError>,
     /// Rows not sent because their destination could not take them now, and rows at their
     /// last attempt whose dead-letter topic could not take them for the broker's sake: no
     /// attempt counted; each waits (like a retry, holding its key back) before it is tried
     /// again.
-    pub postponed: Failures,
+    pub(crate) postponed: Failures,
 }
 
 /// Failed rows as the failure statement takes them: three arrays, index-aligned.
 #[derive(Debug, Default, PartialEq)]
-pub struct Failures {
-    pub ids: Vec<i64>,
-    pub errors: Vec<String>,
+pub(crate) struct Failures {
+    pub(crate) ids: Vec<i64>,
+    pub(crate) errors: Vec<String>,
     /// Microseconds until each row's next attempt.
-    pub waits_us: Vec<i64>,
+    pub(crate) waits_us: Vec<i64>,
 }
 
 /// How long a row whose destination could not take it ([`RowOutcome::Unavailable`]) waits
 /// before it is claimed again, holding its key back meanwhile: about as long as the sink
 /// takes to notice its destination is back.
-pub const UNAVAILABLE_WAIT: Duration = Duration::from_secs(1);
+pub(crate) const UNAVAILABLE_WAIT: Duration = Duration::from_secs(1);
 
 /// Decides what to write back for `rows` given their `outcomes` (index-aligned).
 /// `retry_wait(n)` is the wait before the next attempt of a row that has failed `n` times
 /// before. A fatal outcome (retrying cannot help) is returned as the error: nothing is
 /// written and the batch rolls back.
-pub fn settle(
+pub(crate) fn settle(
     rows: &[ClaimedRow],
     outcomes: &[RowOutcome],
     retry_wait: impl Fn(u32) -> Duration,

@@ -31,10 +31,10 @@ use crate::retry::Backoff;
 use crate::sink::Sink;
 
 /// Consecutive failed batches that open the circuit.
-pub const THRESHOLD: u32 = 2;
+pub(crate) const THRESHOLD: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BreakerState {
+pub(crate) enum BreakerState {
     /// Workers claim and publish.
     Closed,
     /// A probe succeeded after an outage: workers claim, and the next batch decides.
@@ -43,7 +43,7 @@ pub enum BreakerState {
     Open,
 }
 
-pub struct Breaker {
+pub(crate) struct Breaker {
     state: watch::Sender<BreakerState>,
     /// Batches in a row that failed for the broker's sake.
     failures: AtomicU32,
@@ -57,7 +57,7 @@ pub struct Breaker {
 
 /// A half-open circuit that no batch failed for this long counts as recovered (an idle
 /// relay has no batch to close it): the next failure begins a new outage.
-pub const HALF_OPEN_SETTLES: Duration = Duration::from_secs(10);
+pub(crate) const HALF_OPEN_SETTLES: Duration = Duration::from_secs(10);
 
 /// The prober's first pause once the circuit opens: a broker that blinked is back in it.
 const PROBE_FIRST: Duration = Duration::from_millis(200);
@@ -73,7 +73,7 @@ impl Default for Breaker {
 
 impl Breaker {
     /// A closed breaker whose prober pauses `base`, doubling to `cap`.
-    pub fn new(base: Duration, cap: Duration) -> Breaker {
+    pub(crate) fn new(base: Duration, cap: Duration) -> Breaker {
         Breaker {
             state: watch::Sender::new(BreakerState::Closed),
             failures: AtomicU32::new(0),
@@ -83,17 +83,17 @@ impl Breaker {
         }
     }
 
-    pub fn state(&self) -> BreakerState {
+    pub(crate) fn state(&self) -> BreakerState {
         *self.state.borrow()
     }
 
     /// How many outages began since start.
-    pub fn times_opened(&self) -> u64 {
+    pub(crate) fn times_opened(&self) -> u64 {
         self.opened.load(Relaxed)
     }
 
     /// The broker acknowledged rows: a half-open circuit closes, the backoff starts over.
-    pub fn record_success(&self) {
+    pub(crate) fn record_success(&self) {
         self.failures.store(0, Relaxed);
         let closed = self.state.send_if_modified(|state| {
             let half_open = *state == BreakerState::HalfOpen;
@@ -109,7 +109,7 @@ impl Breaker {
     }
 
     /// A batch failed for the broker's sake, acknowledging nothing.
-    pub fn record_failure(&self, error: &str) {
+    pub(crate) fn record_failure(&self, error: &str) {
         let failures = self.failures.fetch_add(1, Relaxed) + 1;
         let trial_failed = self.state() == BreakerState::HalfOpen;
         if failures >= THRESHOLD || trial_failed {
@@ -119,7 +119,7 @@ impl Breaker {
 
     /// The client reports the connection lost: open now, without waiting for batches to
     /// time out.
-    pub fn trip(&self, reason: &str) {
+    pub(crate) fn trip(&self, reason: &str) {
         self.open(reason);
     }
 
@@ -150,7 +150,7 @@ impl Breaker {
     }
 
     /// Waits until workers may claim; `false` when `stop` fired first.
-    pub async fn wait_closed(&self, stop: &CancellationToken) -> bool {
+    pub(crate) async fn wait_closed(&self, stop: &CancellationToken) -> bool {
         let mut rx = self.state.subscribe();
         tokio::select! {
             r = rx.wait_for(|s| *s != BreakerState::Open) => r.is_ok(),
@@ -160,7 +160,7 @@ impl Breaker {
 
     /// Probes `sink` whenever the circuit is open, until `stop`. Each probe counts as a
     /// loop going round for liveness.
-    pub async fn run_prober(&self, sink: &Sink, health: &Health, stop: CancellationToken) {
+    pub(crate) async fn run_prober(&self, sink: &Sink, health: &Health, stop: CancellationToken) {
         let mut rx = self.state.subscribe();
         loop {
             tokio::select! {
@@ -198,7 +198,7 @@ impl Breaker {
     /// Follows the broker connection (clients that report it: NATS) until `done`: the
     /// moment it is lost, readiness says so and the circuit opens, so no worker claims rows
     /// it cannot publish.
-    pub async fn follow_connection(
+    pub(crate) async fn follow_connection(
         &self,
         ops: &Ops,
         mut connection: watch::Receiver<bool>,

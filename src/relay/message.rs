@@ -8,7 +8,7 @@ use crate::sink::{Message, SinkError};
 use crate::source::claim::ClaimedRow;
 
 /// Builds the message for `row` of `table`. Consumes the payload without copying it.
-pub fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, SinkError> {
+pub(crate) fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, SinkError> {
     let topic = table
         .topic
         .render(&row.topic_values)
@@ -37,7 +37,7 @@ pub fn to_message(table: &TableConfig, row: &mut ClaimedRow) -> Result<Message, 
 }
 
 /// Parses the headers column: a JSON object whose values are all strings, or JSON null.
-pub fn parse_headers(text: &str) -> Result<Vec<(String, String)>, String> {
+pub(crate) fn parse_headers(text: &str) -> Result<Vec<(String, String)>, String> {
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| format!("headers column is not JSON: {e}"))?;
     match value {

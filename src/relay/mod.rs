@@ -7,10 +7,10 @@
 //! the deadline (`abort`) comes first, in-flight batches roll back and the report says so.
 
 mod batch;
-pub mod breaker;
+mod breaker;
 mod drain;
 mod message;
-pub mod order;
+mod order;
 mod pause;
 mod start;
 mod state;
@@ -45,6 +45,12 @@ pub enum RelayError {
     Source(#[from] SourceError),
     #[error(transparent)]
     Sink(#[from] SinkError),
+    /// `[http] listen` could not be bound.
+    #[error(transparent)]
+    Http(#[from] ops::http::BindError),
+    /// Trace export is on and its exporter could not be set up.
+    #[error(transparent)]
+    Tracing(#[from] ops::otel::ExporterError),
     #[error("{0}")]
     Fatal(String),
     /// Stopped (drain --timeout, a signal) before a dependency was ever reached.
@@ -69,9 +75,6 @@ pub struct Report {
     /// `drain` only: paused tables that still hold publishable rows, each with its pause
     /// (`drain` does not wait for them, and exits 3).
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
-    /// Background tasks (probe, floor keeper, ...) still running when the run returned,
-    /// each also named in a WARN; empty when every one stopped (see `tasks`).
-    pub tasks_left: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
@@ -169,7 +172,9 @@ pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Repo
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
-/// publishable is left (`Mode::Drain`).
+/// publishable is left (`Mode::Drain`). For tests and benchmarks (the `testing` feature),
+/// with the memory sink.
+#[cfg(feature = "testing")]
 pub async fn run_with_sink(
     config: &Config,
     mode: Mode,
@@ -183,7 +188,7 @@ pub async fn run_with_sink(
 }
 
 /// Stops the tasks that outlive the workers, once the run is over whichever way it ended,
-/// and waits for them; the report names those that did not stop in time.
+/// and waits for them; a WARN names those that did not stop in time.
 async fn stop_background(
     relayed: Result<Report, RelayError>,
     endpoints: Endpoints,
@@ -194,11 +199,8 @@ async fn stop_background(
     } else {
         BACKGROUND_STOP
     };
-    let tasks_left = endpoints.stop(within).await;
-    relayed.map(|report| Report {
-        tasks_left,
-        ..report
-    })
+    endpoints.stop(within).await;
+    relayed
 }
 
 async fn relay(
@@ -218,8 +220,7 @@ async fn relay(
             let system = sink.name();
             tokio::task::spawn_blocking(move || Otel::start(url, system))
                 .await
-                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))?
-                .map_err(RelayError::Fatal)?
+                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))??
         }
     };
     // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
@@ -478,7 +479,6 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         elapsed: started.elapsed(),
         aborted,
         drained: shared.state.drained() && !aborted,
-        tasks_left: Vec::new(), // filled in by `stop_background`
     };
     tracing::info!(
         published = report.published,

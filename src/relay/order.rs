@@ -25,7 +25,7 @@ use crate::sink::{Message, Sink, SinkError};
 
 /// What became of one row of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RowOutcome {
+pub(crate) enum RowOutcome {
     /// No answer (not sent yet, or the publish deadline passed first). Stays pending.
     Pending,
     /// Acknowledged by the broker: may be deleted or marked.
@@ -41,7 +41,7 @@ pub enum RowOutcome {
 
 impl RowOutcome {
     /// `Ok` for an acknowledged row, else why it was not.
-    pub fn as_result(&self) -> Result<(), &str> {
+    pub(crate) fn as_result(&self) -> Result<(), &str> {
         match self {
             RowOutcome::Published => Ok(()),
             RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
@@ -54,7 +54,7 @@ impl RowOutcome {
 
 /// Splits rows into waves: the n-th row of each key goes into wave n; rows without a key
 /// into wave 0. Within a wave, rows keep their batch (id) order.
-pub fn waves(keys: &[Option<&str>]) -> Vec<Vec<usize>> {
+pub(crate) fn waves(keys: &[Option<&str>]) -> Vec<Vec<usize>> {
     let mut seen: HashMap<&str, usize> = HashMap::new();
     let mut waves: Vec<Vec<usize>> = Vec::new();
     for (i, key) in keys.iter().enumerate() {
@@ -80,7 +80,7 @@ pub fn waves(keys: &[Option<&str>]) -> Vec<Vec<usize>> {
 ///
 /// Outcomes are written in wave order and, within a wave, in row order, so whenever this
 /// future is dropped the `Published` rows of every key form a prefix of its rows.
-pub async fn publish_in_order(
+pub(crate) async fn publish_in_order(
     sink: &Sink,
     keys: &[Option<&str>],
     messages: &[Result<Message, SinkError>],

@@ -21,14 +21,14 @@ use crate::source::SourceError;
 const FIRST_PAUSES_RETRY: Duration = Duration::from_millis(500);
 
 /// What this process knows of the pause state.
-pub struct PauseState {
+pub(crate) struct PauseState {
     sql: String,
     names: Vec<TableName>,
     known: Mutex<Vec<Option<Paused>>>,
 }
 
 impl PauseState {
-    pub fn new(names: Vec<TableName>) -> PauseState {
+    pub(crate) fn new(names: Vec<TableName>) -> PauseState {
         PauseState {
             sql: pause::read_sql(&names),
             known: Mutex::new(vec![None; names.len()]),
@@ -37,7 +37,7 @@ impl PauseState {
     }
 
     /// The pause of table `t` as last read.
-    pub fn of(&self, t: usize) -> Option<Paused> {
+    pub(crate) fn of(&self, t: usize) -> Option<Paused> {
         self.known.lock().unwrap_or_else(|e| e.into_inner())[t].clone()
     }
 }

@@ -69,7 +69,7 @@ where
 
 /// Opens the pool (learning how sessions get their settings) and checks every table,
 /// waiting out transient failures.
-pub async fn prepare_tables(
+pub(crate) async fn prepare_tables(
     config: &Config,
     limits: SessionLimits,
     shutdown: &Shutdown,
@@ -90,7 +90,7 @@ pub async fn prepare_tables(
 }
 
 /// Connects the configured sink, waiting out transient failures.
-pub async fn connect_sink(
+pub(crate) async fn connect_sink(
     config: &Config,
     shutdown: &Shutdown,
     ops: &Ops,
@@ -107,26 +107,24 @@ pub async fn connect_sink(
 
 /// The HTTP endpoints, served from the moment the configuration is valid until the relay
 /// returns, and the other tasks that outlive the workers.
-pub struct Endpoints {
-    pub ops: Arc<Ops>,
+pub(crate) struct Endpoints {
+    pub(crate) ops: Arc<Ops>,
     /// Stops the HTTP server and the other background tasks when dropped, should the run
     /// end without [`Endpoints::stop`] (a panic).
     _done: tokio_util::sync::DropGuard,
     /// The parent of every task that outlives the workers (probe, watchdog, floor keeper).
-    pub done: CancellationToken,
+    pub(crate) done: CancellationToken,
     /// Those tasks, awaited by [`Endpoints::stop`].
-    pub tasks: Background,
+    pub(crate) tasks: Background,
 }
 
 impl Endpoints {
-    pub async fn start(config: &Config) -> Result<Endpoints, RelayError> {
+    pub(crate) async fn start(config: &Config) -> Result<Endpoints, RelayError> {
         let ops = Ops::new(config.relay.poll_interval, config.http.is_some());
         let done = CancellationToken::new();
         let tasks = Background::default();
         if let Some(http) = &config.http {
-            let listener = ops::http::bind(http.listen)
-                .await
-                .map_err(RelayError::Fatal)?;
+            let listener = ops::http::bind(http.listen).await?;
             tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
             tasks.spawn(
                 "http",
@@ -141,9 +139,9 @@ impl Endpoints {
         })
     }
 
-    /// Stops the background tasks and waits `within` at most for them; returns the names of
-    /// those still running.
-    pub async fn stop(self, within: Duration) -> Vec<String> {
-        self.tasks.stop(&self.done, within).await
+    /// Stops the background tasks and waits `within` at most for them (those still running
+    /// then are named in a WARN and left behind).
+    pub(crate) async fn stop(self, within: Duration) {
+        self.tasks.stop(&self.done, within).await;
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 /// The run's flags and counters, shared by the workers and read for the report.
 #[derive(Default)]
-pub struct RunState {
+pub(crate) struct RunState {
     /// Workers with claimed rows in flight (claim returned rows, to commit or rollback).
     active: AtomicUsize,
     /// `drain` found nothing publishable left.
@@ -22,32 +22,32 @@ pub struct RunState {
 
 /// Totals of a run so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Totals {
-    pub published: u64,
-    pub failed: u64,
-    pub dead: u64,
+pub(crate) struct Totals {
+    pub(crate) published: u64,
+    pub(crate) failed: u64,
+    pub(crate) dead: u64,
 }
 
 impl RunState {
     /// Counts the caller as inside a batch until the guard is dropped.
-    pub fn enter_batch(&self) -> ActiveGuard<'_> {
+    pub(crate) fn enter_batch(&self) -> ActiveGuard<'_> {
         self.active.fetch_add(1, Relaxed);
         ActiveGuard(&self.active)
     }
 
     /// No worker is inside a batch.
-    pub fn idle(&self) -> bool {
+    pub(crate) fn idle(&self) -> bool {
         self.active.load(Relaxed) == 0
     }
 
     /// Adds one committed batch's rows.
-    pub fn count(&self, published: usize, failed: usize, dead: usize) {
+    pub(crate) fn count(&self, published: usize, failed: usize, dead: usize) {
         self.published.fetch_add(published as u64, Relaxed);
         self.failed.fetch_add(failed as u64, Relaxed);
         self.dead.fetch_add(dead as u64, Relaxed);
     }
 
-    pub fn totals(&self) -> Totals {
+    pub(crate) fn totals(&self) -> Totals {
         Totals {
             published: self.published.load(Relaxed),
             failed: self.failed.load(Relaxed),
@@ -56,38 +56,38 @@ impl RunState {
     }
 
     /// The counter of published rows (for the progress line and the probe).
-    pub fn published(&self) -> &AtomicU64 {
+    pub(crate) fn published(&self) -> &AtomicU64 {
         &self.published
     }
 
-    pub fn set_drained(&self, drained: bool) {
+    pub(crate) fn set_drained(&self, drained: bool) {
         self.drained.store(drained, Relaxed);
     }
 
-    pub fn drained(&self) -> bool {
+    pub(crate) fn drained(&self) -> bool {
         self.drained.load(Relaxed)
     }
 
-    pub fn set_aborted(&self) {
+    pub(crate) fn set_aborted(&self) {
         self.aborted.store(true, Relaxed);
     }
 
-    pub fn aborted(&self) -> bool {
+    pub(crate) fn aborted(&self) -> bool {
         self.aborted.load(Relaxed)
     }
 
     /// Keeps the first fatal error; later ones are consequences.
-    pub fn record_fatal(&self, message: String) {
+    pub(crate) fn record_fatal(&self, message: String) {
         self.fatal.lock().unwrap().get_or_insert(message);
     }
 
-    pub fn take_fatal(&self) -> Option<String> {
+    pub(crate) fn take_fatal(&self) -> Option<String> {
         self.fatal.lock().unwrap().take()
     }
 }
 
 /// Counts a worker as inside a batch, for drain detection, until dropped.
-pub struct ActiveGuard<'a>(&'a AtomicUsize);
+pub(crate) struct ActiveGuard<'a>(&'a AtomicUsize);
 
 impl Drop for ActiveGuard<'_> {
     fn drop(&mut self) {

@@ -15,7 +15,7 @@ use tokio_util::task::TaskTracker;
 
 /// The background tasks of one run, by name.
 #[derive(Debug, Default)]
-pub struct Background {
+pub(crate) struct Background {
     tracker: TaskTracker,
     /// The tasks still running, by a number of their own (two may share a name).
     running: Arc<Mutex<BTreeMap<u64, String>>>,
@@ -37,7 +37,11 @@ impl Drop for Ended {
 
 impl Background {
     /// Runs `task` as `name` until it returns; it must return soon after `done` fires.
-    pub fn spawn(&self, name: impl Into<String>, task: impl Future<Output = ()> + Send + 'static) {
+    pub(crate) fn spawn(
+        &self,
+        name: impl Into<String>,
+        task: impl Future<Output = ()> + Send + 'static,
+    ) {
         let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         running.insert(id, name.into());
@@ -53,7 +57,7 @@ impl Background {
 
     /// Fires `done` and waits `within` at most for every task to return; returns the names
     /// of those that did not, after a WARN naming them.
-    pub async fn stop(&self, done: &CancellationToken, within: Duration) -> Vec<String> {
+    pub(crate) async fn stop(&self, done: &CancellationToken, within: Duration) -> Vec<String> {
         done.cancel();
         self.tracker.close();
         if tokio::time::timeout(within, self.tracker.wait())

@@ -25,7 +25,7 @@ struct Window {
 }
 
 /// The valve of every table of this process.
-pub struct Valve {
+pub(crate) struct Valve {
     threshold: usize,
     window: Duration,
     tables: Vec<Mutex<Window>>,
@@ -33,7 +33,7 @@ pub struct Valve {
 
 impl Valve {
     /// `None` when the valve is off (`pause_after_bad_rows = 0`).
-    pub fn new(setting: Option<(u32, Duration)>, tables: usize) -> Option<Valve> {
+    pub(crate) fn new(setting: Option<(u32, Duration)>, tables: usize) -> Option<Valve> {
         let (threshold, window) = setting?;
         Some(Valve {
             threshold: threshold as usize,
@@ -44,7 +44,13 @@ impl Valve {
 
     /// Counts one batch of table `t`: whether the table should pause now, with how many
     /// rows failed within the window. The count starts again after a trip.
-    pub fn trips(&self, t: usize, failed: usize, published: usize, now: Instant) -> Option<usize> {
+    pub(crate) fn trips(
+        &self,
+        t: usize,
+        failed: usize,
+        published: usize,
+        now: Instant,
+    ) -> Option<usize> {
         let mut w = self.tables[t].lock().unwrap_or_else(|e| e.into_inner());
         while let Some(&(at, f, p)) = w.batches.front() {
             if now.duration_since(at) <= self.window {
@@ -70,7 +76,7 @@ impl Valve {
     }
 
     /// The window, for the messages.
-    pub fn window(&self) -> Duration {
+    pub(crate) fn window(&self) -> Duration {
         self.window
     }
 }

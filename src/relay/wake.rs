@@ -26,15 +26,15 @@ use tokio::sync::Notify;
 
 /// How often a table that NOTIFY covers is looked at anyway when nothing raised it: a
 /// row inserted with the trigger disabled, a retry scheduled by a relay that died.
-pub const IDLE_RECHECK: Duration = Duration::from_secs(5);
+pub(crate) const IDLE_RECHECK: Duration = Duration::from_secs(5);
 /// How long a table counts as active after its last sign of rows.
-pub const ACTIVE_FOR: Duration = Duration::from_secs(2);
+pub(crate) const ACTIVE_FOR: Duration = Duration::from_secs(2);
 
 /// The wake state of every table, and the signal idle workers wait on.
-pub struct Wakes {
+pub(crate) struct Wakes {
     tables: Vec<TableWake>,
     /// Idle workers wait on this.
-    pub workers: Notify,
+    pub(crate) workers: Notify,
     /// LISTEN is subscribed now.
     listening: AtomicBool,
     poll_interval: Duration,
@@ -61,12 +61,12 @@ struct TableWake {
 
 /// A ticket from [`Wakes::begin`]: what a claim saw raised when it began.
 #[derive(Debug, Clone, Copy)]
-pub struct Ticket(u64);
+pub(crate) struct Ticket(u64);
 
 impl Wakes {
     /// `tables`: each table's qualified name as NOTIFY sends it (`schema.table`) and
     /// whether it has the trigger.
-    pub fn new(tables: Vec<(String, bool)>, poll_interval: Duration, always: bool) -> Wakes {
+    pub(crate) fn new(tables: Vec<(String, bool)>, poll_interval: Duration, always: bool) -> Wakes {
         let now = Instant::now();
         Wakes {
             tables: tables
@@ -92,7 +92,7 @@ impl Wakes {
     }
 
     /// Rule 1: table `t` may have rows; idle workers are woken when `wake_workers`.
-    pub fn raise(&self, t: usize, wake_workers: bool) {
+    pub(crate) fn raise(&self, t: usize, wake_workers: bool) {
         let table = &self.tables[t];
         table.raised.fetch_add(1, Ordering::AcqRel);
         *table.last_active.lock().unwrap() = Instant::now();
@@ -104,7 +104,7 @@ impl Wakes {
 
     /// Every table may have rows (LISTEN (re)subscribed, or a NOTIFY naming no table this
     /// relay knows... see [`Wakes::rows_committed`]).
-    pub fn raise_all(&self) {
+    pub(crate) fn raise_all(&self) {
         for t in 0..self.tables.len() {
             self.raise(t, false);
         }
@@ -112,14 +112,14 @@ impl Wakes {
     }
 
     /// A NOTIFY with `payload` (`schema.table`) arrived.
-    pub fn rows_committed(&self, payload: &str) {
+    pub(crate) fn rows_committed(&self, payload: &str) {
         if let Some(t) = self.tables.iter().position(|t| t.name == payload) {
             self.raise(t, true);
         }
     }
 
     /// LISTEN subscribed (`true`) or lost its connection (`false`).
-    pub fn set_listening(&self, on: bool) {
+    pub(crate) fn set_listening(&self, on: bool) {
         self.listening.store(on, Ordering::Release);
         if on {
             self.raise_all();
@@ -128,7 +128,7 @@ impl Wakes {
 
     /// Whether a worker should claim from table `t` now (rules 1 and 3); if so, the
     /// ticket to hand back with what the claim found.
-    pub fn begin(&self, t: usize, now: Instant) -> Option<Ticket> {
+    pub(crate) fn begin(&self, t: usize, now: Instant) -> Option<Ticket> {
         let table = &self.tables[t];
         if table.paused.load(Ordering::Acquire) {
             return None;
@@ -154,7 +154,7 @@ impl Wakes {
 
     /// A claim of table `t` with `ticket` found nothing (rule 2); the table is looked at
     /// again at its next recheck unless something raises it first.
-    pub fn found_nothing(&self, t: usize, ticket: Ticket) {
+    pub(crate) fn found_nothing(&self, t: usize, ticket: Ticket) {
         let table = &self.tables[t];
         table.settled.fetch_max(ticket.0, Ordering::AcqRel);
         let mut next = table.next_check.lock().unwrap();
@@ -162,14 +162,14 @@ impl Wakes {
     }
 
     /// This process scheduled a retry of a row of table `t` `after` from now.
-    pub fn retry_in(&self, t: usize, after: Duration) {
+    pub(crate) fn retry_in(&self, t: usize, after: Duration) {
         let at = Instant::now() + after;
         let mut retry = self.tables[t].retry_at.lock().unwrap();
         *retry = Some(retry.map_or(at, |r| r.min(at)));
     }
 
     /// When the earliest table that is not due is looked at again.
-    pub fn next_check(&self) -> Instant {
+    pub(crate) fn next_check(&self) -> Instant {
         self.tables
             .iter()
             .flat_map(|t| {
@@ -185,7 +185,7 @@ impl Wakes {
 
     /// Rule 5: pauses or resumes table `t`; a resumed table is due at once and the idle
     /// workers hear of it. Returns whether that changed anything.
-    pub fn set_paused(&self, t: usize, paused: bool) -> bool {
+    pub(crate) fn set_paused(&self, t: usize, paused: bool) -> bool {
         let changed = self.tables[t].paused.swap(paused, Ordering::AcqRel) != paused;
         if changed && !paused {
             self.raise(t, true);
@@ -194,17 +194,17 @@ impl Wakes {
     }
 
     /// Whether table `t` is paused.
-    pub fn paused(&self, t: usize) -> bool {
+    pub(crate) fn paused(&self, t: usize) -> bool {
         self.tables[t].paused.load(Ordering::Acquire)
     }
 
     /// Rule 4: whether table `t` showed signs of rows lately.
-    pub fn active(&self, t: usize) -> bool {
+    pub(crate) fn active(&self, t: usize) -> bool {
         self.tables[t].last_active.lock().unwrap().elapsed() < ACTIVE_FOR
     }
 
     /// The notification table `t`'s floor keeper waits on while idle.
-    pub fn keeper(&self, t: usize) -> &Notify {
+    pub(crate) fn keeper(&self, t: usize) -> &Notify {
         &self.tables[t].keeper
     }
 

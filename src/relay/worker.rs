@@ -38,13 +38,13 @@ enum Round {
     Exit,
 }
 
-pub struct Worker {
-    pub id: usize,
-    pub shared: Arc<Shared>,
+pub(crate) struct Worker {
+    pub(crate) id: usize,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl Worker {
-    pub async fn run(self) {
+    pub(crate) async fn run(self) {
         let shared = &self.shared;
         let stop = shared.shutdown.stop_token().clone();
         let mut backoff = Backoff::new(TROUBLE_FIRST, TROUBLE_MAX);

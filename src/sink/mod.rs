@@ -6,7 +6,8 @@
 //! - [`Sink::healthcheck`] and [`Sink::close`] (flush, within a deadline).
 //!
 //! Implementations: [`kafka`] (idempotent rdkafka producer), [`nats`] (JetStream),
-//! [`stdout`] (JSON lines, debugging) and [`memory`] (tests).
+//! [`stdout`] (JSON lines, debugging) and `memory` (tests: unit tests and the `testing`
+//! feature only; not in the shipped binary).
 //!
 //! Only rows whose message got `Ok` are ever marked or deleted.
 //!
@@ -15,9 +16,10 @@
 //! its line in [`Sink::connect`] and in `dispatch!`).
 
 pub mod kafka;
+#[cfg(any(test, feature = "testing"))]
 pub mod memory;
-pub mod nats;
-pub mod stdout;
+pub(crate) mod nats;
+mod stdout;
 
 use std::future::Future;
 use std::time::Duration;
@@ -51,7 +53,7 @@ pub struct Message {
 #[error("{message}")]
 pub struct SinkError {
     /// Retry later, this row is bad, or stop the process.
-    pub class: ErrorClass,
+    pub(crate) class: ErrorClass,
     /// What happened; never holds a secret.
     pub message: String,
 }
@@ -72,7 +74,7 @@ impl SinkError {
         }
     }
     /// Stops the process: the operator must fix something.
-    pub fn fatal(message: impl Into<String>) -> SinkError {
+    pub(crate) fn fatal(message: impl Into<String>) -> SinkError {
         SinkError {
             class: ErrorClass::Fatal,
             message: message.into(),
@@ -82,7 +84,7 @@ impl SinkError {
 
 /// What every sink does. Each sink implements it in its own folder; [`Sink`] dispatches
 /// to the one configured, in one place (the `dispatch!` macro).
-pub trait SinkService {
+pub(crate) trait SinkService {
     /// The name used in logs and metrics labels.
     const NAME: &'static str;
 
@@ -139,7 +141,8 @@ pub enum Sink {
     Nats(Box<nats::NatsSink>),
     /// [`stdout`].
     Stdout(stdout::StdoutSink),
-    /// [`memory`], for tests.
+    /// [`memory`], for tests (the `testing` feature).
+    #[cfg(any(test, feature = "testing"))]
     Memory(memory::MemorySink),
 }
 
@@ -151,6 +154,7 @@ macro_rules! dispatch {
             Sink::Kafka($s) => $call,
             Sink::Nats($s) => $call,
             Sink::Stdout($s) => $call,
+            #[cfg(any(test, feature = "testing"))]
             Sink::Memory($s) => $call,
         }
     };
@@ -168,22 +172,22 @@ impl Sink {
     }
 
     /// The name used in logs and metrics labels.
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         dispatch!(self, s => s.name())
     }
 
     /// See [`SinkService::keeps_order_in_flight`].
-    pub fn keeps_order_in_flight(&self) -> bool {
+    pub(crate) fn keeps_order_in_flight(&self) -> bool {
         dispatch!(self, s => s.keeps_order_in_flight())
     }
 
     /// See [`SinkService::check`].
-    pub fn check(&self, message: &Message) -> Result<(), SinkError> {
+    pub(crate) fn check(&self, message: &Message) -> Result<(), SinkError> {
         dispatch!(self, s => s.check(message))
     }
 
     /// See [`SinkService::unavailable`].
-    pub fn unavailable(&self, message: &Message) -> Option<String> {
+    pub(crate) fn unavailable(&self, message: &Message) -> Option<String> {
         dispatch!(self, s => s.unavailable(message))
     }
 
@@ -193,12 +197,12 @@ impl Sink {
     }
 
     /// See [`SinkService::connection`].
-    pub fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+    pub(crate) fn connection(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
         dispatch!(self, s => s.connection())
     }
 
     /// See [`SinkService::healthcheck`].
-    pub async fn healthcheck(&self) -> Result<(), SinkError> {
+    pub(crate) async fn healthcheck(&self) -> Result<(), SinkError> {
         dispatch!(self, s => s.healthcheck().await)
     }
 
@@ -224,7 +228,7 @@ async fn within(
 
 /// Replaces every occurrence of a secret in `text` with `<redacted>`: for error messages
 /// from client libraries, which may echo configuration values.
-pub fn scrub(text: &str, secrets: &[String]) -> String {
+pub(crate) fn scrub(text: &str, secrets: &[String]) -> String {
     secrets
         .iter()
         .filter(|s| !s.is_empty())

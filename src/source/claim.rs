@@ -172,8 +172,9 @@ use std::sync::Mutex;
 
 use tokio_postgres::Row;
 
-use super::floor::FloorView;
-use super::sql::{RowLayout, TableSql, BUCKETS};
+pub use super::floor::FloorView;
+use super::sql::{RowLayout, TableSql};
+pub use super::sql::{BUCKETS, FIRST_WINDOW};
 use super::{SourceError, Tx};
 use crate::config::Ordering;
 
@@ -184,27 +185,27 @@ pub struct ClaimedRow {
     /// mark and the delete.
     pub id: i64,
     /// The message id column's value as text, when it is not the order column.
-    pub message_id: Option<String>,
+    pub(crate) message_id: Option<String>,
     pub key: Option<String>,
     /// `None`: the column is NULL (a Kafka tombstone).
-    pub payload: Option<Vec<u8>>,
+    pub(crate) payload: Option<Vec<u8>>,
     /// The headers column as JSON text, unchecked.
-    pub headers: Option<String>,
+    pub(crate) headers: Option<String>,
     /// Failed attempts so far.
-    pub attempts: i32,
+    pub(crate) attempts: i32,
     /// Seconds from the row's creation time to its claim (`None` without that column).
-    pub age: Option<f64>,
+    pub(crate) age: Option<f64>,
     /// The row's creation time, in milliseconds since the Unix epoch (`None` without that
     /// column).
-    pub created_ms: Option<i64>,
+    pub(crate) created_ms: Option<i64>,
     /// Made pending again by `replay` (its lag is not a delivery lag).
-    pub replayed: bool,
+    pub(crate) replayed: bool,
     /// Values of the topic template's columns, in template order.
-    pub topic_values: Vec<Option<String>>,
+    pub(crate) topic_values: Vec<Option<String>>,
     /// Values of the header columns, in configuration order.
-    pub header_values: Vec<Option<String>>,
+    pub(crate) header_values: Vec<Option<String>>,
     /// Values of the dead-letter topic template's columns, in template order.
-    pub dead_letter_values: Vec<Option<String>>,
+    pub(crate) dead_letter_values: Vec<Option<String>>,
 }
 
 impl ClaimedRow {
@@ -863,13 +864,13 @@ impl BucketDepth {
 
 /// A pending row seen in a window: its id, key, size and bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Candidate {
-    pub id: i64,
-    pub key: Option<String>,
+pub(crate) struct Candidate {
+    pub(crate) id: i64,
+    pub(crate) key: Option<String>,
     /// Payload bytes.
-    pub size: u64,
+    pub(crate) size: u64,
     /// The key's bucket ([`super::sql::bucket_of`]; by id for a row without a key).
-    pub bucket: i32,
+    pub(crate) bucket: i32,
 }
 
 impl Candidate {
@@ -900,7 +901,7 @@ enum KeyState {
 
 /// The pure part of a key-ordered claim: which heads to lock, which rows follow them.
 #[derive(Debug)]
-pub struct KeyPlan {
+pub(crate) struct KeyPlan {
     capacity: usize,
     reserved: usize,
     /// Payload bytes the batch may take, and those reserved so far.
@@ -923,7 +924,7 @@ pub struct KeyPlan {
 }
 
 impl KeyPlan {
-    pub fn new(budget: Budget) -> KeyPlan {
+    pub(crate) fn new(budget: Budget) -> KeyPlan {
         KeyPlan {
             capacity: budget.rows,
             reserved: 0,
@@ -940,12 +941,12 @@ impl KeyPlan {
         }
     }
 
-    pub fn has_room(&self) -> bool {
+    pub(crate) fn has_room(&self) -> bool {
         self.reserved < self.capacity && !self.full
     }
 
     /// Rows the batch may still take.
-    pub fn room(&self) -> usize {
+    pub(crate) fn room(&self) -> usize {
         self.capacity - self.reserved
     }
 
@@ -971,7 +972,7 @@ impl KeyPlan {
     /// Walks `window` from `cursor`, reserving rows until the batch is full, and returns
     /// the heads (and key-less rows) to lock in this round. Every key met in a window is
     /// settled at that point: its first row is its head.
-    pub fn plan_round(&mut self, window: &[Candidate], cursor: &mut usize) -> Vec<i64> {
+    pub(crate) fn plan_round(&mut self, window: &[Candidate], cursor: &mut usize) -> Vec<i64> {
         let mut heads = Vec::new();
         while self.has_room() && *cursor < window.len() {
             let row = &window[*cursor];
@@ -1009,21 +1010,21 @@ impl KeyPlan {
     }
 
     /// Leaves every key met in `prefix` to other claimers: they are blocked for this claim.
-    pub fn leave_to_lower_lanes(&mut self, prefix: &[Candidate]) {
+    pub(crate) fn leave_to_lower_lanes(&mut self, prefix: &[Candidate]) {
         for key in prefix.iter().filter_map(|row| row.key.as_ref()) {
             self.keys.entry(key.clone()).or_insert(KeyState::Blocked);
         }
     }
 
     /// Whether this claim has met `key` (planned, owned or left to others).
-    pub fn knows(&self, key: &str) -> bool {
+    pub(crate) fn knows(&self, key: &str) -> bool {
         self.keys.contains_key(key)
     }
 
     /// Tails to send with the next lock statement, each tried once: those of the keys
     /// owned so far, and with `planned` those of the keys planned in the current round
     /// (locked on the chance that the round gets their heads).
-    pub fn tails_to_try(&mut self, planned: bool) -> Vec<i64> {
+    pub(crate) fn tails_to_try(&mut self, planned: bool) -> Vec<i64> {
         let mut ids = Vec::new();
         for (key, state) in &self.keys {
             let send = match state {
@@ -1042,7 +1043,7 @@ impl KeyPlan {
 
     /// Marks as tried the tails (of keys owned or planned) that `tried` says a statement
     /// tried to lock along with the round's heads.
-    pub fn tails_tried_where(&mut self, tried: impl Fn(i64) -> bool) {
+    pub(crate) fn tails_tried_where(&mut self, tried: impl Fn(i64) -> bool) {
         for (key, state) in &self.keys {
             if matches!(state, KeyState::Blocked) {
                 continue;
@@ -1058,7 +1059,7 @@ impl KeyPlan {
     /// not get are blocked and their reserved rows released (their tails this claim may
     /// have locked with the head are never published: only released at its end). Tails
     /// the statement got are recorded for [`KeyPlan::finish`].
-    pub fn settle_round(&mut self, locked: &HashSet<i64>) {
+    pub(crate) fn settle_round(&mut self, locked: &HashSet<i64>) {
         self.locked_tails
             .extend(locked.iter().filter(|id| self.tried.contains(id)));
         let mut released = Vec::new();
@@ -1086,7 +1087,8 @@ impl KeyPlan {
     }
 
     /// Rows after owned heads, to lock once all rounds are done.
-    pub fn tails(&self) -> Vec<i64> {
+    #[cfg(test)]
+    pub(crate) fn tails(&self) -> Vec<i64> {
         let mut ids: Vec<i64> = self.tails.values().flatten().copied().collect();
         ids.sort_unstable();
         ids
@@ -1096,7 +1098,7 @@ impl KeyPlan {
     /// run of tail rows locked after its head. A tail row someone else holds (possible
     /// only for a row that committed late, below a head another claimer already took)
     /// ends its key's run there.
-    pub fn finish(&self, locked_tails: &HashSet<i64>) -> Vec<i64> {
+    pub(crate) fn finish(&self, locked_tails: &HashSet<i64>) -> Vec<i64> {
         let mut ids = self.unkeyed.clone();
         for (key, state) in &self.keys {
             if let KeyState::Owned { head } = state {

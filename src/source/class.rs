@@ -27,7 +27,7 @@ const FATAL_SQLSTATES: &[&str] = &[
 /// - The server answered with a SQLSTATE: [`classify_sqlstate`].
 /// - Otherwise the client failed, and its cause says whose fault it is: see
 ///   [`classify_cause`].
-pub fn classify(e: &tokio_postgres::Error) -> ErrorClass {
+pub(crate) fn classify(e: &tokio_postgres::Error) -> ErrorClass {
     match e.code() {
         Some(code) => classify_sqlstate(code.code()),
         None => classify_cause(e.source()),
@@ -36,7 +36,7 @@ pub fn classify(e: &tokio_postgres::Error) -> ErrorClass {
 
 /// The class of a SQLSTATE: `FATAL_SQLSTATES` are fatal, every other code (shutdown,
 /// statement or lock timeout, serialization failure, too many connections) transient.
-pub fn classify_sqlstate(code: &str) -> ErrorClass {
+pub(crate) fn classify_sqlstate(code: &str) -> ErrorClass {
     if FATAL_SQLSTATES.contains(&code) {
         ErrorClass::Fatal
     } else {
@@ -56,7 +56,7 @@ pub fn classify_sqlstate(code: &str) -> ErrorClass {
 /// 4. Any other cause is the client refusing what it was given (the server does not
 ///    offer the TLS `sslmode` requires, a password it needs is missing, a parameter that
 ///    does not convert): the same attempt gives the same answer, so fatal.
-pub fn classify_cause(cause: Option<&(dyn StdError + 'static)>) -> ErrorClass {
+pub(crate) fn classify_cause(cause: Option<&(dyn StdError + 'static)>) -> ErrorClass {
     let Some(first) = cause else {
         return ErrorClass::Transient;
     };

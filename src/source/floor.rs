@@ -118,13 +118,13 @@ use super::{Source, SourceError};
 /// How often the keeper looks at the table. The floor trails the newest pending row by
 /// about a batch's duration plus a tick or two; with a snapshot held, every claim walks the
 /// entries of the rows published in that time.
-pub const TICK: Duration = Duration::from_millis(25);
+pub(crate) const TICK: Duration = Duration::from_millis(25);
 /// Stragglers listed at most; beyond them their keys are withheld.
-pub const STRAGGLER_CAP: usize = 1000;
+pub(crate) const STRAGGLER_CAP: usize = 1000;
 /// Keys withheld at most; beyond them the floor stays below the rows it could not list.
-pub const WITHHELD_CAP: usize = 10_000;
+pub(crate) const WITHHELD_CAP: usize = 10_000;
 /// How often the keeper asks whether withheld keys were released.
-pub const RELEASE_CHECK: Duration = Duration::from_millis(100);
+pub(crate) const RELEASE_CHECK: Duration = Duration::from_millis(100);
 /// Fresh rows one look reads at most (written into the look's SQL).
 const WALK: usize = super::sql::LOOK_LIMIT;
 const _: () = assert!(WALK == STRAGGLER_CAP + 1);
@@ -144,14 +144,14 @@ const SWEEP_SPACING: u32 = 19;
 /// leave alone what [`FloorView::hides`].
 #[derive(Debug, Clone)]
 pub struct FloorView {
-    pub value: i64,
-    pub stragglers: Arc<[i64]>,
+    pub(crate) value: i64,
+    pub(crate) stragglers: Arc<[i64]>,
     /// Some pending row may have a failure history (`ordering = "none"` claims below the
     /// floor only then; key-ordered windows always look).
-    pub retrying: bool,
+    pub(crate) retrying: bool,
     /// Withheld keys, each with the id from which its rows are hidden (see *Withheld
     /// keys*).
-    pub withheld: Arc<HashMap<String, i64>>,
+    pub(crate) withheld: Arc<HashMap<String, i64>>,
 }
 
 impl Default for FloorView {
@@ -168,14 +168,14 @@ impl Default for FloorView {
 impl FloorView {
     /// Whether a claim must leave the row `id` of `key` alone: its key is withheld and the
     /// row is not below where the key's hidden rows start.
-    pub fn hides(&self, key: Option<&str>, id: i64) -> bool {
+    pub(crate) fn hides(&self, key: Option<&str>, id: i64) -> bool {
         key.and_then(|k| self.withheld.get(k))
             .is_some_and(|from| id >= *from)
     }
 
     /// Where a count of every pending row must start: the floor, or the lowest row of a
     /// withheld key below it.
-    pub fn lowest(&self) -> i64 {
+    pub(crate) fn lowest(&self) -> i64 {
         self.withheld
             .values()
             .fold(self.value, |low, w| low.min(*w))
@@ -185,7 +185,7 @@ impl FloorView {
 /// The floor of one table, shared by the keeper (who moves it) and the claims (who read it
 /// and say how far they got).
 #[derive(Debug)]
-pub struct FloorCell {
+pub(crate) struct FloorCell {
     view: Mutex<FloorView>,
     /// The highest id a claim of this process has locked (`i64::MIN`: none yet).
     claimed: AtomicI64,
@@ -201,13 +201,13 @@ impl Default for FloorCell {
 }
 
 impl FloorCell {
-    pub fn view(&self) -> FloorView {
+    pub(crate) fn view(&self) -> FloorView {
         self.view.lock().unwrap().clone()
     }
 
     /// A claim locked rows up to `max`: committed rows, so every id drawn before it is
     /// committed, or belongs to a transaction running now (see *Raising the floor*).
-    pub fn note_claimed(&self, max: Option<i64>) {
+    pub(crate) fn note_claimed(&self, max: Option<i64>) {
         if let Some(max) = max {
             self.claimed.fetch_max(max, AtomicOrdering::Relaxed);
         }
@@ -220,7 +220,7 @@ impl FloorCell {
     }
 
     /// A worker recorded a failure: rows with a failure history exist now.
-    pub fn note_retrying(&self) {
+    pub(crate) fn note_retrying(&self) {
         self.view.lock().unwrap().retrying = true;
     }
 
@@ -237,22 +237,22 @@ impl FloorCell {
 
 /// One look at the table from the floor, in one snapshot.
 #[derive(Debug, Clone, Default)]
-pub struct Observation {
-    pub xmin: i64,
-    pub xmax: i64,
-    pub retrying: bool,
+pub(crate) struct Observation {
+    pub(crate) xmin: i64,
+    pub(crate) xmax: i64,
+    pub(crate) retrying: bool,
     /// Fresh pending rows from the floor on, in order, at most [`WALK`], each with whether
     /// an earlier held row of its key holds it back.
-    pub walk: Vec<(i64, bool)>,
+    pub(crate) walk: Vec<(i64, bool)>,
     /// The keys of the held-back rows of `walk`.
-    pub keys: HashMap<i64, String>,
+    pub(crate) keys: HashMap<i64, String>,
     /// When the floor withholds keys: every key with held-back rows before the candidate,
     /// with the first of them, however many there are (`walk` may be cut short).
-    pub summary: Option<HashMap<String, i64>>,
+    pub(crate) summary: Option<HashMap<String, i64>>,
     /// The stragglers still fresh and pending.
-    pub kept: Vec<i64>,
+    pub(crate) kept: Vec<i64>,
     /// One past the highest id this process had claimed before the look began.
-    pub claimed_past: Option<i64>,
+    pub(crate) claimed_past: Option<i64>,
 }
 
 impl Observation {
@@ -273,7 +273,7 @@ impl Observation {
 /// The keeper's state: the floor, its stragglers, the candidate waiting for its fence, and
 /// the sweep's position.
 #[derive(Debug)]
-pub struct Floor {
+pub(crate) struct Floor {
     value: i64,
     /// Listed held-back rows below the floor, with their keys.
     stragglers: Vec<(i64, String)>,
@@ -298,7 +298,7 @@ struct Sweep {
 }
 
 impl Floor {
-    pub fn new(now: Instant) -> Floor {
+    pub(crate) fn new(now: Instant) -> Floor {
         Floor {
             value: i64::MIN,
             stragglers: Vec::new(),
@@ -315,22 +315,22 @@ impl Floor {
         }
     }
 
-    pub fn value(&self) -> i64 {
+    pub(crate) fn value(&self) -> i64 {
         self.value
     }
 
     /// The stragglers' ids.
-    pub fn stragglers(&self) -> Vec<i64> {
+    pub(crate) fn stragglers(&self) -> Vec<i64> {
         self.stragglers.iter().map(|(id, _)| *id).collect()
     }
 
     /// The withheld keys and where each one's hidden rows start.
-    pub fn withheld(&self) -> &HashMap<String, i64> {
+    pub(crate) fn withheld(&self) -> &HashMap<String, i64> {
         &self.withheld
     }
 
     /// Takes in one look made from the current floor with the current stragglers.
-    pub fn observe(&mut self, look: Observation) {
+    pub(crate) fn observe(&mut self, look: Observation) {
         self.retrying = look.retrying;
         let value = self.value;
         let kept: std::collections::HashSet<i64> = look.kept.iter().copied().collect();
@@ -418,13 +418,13 @@ impl Floor {
     }
 
     /// Whether the next look should summarize held-back rows by key (keys are withheld).
-    pub fn summarizing(&self) -> bool {
+    pub(crate) fn summarizing(&self) -> bool {
         !self.withheld.is_empty()
     }
 
     /// The withheld keys to ask about at `now`, if it is time: names, and where each one's
     /// hidden rows start.
-    pub fn release_due(&mut self, now: Instant) -> Option<(Vec<String>, Vec<i64>)> {
+    pub(crate) fn release_due(&mut self, now: Instant) -> Option<(Vec<String>, Vec<i64>)> {
         if self.withheld.is_empty() || now < self.release_at {
             return None;
         }
@@ -434,7 +434,7 @@ impl Floor {
 
     /// Takes in the withheld keys found released: the floor goes down to the lowest of
     /// their hidden rows, and claims read them from there.
-    pub fn released(&mut self, keys: &[String]) {
+    pub(crate) fn released(&mut self, keys: &[String]) {
         for key in keys {
             if let Some(w) = self.withheld.remove(key) {
                 self.value = self.value.min(w);
@@ -445,7 +445,7 @@ impl Floor {
     }
 
     /// The range of ids the next sweep step covers, if one is due at `now`.
-    pub fn sweep_due(&mut self, now: Instant) -> Option<(i64, i64)> {
+    pub(crate) fn sweep_due(&mut self, now: Instant) -> Option<(i64, i64)> {
         let base = self.base?;
         if now < self.sweep.next_at {
             return None;
@@ -465,7 +465,7 @@ impl Floor {
     /// Takes in one sweep step over `[_, hi)`: the fresh pending rows found there that
     /// are not stragglers yet, at most [`WALK`], each with whether it is held back and its
     /// key, and how long the step took.
-    pub fn swept(
+    pub(crate) fn swept(
         &mut self,
         hi: i64,
         found: &[(i64, bool, Option<String>)],
@@ -520,23 +520,23 @@ impl Floor {
 }
 
 /// How often the keeper of an idle table looks (see [`Pace`]).
-pub const IDLE_TICK: Duration = Duration::from_secs(5);
+pub(crate) const IDLE_TICK: Duration = Duration::from_secs(5);
 
 /// How fast the keeper goes: a look every [`TICK`] while the table is `active` (rows were
 /// claimed or announced lately), else every [`IDLE_TICK`] or at a `poke`. The floor only
 /// saves claims work, so an idle table's floor may wait; its rows are not held back by it.
 /// `lowered` is told when the sweep lowered the floor: a row is pending below it, and
 /// claims should look.
-pub struct Pace<'a> {
-    pub active: &'a (dyn Fn() -> bool + Sync),
-    pub poke: &'a tokio::sync::Notify,
-    pub lowered: &'a (dyn Fn() + Sync),
+pub(crate) struct Pace<'a> {
+    pub(crate) active: &'a (dyn Fn() -> bool + Sync),
+    pub(crate) poke: &'a tokio::sync::Notify,
+    pub(crate) lowered: &'a (dyn Fn() + Sync),
 }
 
 /// Keeps the floor of one table until `done`: a look every tick ([`Pace`]), sweep steps
 /// when due. Failures are logged and retried at the next tick; meanwhile the floor stays
 /// where it is, which is always safe.
-pub async fn keep(
+pub(crate) async fn keep(
     table: &str,
     source: &Source,
     sql: &TableSql,

@@ -22,14 +22,14 @@ use tokio_postgres::tls::{MakeTlsConnect, TlsConnect};
 use tokio_postgres::{Client, Config, Connection, Socket};
 
 /// The longest one attempt over every host of `config` may take.
-pub fn attempt_limit(config: &Config, per_host: Duration) -> Duration {
+pub(crate) fn attempt_limit(config: &Config, per_host: Duration) -> Duration {
     per_host * config.get_hosts().len().max(1) as u32
 }
 
 /// Connects to the first host of `config` (in its order, or shuffled with
 /// `load_balance_hosts=random`) that completes the handshake within `per_host`. `None`
 /// when every host timed out; otherwise the last host's error.
-pub async fn connect<T>(
+pub(crate) async fn connect<T>(
     config: &Config,
     tls: T,
     per_host: Duration,
@@ -62,7 +62,7 @@ where
 
 /// `config` with only its `i`-th host (and that host's `hostaddr` and port); every other
 /// setting copied.
-pub fn one_host(config: &Config, i: usize) -> Config {
+pub(crate) fn one_host(config: &Config, i: usize) -> Config {
     let mut one = Config::new();
     if let Some(v) = config.get_user() {
         one.user(v);
@@ -118,9 +118,9 @@ pub fn one_host(config: &Config, i: usize) -> Config {
 }
 
 /// The pool's way to open a session: [`connect`], each host within `per_host`.
-pub struct EachHost<T> {
-    pub tls: T,
-    pub per_host: Duration,
+pub(crate) struct EachHost<T> {
+    pub(crate) tls: T,
+    pub(crate) per_host: Duration,
 }
 
 impl<T> deadpool_postgres::Connect for EachHost<T>

@@ -25,15 +25,15 @@ use crate::config::PostgresConfig;
 use crate::retry::Backoff;
 
 /// The channel the trigger in `migrations/notify.sql` notifies.
-pub const CHANNEL: &str = "outbox_relay";
+pub(crate) const CHANNEL: &str = "outbox_relay";
 
 /// How often a subscribed LISTEN connection proves it still answers: as often as a table
 /// NOTIFY covers is looked at anyway ([`crate::relay::wake::IDLE_RECHECK`]), so a silent
 /// listener costs no more than that.
-pub const LISTEN_CHECK: Duration = Duration::from_secs(5);
+pub(crate) const LISTEN_CHECK: Duration = Duration::from_secs(5);
 
 /// What the listener tells the relay.
-pub trait Wake: Send + Sync {
+pub(crate) trait Wake: Send + Sync {
     /// Rows of the table `payload` names (`schema.table`, unquoted) committed.
     fn rows_committed(&self, payload: &str);
     /// LISTEN is subscribed (`true`: rows may have committed unheard before) or is not.
@@ -44,7 +44,7 @@ pub trait Wake: Send + Sync {
 /// cancelled, reconnecting with a capped backoff; each burst of notifications tells
 /// `wake` once per table named. Gives up, saying so once, when `pg` turns out to be a
 /// pooler in transaction mode, which cannot keep a LISTEN: the workers poll.
-pub async fn listen(
+pub(crate) async fn listen(
     pg: PostgresConfig,
     limits: SessionLimits,
     wake: Arc<dyn Wake>,

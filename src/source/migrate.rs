@@ -22,8 +22,8 @@ use crate::config::{Config, Ident, PostgresConfig, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
-    pub version: i32,
-    pub name: &'static str,
+    pub(crate) version: i32,
+    pub(crate) name: &'static str,
     sql: &'static str,
     /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` statements run after the transaction, on
     /// every `migrate` (each a no-op once its index is there and valid).
@@ -114,9 +114,9 @@ const BUILD_POLL: Duration = Duration::from_millis(500);
 /// What `migrate` did to one table.
 #[derive(Debug, Default)]
 pub struct MigrateReport {
-    pub table: String,
-    pub applied: Vec<String>,
-    pub notify: bool,
+    pub(crate) table: String,
+    pub(crate) applied: Vec<String>,
+    pub(crate) notify: bool,
 }
 
 /// The line `migrate` prints for the table.

@@ -6,20 +6,20 @@
 //! outlive its deadline on the server, whatever happens to the client.
 
 pub mod claim;
-pub mod class;
-pub mod floor;
-pub mod hosts;
-pub mod listen;
+mod class;
+pub(crate) mod floor;
+mod hosts;
+pub(crate) mod listen;
 pub mod migrate;
-pub mod pause;
-pub mod rate;
-pub mod retention;
-pub mod schema;
-pub mod session;
-pub mod sql;
+pub(crate) mod pause;
+pub(crate) mod rate;
+pub(crate) mod retention;
+pub(crate) mod schema;
+pub(crate) mod session;
+mod sql;
 pub mod table;
-pub mod tls;
-pub mod vacuum;
+mod tls;
+pub(crate) mod vacuum;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,14 +31,13 @@ use crate::config::PostgresConfig;
 use crate::error::ErrorClass;
 use tls::Connector as _;
 
-pub use session::{
-    attempt_limit, connect, connect_timeout, session_config, Connection, SessionLimits, SessionMode,
-};
+pub(crate) use session::{attempt_limit, connect_timeout, session_config};
+pub use session::{SessionLimits, SessionMode};
 
 /// What a client-side deadline gives a statement beyond the server's `statement_timeout`:
 /// a margin for the network, so that the server's own deadline, whose error names the
 /// statement, fires first.
-pub const DEADLINE_MARGIN: Duration = Duration::from_secs(2);
+pub(crate) const DEADLINE_MARGIN: Duration = Duration::from_secs(2);
 
 /// What the pool gives opening a connection beyond the last host's own attempt limit.
 const CREATE_MARGIN: Duration = Duration::from_secs(1);
@@ -57,13 +56,13 @@ pub enum SourceError {
     Schema(String),
     /// TLS could not be set up (a certificate or key file unreadable since start-up).
     #[error("PostgreSQL TLS: {0}")]
-    Tls(String),
+    Tls(#[from] tls::TlsError),
 }
 
 impl SourceError {
     /// Whether the connection that raised this may be half-dead (a client-side timeout,
     /// an I/O error) and must be discarded rather than returned to the pool.
-    pub fn connection_suspect(&self) -> bool {
+    pub(crate) fn connection_suspect(&self) -> bool {
         match self {
             SourceError::Timeout(_) => true,
             SourceError::Db(e) => e.code().is_none(),
@@ -71,7 +70,7 @@ impl SourceError {
         }
     }
 
-    pub fn class(&self) -> ErrorClass {
+    pub(crate) fn class(&self) -> ErrorClass {
         match self {
             SourceError::Db(e) => class::classify(e),
             SourceError::Pool(_) | SourceError::Timeout(_) => ErrorClass::Transient,
@@ -90,7 +89,7 @@ impl From<PoolError> for SourceError {
 }
 
 /// Renders a tokio-postgres error with the server's message and SQLSTATE, or the I/O cause.
-pub fn describe(e: &tokio_postgres::Error) -> String {
+pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
     if let Some(db) = e.as_db_error() {
         let mut s = format!(
             "{}: {} (SQLSTATE {})",
@@ -158,7 +157,7 @@ pub struct Tx<'a> {
 
 /// The parameter types of each SQL text the relay runs, learnt from its first prepare in
 /// the process (they depend only on the text and the table's column types).
-pub type ParamTypes = std::sync::RwLock<std::collections::HashMap<String, Arc<[Type]>>>;
+pub(crate) type ParamTypes = std::sync::RwLock<std::collections::HashMap<String, Arc<[Type]>>>;
 
 impl<'a> Tx<'a> {
     /// Sends `BEGIN` without waiting for its answer: the first statement follows it in the
@@ -195,7 +194,7 @@ impl<'a> Tx<'a> {
     }
 
     /// The transaction as a plain client, for code that takes any client (catalog reads).
-    pub fn client(&self) -> &tokio_postgres::Client {
+    pub(crate) fn client(&self) -> &tokio_postgres::Client {
         self.client
     }
 
@@ -396,7 +395,7 @@ impl Source {
     }
 
     /// Builds the pool for sessions in `mode`. Connections are opened lazily, on first use.
-    pub fn with_mode(
+    pub(crate) fn with_mode(
         pg: &PostgresConfig,
         limits: SessionLimits,
         mode: SessionMode,
@@ -404,7 +403,7 @@ impl Source {
         let manager = Manager::from_connect(
             session_config(pg, limits, mode),
             hosts::EachHost {
-                tls: pg.tls.connector().map_err(SourceError::Tls)?,
+                tls: pg.tls.connector()?,
                 per_host: connect_timeout(pg),
             },
             ManagerConfig {
@@ -481,7 +480,7 @@ impl Source {
     /// pool that hands them out one by one costs a full [`Source::deadline`] each. So every
     /// idle connection goes with it (the pool opens new ones as they are needed, a few
     /// milliseconds each); those in use prove themselves or time out on their own.
-    pub fn release(session: deadpool_postgres::Object, error: Option<&SourceError>) {
+    pub(crate) fn release(session: deadpool_postgres::Object, error: Option<&SourceError>) {
         if !error.is_some_and(SourceError::connection_suspect) {
             return;
         }
@@ -497,7 +496,7 @@ impl Source {
     }
 
     /// One round trip to the server within `limit`: reachability for `/readyz`.
-    pub async fn ping(&self, limit: Duration) -> Result<(), SourceError> {
+    pub(crate) async fn ping(&self, limit: Duration) -> Result<(), SourceError> {
         let session = tokio::time::timeout(limit, self.session())
             .await
             .map_err(|_| SourceError::Timeout(limit))??;
@@ -511,12 +510,12 @@ impl Source {
     }
 
     /// Client-side deadline for one statement: the server's plus [`DEADLINE_MARGIN`].
-    pub fn deadline(&self) -> Duration {
+    pub(crate) fn deadline(&self) -> Duration {
         self.statement_timeout + DEADLINE_MARGIN
     }
 
     /// Runs `fut` under [`Source::deadline`].
-    pub async fn bounded<T>(
+    pub(crate) async fn bounded<T>(
         &self,
         fut: impl std::future::Future<Output = Result<T, SourceError>>,
     ) -> Result<T, SourceError> {
@@ -530,7 +529,7 @@ impl Source {
 /// The quoted name of the relay's own table `name` (`outbox_relay_pauses`,
 /// `outbox_relay_rates`) in the schema of `table`: one per schema, shared by its outbox
 /// tables.
-pub fn schema_table(table: &crate::config::TableName, name: &str) -> String {
+pub(crate) fn schema_table(table: &crate::config::TableName, name: &str) -> String {
     format!(
         "{}.{}",
         table.schema.quoted(),

@@ -14,17 +14,17 @@ use super::{SourceError, Tx};
 use crate::config::TableName;
 
 /// How often a relay reads the pause state: "within about a second" (contract section 3).
-pub const POLL: Duration = Duration::from_millis(500);
+pub(crate) const POLL: Duration = Duration::from_millis(500);
 
 /// Why and since when a table is paused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paused {
     /// When, as PostgreSQL prints a `timestamptz`.
-    pub since: String,
+    pub(crate) since: String,
     /// Who: `outbox-relay pause` with the user and host it ran as, or the bad-row valve.
-    pub by: String,
+    pub(crate) by: String,
     /// The operator's `--reason`, or what the valve saw; may be empty.
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 impl std::fmt::Display for Paused {
@@ -38,7 +38,7 @@ impl std::fmt::Display for Paused {
 }
 
 /// The quoted name of the pause table of `table`'s schema.
-pub fn pauses_of(table: &TableName) -> String {
+pub(crate) fn pauses_of(table: &TableName) -> String {
     super::schema_table(table, "outbox_relay_pauses")
 }
 
@@ -53,7 +53,7 @@ fn paused_from(row: &tokio_postgres::Row, first: usize) -> Paused {
 
 /// One statement that reads the pause rows of `tables`: `(table_name, paused_at, by,
 /// reason)`, for the tables among them that are paused.
-pub fn read_sql(tables: &[TableName]) -> String {
+pub(crate) fn read_sql(tables: &[TableName]) -> String {
     let mut schemas: Vec<String> = tables.iter().map(pauses_of).collect();
     schemas.sort();
     schemas.dedup();
@@ -85,7 +85,7 @@ fn missing(e: SourceError) -> SourceError {
 }
 
 /// The pause state of each of `tables`, in their order, read with `sql` ([`read_sql`]).
-pub async fn read(
+pub(crate) async fn read(
     tx: &Tx<'_>,
     sql: &str,
     tables: &[TableName],
@@ -104,7 +104,7 @@ pub async fn read(
 
 /// Pauses `table`: `Ok(None)` when it was not paused before, else the pause already in
 /// place (left as it is: its time, author and reason stay true).
-pub async fn pause(
+pub(crate) async fn pause(
     tx: &Tx<'_>,
     table: &TableName,
     by: &str,
@@ -136,7 +136,7 @@ pub async fn pause(
 
 /// Resumes `table`: the pause it ended, `None` when it was not paused. Wakes idle relays
 /// (the NOTIFY the trigger sends), so they claim at once rather than at their next look.
-pub async fn resume(tx: &Tx<'_>, table: &TableName) -> Result<Option<Paused>, SourceError> {
+pub(crate) async fn resume(tx: &Tx<'_>, table: &TableName) -> Result<Option<Paused>, SourceError> {
     let name = table.to_string();
     let rows = tx
         .query(
@@ -155,7 +155,7 @@ pub async fn resume(tx: &Tx<'_>, table: &TableName) -> Result<Option<Paused>, So
 }
 
 /// Who is pausing: `outbox-relay pause (user@host)`.
-pub fn by_operator() -> String {
+pub(crate) fn by_operator() -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| user_of_process());
@@ -163,7 +163,7 @@ pub fn by_operator() -> String {
 }
 
 /// Who is pausing when the bad-row valve does: `bad-row valve (host, pid N)`.
-pub fn by_valve() -> String {
+pub(crate) fn by_valve() -> String {
     format!("bad-row valve ({}, pid {})", host(), std::process::id())
 }
 

@@ -18,7 +18,7 @@ use super::{SourceError, Tx};
 use crate::config::TableName;
 
 /// One table's bucket: its statements and rate.
-pub struct Bucket {
+pub(crate) struct Bucket {
     name: String,
     rate: f64,
     /// Tokens the bucket holds at most: one second's worth, at least one row.
@@ -29,7 +29,7 @@ pub struct Bucket {
 
 /// What a take got.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Grant {
+pub(crate) enum Grant {
     /// Claim at most this many rows (at least one).
     Rows(usize),
     /// No token yet: the next one is due after this long.
@@ -37,7 +37,7 @@ pub enum Grant {
 }
 
 impl Bucket {
-    pub fn new(table: &TableName, rate: f64) -> Bucket {
+    pub(crate) fn new(table: &TableName, rate: f64) -> Bucket {
         let r = super::schema_table(table, "outbox_relay_rates");
         // $1 table, $2 burst, $3 rows wanted, $4 rate. `now()` is this statement's own
         // start (it runs alone): one instant for the refill and the new `at`.
@@ -63,7 +63,7 @@ impl Bucket {
     }
 
     /// Takes up to `want` rows' tokens.
-    pub async fn take(&self, tx: &Tx<'_>, want: usize) -> Result<Grant, SourceError> {
+    pub(crate) async fn take(&self, tx: &Tx<'_>, want: usize) -> Result<Grant, SourceError> {
         let want = want as f64;
         let row = tx
             .query_one(&self.take, &[&self.name, &self.burst, &want, &self.rate])
@@ -79,7 +79,7 @@ impl Bucket {
     }
 
     /// Returns `n` unused rows' tokens.
-    pub async fn give_back(&self, tx: &Tx<'_>, n: usize) -> Result<(), SourceError> {
+    pub(crate) async fn give_back(&self, tx: &Tx<'_>, n: usize) -> Result<(), SourceError> {
         let n = n as f64;
         tx.execute(&self.give_back, &[&self.name, &self.burst, &n])
             .await?;

@@ -44,31 +44,31 @@ use super::sql::{TableSql, FIRST_WINDOW};
 use super::{Source, SourceError};
 
 /// Rows looked at per statement.
-pub const CHUNK: i64 = 1000;
+pub(crate) const CHUNK: i64 = 1000;
 
 /// What one chunk found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Chunk {
+pub(crate) struct Chunk {
     /// The chunk's last order value; `None` when no row is left after the start.
-    pub last: Option<i64>,
+    pub(crate) last: Option<i64>,
     /// Rows looked at.
-    pub rows: i64,
-    pub deleted: i64,
+    pub(crate) rows: i64,
+    pub(crate) deleted: i64,
     /// It holds a row created within the retention: the walk stops here.
-    pub young: bool,
+    pub(crate) young: bool,
     /// It holds a row published within the retention: a later cycle deletes it.
-    pub ripening: bool,
+    pub(crate) ripening: bool,
     /// Rows old enough to go; those beyond `deleted` were locked by someone else.
-    pub old: i64,
+    pub(crate) old: i64,
 }
 
 /// Where walks start and stop: a pure state machine, driven by [`keep`].
 #[derive(Debug, Clone)]
-pub struct Walk {
+pub(crate) struct Walk {
     /// The time between the starts of two cycles.
-    pub cycle: Duration,
+    pub(crate) cycle: Duration,
     /// The time between two walks from the left end.
-    pub full_every: Duration,
+    pub(crate) full_every: Duration,
     /// Where the next cycle starts unless a full walk is due.
     cursor: i64,
     /// This walk's first chunk with a row that is not old yet: the next cursor.
@@ -77,7 +77,7 @@ pub struct Walk {
 }
 
 impl Walk {
-    pub fn new(retention: Duration, now: Instant) -> Walk {
+    pub(crate) fn new(retention: Duration, now: Instant) -> Walk {
         Walk {
             cycle: (retention / 10).clamp(Duration::from_secs(1), Duration::from_secs(60)),
             full_every: retention.clamp(Duration::from_secs(10), Duration::from_secs(3600)),
@@ -89,7 +89,7 @@ impl Walk {
 
     /// Where a cycle starting `now` begins: the left end when a full walk is due, else
     /// where the last walk stopped.
-    pub fn start(&mut self, now: Instant) -> i64 {
+    pub(crate) fn start(&mut self, now: Instant) -> i64 {
         self.resume = None;
         if now >= self.full_due {
             self.full_due = now + self.full_every;
@@ -101,7 +101,7 @@ impl Walk {
 
     /// Takes a chunk read after `after`: the start of the next chunk, or `None` when the
     /// walk is over (at a young row, or the end of the table).
-    pub fn next(&mut self, after: i64, chunk: Chunk) -> Option<i64> {
+    pub(crate) fn next(&mut self, after: i64, chunk: Chunk) -> Option<i64> {
         if chunk.young || chunk.ripening || chunk.old > chunk.deleted {
             self.resume.get_or_insert(after);
         }
@@ -116,7 +116,7 @@ impl Walk {
 }
 
 /// Runs retention on one table until `done`: a cycle every [`Walk::cycle`].
-pub async fn keep(
+pub(crate) async fn keep(
     table: &str,
     source: &Source,
     sql: &TableSql,

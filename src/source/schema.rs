@@ -9,7 +9,7 @@ use crate::config::{Ident, OnPublish, OptionalColumn, RelayConfig, TableConfig};
 
 /// How the payload column is turned into message bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PayloadType {
+pub(crate) enum PayloadType {
     /// Sent as stored.
     Bytea,
     /// `text`, `varchar`, `json` or `jsonb`: sent as its UTF-8 text.
@@ -18,12 +18,12 @@ pub enum PayloadType {
 
 /// The parts of a table's catalog entry the relay's SQL depends on.
 #[derive(Debug, Clone)]
-pub struct TableShape {
-    pub payload: PayloadType,
+pub(crate) struct TableShape {
+    pub(crate) payload: PayloadType,
     /// The headers column, when the table has one.
-    pub headers: Option<Ident>,
+    pub(crate) headers: Option<Ident>,
     /// The creation-time column, when the table has one.
-    pub created_at: Option<Ident>,
+    pub(crate) created_at: Option<Ident>,
 }
 
 /// Whether a valid unique index (not partial, not on an expression) covers exactly `$2`.
@@ -35,7 +35,7 @@ SELECT EXISTS (
       AND i.indpred IS NULL AND i.indexprs IS NULL AND a.attname = $2::text)";
 
 /// Whether `column` of `table` has unique values by an index.
-pub async fn order_is_unique(
+pub(crate) async fn order_is_unique(
     client: &impl GenericClient,
     table: &TableConfig,
 ) -> Result<bool, SourceError> {
@@ -72,7 +72,7 @@ const COLUMN_PRIVILEGE_SQL: &str =
 
 /// Every problem found with one table, each a sentence saying what to fix; or, when there
 /// is none, the shape the relay's statements are built for.
-pub async fn inspect(
+pub(crate) async fn inspect(
     client: &impl GenericClient,
     table: &TableConfig,
     relay: &RelayConfig,
@@ -173,7 +173,7 @@ async fn check_relay_tables(
 }
 
 /// Whether `table` has the NOTIFY trigger `migrate` installs, enabled.
-pub async fn has_notify_trigger(
+pub(crate) async fn has_notify_trigger(
     client: &impl GenericClient,
     table: &TableConfig,
 ) -> Result<bool, SourceError> {
@@ -347,7 +347,7 @@ fn column_problem(
 
 /// The quoted name of the table's index with `suffix` (`pending_idx`, ...): the name
 /// `migrate` builds it under, and the one the start-up check looks for.
-pub fn index_name(table: &TableConfig, suffix: &str) -> String {
+pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
     let mut base = format!("{}_{suffix}", table.name.table.as_str());
     // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
     while base.len() > 63 {
@@ -360,7 +360,7 @@ pub fn index_name(table: &TableConfig, suffix: &str) -> String {
 
 /// The indexes every claim relies on, by suffix: without one of them a claim scans the
 /// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub const CLAIM_INDEXES: &[(&str, &str)] = &[
+pub(crate) const CLAIM_INDEXES: &[(&str, &str)] = &[
     ("pending_idx", "pending rows in order (migration 0001)"),
     ("held_idx", "rows that hold back their key (migration 0002)"),
     ("retry_idx", "rows with a failure history (migration 0003)"),

@@ -5,11 +5,11 @@
 use std::time::Duration;
 
 use super::tls::Connector as _;
-use super::{describe, SourceError};
+use super::SourceError;
 use crate::config::PostgresConfig;
 
 /// A connection outside the pool (migrate, check, LISTEN), with the configured TLS.
-pub type Connection = tokio_postgres::Connection<
+pub(crate) type Connection = tokio_postgres::Connection<
     tokio_postgres::Socket,
     postgres_openssl::TlsStream<tokio_postgres::Socket>,
 >;
@@ -27,25 +27,12 @@ pub enum SessionMode {
     Pooled,
 }
 
-/// Opens one connection with `config` and the TLS settings of `pg`; the error is a
-/// sentence for the operator.
-pub async fn connect(
-    pg: &PostgresConfig,
-    config: &tokio_postgres::Config,
-) -> Result<(tokio_postgres::Client, Connection), String> {
-    match connect_raw(pg, config).await {
-        Ok(connected) => Ok(connected),
-        Err(SourceError::Db(e)) => Err(describe(&e)),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
 /// Host by host ([`super::hosts`]), each within [`connect_timeout`].
 async fn connect_raw(
     pg: &PostgresConfig,
     config: &tokio_postgres::Config,
 ) -> Result<(tokio_postgres::Client, Connection), SourceError> {
-    let tls = pg.tls.connector().map_err(SourceError::Tls)?;
+    let tls = pg.tls.connector()?;
     match super::hosts::connect(config, tls, connect_timeout(pg)).await {
         Some(connected) => Ok(connected?),
         None => Err(SourceError::Timeout(attempt_limit(pg))),
@@ -56,7 +43,7 @@ async fn connect_raw(
 /// needs: the settings go in the start-up packet, unless the server refuses the packet's
 /// `options` as a protocol violation (SQLSTATE 08P01: PgBouncer's "unsupported startup
 /// parameter"), in which case it connects again without them.
-pub async fn open(
+pub(crate) async fn open(
     pg: &PostgresConfig,
     limits: SessionLimits,
 ) -> Result<(tokio_postgres::Client, Connection, SessionMode), SourceError> {
@@ -78,10 +65,10 @@ pub async fn open(
 /// happens to the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionLimits {
-    pub statement_timeout: Duration,
-    pub lock_timeout: Duration,
+    pub(crate) statement_timeout: Duration,
+    pub(crate) lock_timeout: Duration,
     /// Backstop for a transaction the client forgot.
-    pub idle_in_transaction_timeout: Duration,
+    pub(crate) idle_in_transaction_timeout: Duration,
 }
 
 /// A batch's transaction idles while its rows are published; beyond the publish timeout,
@@ -124,7 +111,7 @@ impl SessionLimits {
     /// `migrate`: its DDL needs a table lock that a busy application holds briefly and
     /// often, so it may wait for one as long as a statement may run. (The index builds
     /// lift both deadlines for themselves, see `migrate`.)
-    pub fn migrate(pg: &PostgresConfig) -> SessionLimits {
+    pub(crate) fn migrate(pg: &PostgresConfig) -> SessionLimits {
         SessionLimits {
             statement_timeout: pg.statement_timeout,
             lock_timeout: pg.statement_timeout,
@@ -135,7 +122,7 @@ impl SessionLimits {
 
 /// The settings every relay session runs with, as `(name, value)`: the deadlines of
 /// `limits`, and two that suit the relay's statements.
-pub fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
+pub(crate) fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
     let ms = |d: Duration| d.as_millis().to_string();
     vec![
         ("statement_timeout", ms(limits.statement_timeout)),
@@ -164,7 +151,7 @@ pub fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
 
 /// `SET LOCAL` for each of [`settings`], as one statement list: what a transaction runs
 /// first in [`SessionMode::Pooled`].
-pub fn set_local(limits: SessionLimits) -> String {
+pub(crate) fn set_local(limits: SessionLimits) -> String {
     settings(limits)
         .into_iter()
         .map(|(name, value)| format!("SET LOCAL {name} = '{value}'"))
@@ -175,7 +162,7 @@ pub fn set_local(limits: SessionLimits) -> String {
 /// The connection settings for a session in `mode`: the operator's URL plus keepalives,
 /// an application name and, in [`SessionMode::Direct`], [`settings`] in the start-up
 /// packet.
-pub fn session_config(
+pub(crate) fn session_config(
     pg: &PostgresConfig,
     limits: SessionLimits,
     mode: SessionMode,
@@ -199,7 +186,7 @@ pub fn session_config(
 
 /// How long opening a connection to one host may take, start-up packet and authentication
 /// included: `connect_timeout` in `postgres.url` when given, else `postgres.connect_timeout`.
-pub fn connect_timeout(pg: &PostgresConfig) -> Duration {
+pub(crate) fn connect_timeout(pg: &PostgresConfig) -> Duration {
     pg.connection
         .get_connect_timeout()
         .copied()
@@ -208,6 +195,6 @@ pub fn connect_timeout(pg: &PostgresConfig) -> Duration {
 
 /// How long one attempt over every host of `postgres.url` may take: [`connect_timeout`]
 /// per host.
-pub fn attempt_limit(pg: &PostgresConfig) -> Duration {
+pub(crate) fn attempt_limit(pg: &PostgresConfig) -> Duration {
     super::hosts::attempt_limit(&pg.connection, connect_timeout(pg))
 }

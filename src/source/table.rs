@@ -10,14 +10,14 @@ use crate::config::{Config, TableConfig};
 
 /// An outbox table, ready to relay.
 pub struct TablePlan {
-    pub config: TableConfig,
+    pub(crate) config: TableConfig,
     pub sql: TableSql,
     /// Where claims start (see [`super::floor`]).
-    pub floor: FloorCell,
+    pub(crate) floor: FloorCell,
     /// How many buckets a deep claim asks for at once (see [`super::claim`]).
     pub depth: BucketDepth,
     /// The table has the NOTIFY trigger (`migrate` without `--no-notify`), enabled.
-    pub notify: bool,
+    pub(crate) notify: bool,
 }
 
 /// Checks every configured table once (columns, types, indexes, privileges) and builds

@@ -16,18 +16,55 @@
 
 use std::sync::Mutex;
 
+use openssl::error::ErrorStack;
 use openssl::ssl::{SslConnector, SslFiletype, SslMethod, SslVerifyMode};
 use postgres_openssl::MakeTlsConnector;
 
 use crate::config::postgres::{file_error, key_mismatch};
-pub use crate::config::postgres::{TlsMode, TlsSettings};
+pub(crate) use crate::config::postgres::{TlsMode, TlsSettings};
+
+/// Why the TLS connector for `postgres.url` could not be built. The sentences are the
+/// operator's (they name the file and the parameter); OpenSSL's error stack, where there
+/// is one, is the source.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// OpenSSL could not make a connector at all.
+    #[error("cannot set up TLS: {0}")]
+    Setup(#[source] ErrorStack),
+    /// `sslrootcert=system` or no `sslrootcert`: the operating system's CAs did not load.
+    #[error("cannot load the system CA store: {0}")]
+    SystemCas(#[source] ErrorStack),
+    /// An `sslrootcert`, `sslcert` or `sslkey` file is gone or unusable since start-up.
+    #[error("{message}")]
+    File {
+        message: String,
+        #[source]
+        source: ErrorStack,
+    },
+    /// `sslkey` is not the key of `sslcert`.
+    #[error("{0}")]
+    KeyMismatch(String),
+    /// One of `sslcert` and `sslkey` without the other.
+    #[error("sslcert and sslkey go together: give both")]
+    HalfPair,
+}
+
+impl TlsError {
+    /// The file `param` (at `path`) cannot be used: `error` says why.
+    fn file(param: &str, path: &std::path::Path, error: ErrorStack) -> TlsError {
+        TlsError::File {
+            message: file_error(param, path, &error),
+            source: error,
+        }
+    }
+}
 
 /// Builds the OpenSSL connector for the settings taken out of `postgres.url`.
-pub trait Connector {
+pub(crate) trait Connector {
     /// Builds the connector for these settings. Certificate files are read here (and were
     /// already checked with the configuration), so a file that changed since is reported
     /// at connect time, naming the file.
-    fn connector(&self) -> Result<MakeTlsConnector, String>;
+    fn connector(&self) -> Result<MakeTlsConnector, TlsError>;
 }
 
 impl Connector for TlsSettings {
@@ -36,7 +73,7 @@ impl Connector for TlsSettings {
     /// system CA store (OpenSSL's default verify paths), measured at a third of an idle
     /// `drain`'s start-up CPU when each pool and session built its own. One that names
     /// files is built afresh, so a certificate rotated on disk is read at the next connect.
-    fn connector(&self) -> Result<MakeTlsConnector, String> {
+    fn connector(&self) -> Result<MakeTlsConnector, TlsError> {
         static SHARED: Mutex<Vec<(TlsSettings, MakeTlsConnector)>> = Mutex::new(Vec::new());
         if self.root_cert.is_some() || self.client_cert.is_some() || self.client_key.is_some() {
             return self.build();
@@ -52,18 +89,17 @@ impl Connector for TlsSettings {
 }
 
 impl TlsSettings {
-    fn build(&self) -> Result<MakeTlsConnector, String> {
-        let mut builder = SslConnector::builder(SslMethod::tls())
-            .map_err(|e| format!("cannot set up TLS: {e}"))?;
+    fn build(&self) -> Result<MakeTlsConnector, TlsError> {
+        let mut builder = SslConnector::builder(SslMethod::tls()).map_err(TlsError::Setup)?;
         if self.verifies_chain() {
             builder.set_verify(SslVerifyMode::PEER);
             match &self.root_cert {
                 Some(path) => builder
                     .set_ca_file(path)
-                    .map_err(|e| file_error("sslrootcert", path, &e))?,
+                    .map_err(|e| TlsError::file("sslrootcert", path, e))?,
                 None => builder
                     .set_default_verify_paths()
-                    .map_err(|e| format!("cannot load the system CA store: {e}"))?,
+                    .map_err(TlsError::SystemCas)?,
             }
         } else {
             builder.set_verify(SslVerifyMode::NONE);
@@ -72,19 +108,19 @@ impl TlsSettings {
             (Some(cert), Some(key)) => {
                 builder
                     .set_certificate_chain_file(cert)
-                    .map_err(|e| file_error("sslcert", cert, &e))?;
+                    .map_err(|e| TlsError::file("sslcert", cert, e))?;
                 builder
                     .set_private_key_file(key, SslFiletype::PEM)
                     .map_err(|e| match e.to_string().contains("key values mismatch") {
-                        true => key_mismatch(cert, key),
-                        false => file_error("sslkey", key, &e),
+                        true => TlsError::KeyMismatch(key_mismatch(cert, key)),
+                        false => TlsError::file("sslkey", key, e),
                     })?;
                 builder
                     .check_private_key()
-                    .map_err(|_| key_mismatch(cert, key))?;
+                    .map_err(|_| TlsError::KeyMismatch(key_mismatch(cert, key)))?;
             }
             (None, None) => {}
-            _ => return Err("sslcert and sslkey go together: give both".to_owned()),
+            _ => return Err(TlsError::HalfPair),
         }
         let mut connector = MakeTlsConnector::new(builder.build());
         let check_host = self.effective_mode() == TlsMode::VerifyFull;
@@ -97,7 +133,7 @@ impl TlsSettings {
 }
 
 /// A clearer sentence for TLS failures than OpenSSL's error stack alone.
-pub fn explain(message: &str) -> Option<&'static str> {
+pub(crate) fn explain(message: &str) -> Option<&'static str> {
     if message.contains("hostname mismatch") || message.contains("IP address mismatch") {
         Some(
             "the server's certificate does not name the host in postgres.url \
@@ -125,12 +161,17 @@ mod tests {
     fn connector_names_the_file_at_fault() {
         let (_, s) =
             split_tls_params("postgres://db/app?sslmode=verify-ca&sslrootcert=/nope.pem").unwrap();
-        let e = s.connector().err().unwrap();
+        let e = s.connector().err().unwrap().to_string();
         assert_eq!(
             e,
             "sslrootcert /nope.pem does not exist: give a readable PEM file"
         );
         let (_, s) = split_tls_params("postgres://db/app?sslmode=require&sslcert=/c.pem").unwrap();
-        assert!(s.connector().err().unwrap().contains("go together"));
+        assert!(s
+            .connector()
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("go together"));
     }
 }

@@ -15,35 +15,35 @@ use super::SourceError;
 
 /// Something whose snapshot (xmin) keeps VACUUM from removing dead rows.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Holder {
+pub(crate) struct Holder {
     /// `session`, `prepared transaction` or `replication slot`.
-    pub kind: String,
+    pub(crate) kind: String,
     /// The session's pid, the prepared transaction's gid, the slot's name.
-    pub name: String,
+    pub(crate) name: String,
     /// What else tells it apart: application, user and state of a session, the owner
     /// of a prepared transaction, whether a slot is active.
-    pub detail: String,
+    pub(crate) detail: String,
     /// Seconds since its transaction (a session without one: since it began; a prepared
     /// transaction: since PREPARE). `None` for a slot: PostgreSQL does not record when.
-    pub age_secs: Option<f64>,
+    pub(crate) age_secs: Option<f64>,
     /// Transactions between its xmin and now.
-    pub xid_age: i64,
+    pub(crate) xid_age: i64,
     /// A slot no standby is connected to: it holds its xmin until it is dropped.
-    pub abandoned: bool,
+    pub(crate) abandoned: bool,
 }
 
 /// What holds back VACUUM in this database, as far as this role can see.
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct Horizon {
+pub(crate) struct Horizon {
     /// Every holder, the oldest xmin first.
-    pub holders: Vec<Holder>,
+    pub(crate) holders: Vec<Holder>,
     /// Sessions of other roles this role may not inspect.
-    pub hidden: bool,
+    pub(crate) hidden: bool,
 }
 
 impl Horizon {
     /// The longest a holder with a known age has held its snapshot (0 when none).
-    pub fn oldest_secs(&self) -> f64 {
+    pub(crate) fn oldest_secs(&self) -> f64 {
         self.holders
             .iter()
             .filter_map(|h| h.age_secs)
@@ -51,7 +51,7 @@ impl Horizon {
     }
 
     /// The oldest xmin's age in transactions (0 when none).
-    pub fn oldest_xid_age(&self) -> i64 {
+    pub(crate) fn oldest_xid_age(&self) -> i64 {
         self.holders.iter().map(|h| h.xid_age).max().unwrap_or(0)
     }
 }
@@ -90,7 +90,7 @@ const DEAD_TUPLES_SQL: &str = "\
 SELECT COALESCE((SELECT n_dead_tup FROM pg_catalog.pg_stat_user_tables
                  WHERE relid = to_regclass($1::text)), 0)::int8";
 
-pub async fn horizon(client: &impl GenericClient) -> Result<Horizon, SourceError> {
+pub(crate) async fn horizon(client: &impl GenericClient) -> Result<Horizon, SourceError> {
     let holders = client
         .query(HORIZON_SQL, &[])
         .await?
@@ -109,12 +109,15 @@ pub async fn horizon(client: &impl GenericClient) -> Result<Horizon, SourceError
 }
 
 /// Dead tuples of the table named `table` (quoted), 0 before its first statistics.
-pub async fn dead_tuples(client: &impl GenericClient, table: &str) -> Result<i64, SourceError> {
+pub(crate) async fn dead_tuples(
+    client: &impl GenericClient,
+    table: &str,
+) -> Result<i64, SourceError> {
     Ok(client.query_one(DEAD_TUPLES_SQL, &[&table]).await?.get(0))
 }
 
 /// A snapshot open this long is named in a WARN.
-pub const WARN_AFTER_SECS: f64 = 300.0;
+pub(crate) const WARN_AFTER_SECS: f64 = 300.0;
 /// The same holder is named again at most this often.
 const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
 
@@ -122,14 +125,14 @@ const WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(300);
 /// open for [`WARN_AFTER_SECS`] and abandoned replication slots (again every 5 minutes
 /// while it stays), and once that other roles' sessions are hidden from this role.
 #[derive(Debug, Default)]
-pub struct Watch {
+pub(crate) struct Watch {
     warned: Option<(String, std::time::Instant)>,
     hidden_said: bool,
 }
 
 impl Watch {
     /// The holder to name now, if any (and remembers it was named).
-    pub fn culprit<'h>(
+    pub(crate) fn culprit<'h>(
         &mut self,
         horizon: &'h Horizon,
         now: std::time::Instant,
@@ -149,7 +152,7 @@ impl Watch {
         })
     }
 
-    pub fn observe(&mut self, horizon: &Horizon, now: std::time::Instant) {
+    pub(crate) fn observe(&mut self, horizon: &Horizon, now: std::time::Instant) {
         if horizon.hidden && !std::mem::replace(&mut self.hidden_said, true) {
             tracing::info!(
                 "Sessions of other roles are hidden from this role, so the oldest snapshot \

@@ -166,8 +166,7 @@ async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction(
 /// oldest rows, a prefix of its pending rows.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_oldest_rows() {
-    use outbox_relay::source::claim::{claim_batch, Budget};
-    use outbox_relay::source::floor::FloorView;
+    use outbox_relay::source::claim::{claim_batch, Budget, FloorView};
     const KEYS: i64 = 20;
     for prepared in ["true", "false"] {
         let env = Env::new(relay().batch_size(100)).await;

@@ -530,7 +530,7 @@ async fn a_topic_template_column_the_table_lacks_names_the_real_fix() {
 /// read that is a claim's first look (a surplus claim's) takes the released row as the head.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
-    use outbox_relay::source::sql::{BUCKETS, FIRST_WINDOW};
+    use outbox_relay::source::claim::{BUCKETS, FIRST_WINDOW};
     let env = Env::new(relay()).await;
     let client = env.client().await;
     client
@@ -556,16 +556,16 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
         .unwrap();
     let sql = &tables[0].sql;
     // The order values of a first window's rows (column 0), or of a bucket read's
-    // (the read's own columns follow the locked row's).
-    let ids_at = |rows: Vec<tokio_postgres::Row>, at: usize| {
+    // (its own four columns come last, after the locked row's).
+    let ids_at = |rows: Vec<tokio_postgres::Row>, last: bool| {
         let mut ids: Vec<i64> = rows
             .iter()
-            .filter_map(|r| r.get::<_, Option<i64>>(at))
+            .filter_map(|r| r.get::<_, Option<i64>>(if last { r.len() - 4 } else { 0 }))
             .collect();
         ids.sort_unstable();
         ids
     };
-    let ids = |rows| ids_at(rows, 0);
+    let ids = |rows| ids_at(rows, false);
     let first = client
         .query(&sql.window, &[&100i64, &i64::MIN, &Vec::<i64>::new()])
         .await
@@ -591,7 +591,7 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
                 )
                 .await
                 .unwrap();
-            ids_at(read, sql.layout.width())
+            ids_at(read, true)
         }
     };
     // First window: the released row 1 is due and is its key's head, row 2 follows it;

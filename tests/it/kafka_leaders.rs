@@ -15,7 +15,7 @@ use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
-use outbox_relay::sink::kafka::health::partition_of;
+use outbox_relay::sink::kafka::partition_of;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use testkit::KafkaRecord;

@@ -414,7 +414,7 @@ impl DirectClaims {
             rows: 100,
             bytes: u64::MAX,
         };
-        let floor = outbox_relay::source::floor::FloorView::default();
+        let floor = outbox_relay::source::claim::FloorView::default();
         let ordering = outbox_relay::config::Ordering::Key;
         claim_batch(tx, &plan.sql, ordering, budget, lane, &floor, &plan.depth).await
     }

@@ -427,7 +427,7 @@ async fn nats_over_tls_with_an_nkey_and_secrets_from_files_never_printed() {
 /// table whose schema, name and columns are such names relays like any other.
 #[tokio::test(flavor = "multi_thread")]
 async fn adversarial_identifiers_are_quoted_for_postgresql() {
-    use outbox_relay::config::names::{adversarial_ident, Ident};
+    use outbox_relay::config::{adversarial_ident, Ident};
     use rand::SeedableRng;
 
     let env = Env::new(relay()).await;

@@ -169,7 +169,9 @@ fn malformed_pem_files(
 
 /// `message.max.bytes`, which the sink also uses to refuse oversized records before
 /// sending: a whole number of bytes.
-pub fn max_message_bytes(properties: &BTreeMap<String, String>) -> Result<usize, ConfigError> {
+pub(crate) fn max_message_bytes(
+    properties: &BTreeMap<String, String>,
+) -> Result<usize, ConfigError> {
     match properties.get("message.max.bytes") {
         None => Ok(DEFAULT_MAX_MESSAGE_BYTES),
         Some(v) => v.parse().map_err(|_| {
@@ -182,7 +184,7 @@ pub fn max_message_bytes(properties: &BTreeMap<String, String>) -> Result<usize,
 }
 
 /// librdkafka's default `message.max.bytes`.
-pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
+pub(crate) const DEFAULT_MAX_MESSAGE_BYTES: usize = 1_000_000;
 
 #[cfg(test)]
 mod tests {

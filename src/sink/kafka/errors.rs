@@ -46,7 +46,7 @@ pub(super) fn classify_code(code: RDKafkaErrorCode) -> Class {
 }
 
 /// A topic name Kafka accepts: 1 to 249 characters of `[a-zA-Z0-9._-]`, not `.` or `..`.
-pub fn check_topic(topic: &str) -> Result<(), String> {
+pub(crate) fn check_topic(topic: &str) -> Result<(), String> {
     if topic.is_empty() || topic.len() > 249 {
         return Err(format!("topic {topic:?} must be 1 to 249 characters"));
     }

@@ -33,17 +33,14 @@ use std::time::{Duration, Instant};
 use rdkafka::ClientContext;
 use serde::Deserialize;
 
-/// How often librdkafka reports, unless `statistics.interval.ms` is set.
-pub const STATISTICS_INTERVAL_MS: &str = "500";
-
 /// How long every sample must say a broker is not connected before its partitions count
 /// as unavailable.
-pub const DOWN_AFTER: Duration = Duration::from_secs(1);
+pub(crate) const DOWN_AFTER: Duration = Duration::from_secs(1);
 
 /// The producer's view of the cluster, shared between librdkafka's statistics callback
 /// (writer) and the sink (reader).
 #[derive(Default)]
-pub struct Health {
+pub(crate) struct Health {
     state: RwLock<State>,
 }
 
@@ -61,11 +58,11 @@ struct State {
 
 /// Why a record cannot go now, for the row's `last_error` and the log.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Unavailable {
-    pub topic: String,
-    pub partition: i32,
+pub(crate) struct Unavailable {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
     /// The leader broker that is down; `None`: the partition has no leader.
-    pub leader: Option<i32>,
+    pub(crate) leader: Option<i32>,
 }
 
 impl std::fmt::Display for Unavailable {
@@ -89,7 +86,7 @@ impl std::fmt::Display for Unavailable {
 impl Health {
     /// Where a record of `key` to `topic` would go, if that partition cannot take it now.
     /// `None` when it can, or when the topic's partitions are not known yet.
-    pub fn unavailable(&self, topic: &str, key: &[u8]) -> Option<Unavailable> {
+    pub(crate) fn unavailable(&self, topic: &str, key: &[u8]) -> Option<Unavailable> {
         let state = self.state.read().unwrap();
         let leaders = state.leaders.get(topic)?;
         let partition = partition_of(key, leaders.len())?;
@@ -99,7 +96,7 @@ impl Health {
     /// A partition of `topic` that can take a record now, at random, when some of its
     /// partitions cannot (`None`: all can, or none can, or the topic is not known yet; the
     /// producer's own partitioner then decides).
-    pub fn available_partition(&self, topic: &str) -> Option<i32> {
+    pub(crate) fn available_partition(&self, topic: &str) -> Option<i32> {
         let state = self.state.read().unwrap();
         let leaders = state.leaders.get(topic)?;
         let up: Vec<i32> = (0..leaders.len() as i32)
@@ -223,7 +220,7 @@ pub fn partition_of(key: &[u8], partitions: usize) -> Option<i32> {
 }
 
 /// Kafka's murmur2 (`org.apache.kafka.common.utils.Utils.murmur2`), seed `0x9747b28c`.
-pub fn murmur2(data: &[u8]) -> u32 {
+pub(crate) fn murmur2(data: &[u8]) -> u32 {
     const M: u32 = 0x5bd1_e995;
     const R: u32 = 24;
     let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
@@ -255,8 +252,8 @@ pub fn murmur2(data: &[u8]) -> u32 {
 
 /// The producer's client context: hands each statistics sample to [`Health`]. Log lines
 /// and errors go where the default context sends them.
-pub struct HealthContext {
-    pub health: Arc<Health>,
+pub(crate) struct HealthContext {
+    pub(crate) health: Arc<Health>,
 }
 
 impl ClientContext for HealthContext {

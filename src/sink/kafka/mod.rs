@@ -23,16 +23,20 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use super::{scrub, Message, SinkError, SinkService};
 
 mod errors;
-pub mod health;
+mod health;
 
 use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
-pub use errors::check_topic;
+pub(crate) use errors::check_topic;
 use errors::{classify_code, missing_topic, Class};
 use health::{Health, HealthContext};
 
+/// The partition Kafka's default partitioner gives a key (tests and benchmarks pick keys
+/// by partition with it).
+pub use health::partition_of;
+
 /// The header that carries the message id.
-pub use crate::config::headers::ID_HEADER;
+pub(crate) use crate::config::headers::ID_HEADER;
 
 /// An idempotent Kafka producer and what the brokers said about topics.
 pub struct KafkaSink {
@@ -81,7 +85,7 @@ const RECORD_OVERHEAD: usize = 64;
 impl KafkaSink {
     /// Builds the producer. librdkafka connects lazily; [`KafkaSink::healthcheck`] and
     /// `check` reach the brokers.
-    pub fn connect(
+    pub(crate) fn connect(
         config: &KafkaConfig,
         publish_timeout: Duration,
     ) -> Result<KafkaSink, SinkError> {
@@ -253,7 +257,7 @@ impl KafkaSink {
     }
 
     /// Topic name -> partition count, from the brokers (all topics, or just `topic`).
-    pub async fn metadata(
+    pub(crate) async fn metadata(
         &self,
         topic: Option<&str>,
     ) -> Result<BTreeMap<String, usize>, SinkError> {

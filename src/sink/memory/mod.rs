@@ -78,12 +78,6 @@ impl MemorySink {
         }
     }
 
-    /// Stops failing message `id`.
-    pub fn heal(&self, id: &str) {
-        self.failures.lock().unwrap().remove(id);
-        self.rejections.lock().unwrap().remove(id);
-    }
-
     /// Everything acknowledged so far, in acknowledgement order.
     pub fn published(&self) -> Vec<Message> {
         self.published.lock().unwrap().clone()

@@ -28,7 +28,7 @@ pub(super) fn denied_subject(error: &str) -> Option<String> {
 
 /// The class of a JetStream publish failure: the row's own size is its fault; a missing
 /// stream, a timeout, a lost connection or a broker error are the broker's (retried).
-pub fn classify_publish(kind: PublishErrorKind, js_code: Option<u64>) -> ErrorClass {
+pub(crate) fn classify_publish(kind: PublishErrorKind, js_code: Option<u64>) -> ErrorClass {
     match kind {
         PublishErrorKind::MaxPayloadExceeded => ErrorClass::BadRow,
         PublishErrorKind::Other if js_code == Some(JS_MESSAGE_SIZE_EXCEEDS) => ErrorClass::BadRow,
@@ -38,7 +38,7 @@ pub fn classify_publish(kind: PublishErrorKind, js_code: Option<u64>) -> ErrorCl
 
 /// A subject a message may be published to: dot-separated tokens, none empty, no
 /// wildcards, no white space.
-pub fn check_subject(subject: &str) -> Result<(), String> {
+pub(crate) fn check_subject(subject: &str) -> Result<(), String> {
     if subject.is_empty() {
         return Err("the subject is empty".to_owned());
     }

@@ -34,16 +34,16 @@ mod errors;
 
 use crate::config::{headers, NatsAuth, NatsConfig};
 use crate::error::ErrorClass;
-pub use errors::{check_subject, classify_publish};
+pub(crate) use errors::{check_subject, classify_publish};
 use errors::{denied_error, denied_subject};
 
 /// The header JetStream de-duplicates on.
-pub use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
+pub(crate) use crate::config::headers::NATS_MSG_ID_HEADER as MSG_ID_HEADER;
 
 /// How long the answer to "which stream captures this subject?" is trusted.
-pub const CAPTURE_TTL: Duration = Duration::from_secs(2);
+pub(crate) const CAPTURE_TTL: Duration = Duration::from_secs(2);
 /// How long a subject the server refused to let us publish to fails without a try.
-pub const DENIED_TTL: Duration = Duration::from_secs(30);
+pub(crate) const DENIED_TTL: Duration = Duration::from_secs(30);
 /// How long a request to the server (a stream lookup, JetStream's info, a flush) may wait
 /// for its answer: a healthy server answers in milliseconds, and the relay's probe asks
 /// again every 2 s anyway.
@@ -68,7 +68,10 @@ pub struct NatsSink {
 
 impl NatsSink {
     /// Connects to the servers; fails (transient) if none answers within `timeout`.
-    pub async fn connect(config: &NatsConfig, timeout: Duration) -> Result<NatsSink, SinkError> {
+    pub(crate) async fn connect(
+        config: &NatsConfig,
+        timeout: Duration,
+    ) -> Result<NatsSink, SinkError> {
         let (addrs, mut secrets) = parse_servers(config)?;
         let options = connect_options(config, &addrs, &mut secrets).await?;
         let denied: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
@@ -123,7 +126,7 @@ impl NatsSink {
     }
 
     /// What the server said about itself when we connected.
-    pub fn server_info(&self) -> async_nats::ServerInfo {
+    pub(crate) fn server_info(&self) -> async_nats::ServerInfo {
         self.client.server_info()
     }
 
@@ -142,7 +145,7 @@ impl NatsSink {
     }
 
     /// The JetStream context, for `check`.
-    pub fn jetstream(&self) -> &async_nats::jetstream::Context {
+    pub(crate) fn jetstream(&self) -> &async_nats::jetstream::Context {
         &self.js
     }
 

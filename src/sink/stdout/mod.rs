@@ -21,7 +21,7 @@ impl Default for StdoutSink {
 
 impl StdoutSink {
     /// A sink writing to the process's standard output.
-    pub fn new() -> StdoutSink {
+    pub(crate) fn new() -> StdoutSink {
         StdoutSink {
             out: Mutex::new(tokio::io::stdout()),
         }

@@ -6,16 +6,16 @@ use crate::config::Ordering;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Admin {
-    pub publishable_exists: String,
-    pub waiting: String,
-    pub status: String,
-    pub held_rows: String,
-    pub requeue_ids: String,
-    pub requeue_waiting: String,
-    pub requeue_all: String,
-    pub replay_ids: String,
-    pub replay_range: Option<String>,
-    pub backlog: String,
+    pub(crate) publishable_exists: String,
+    pub(crate) waiting: String,
+    pub(crate) status: String,
+    pub(crate) held_rows: String,
+    pub(crate) requeue_ids: String,
+    pub(crate) requeue_waiting: String,
+    pub(crate) requeue_all: String,
+    pub(crate) replay_ids: String,
+    pub(crate) replay_range: Option<String>,
+    pub(crate) backlog: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Admin {

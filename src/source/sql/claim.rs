@@ -6,11 +6,11 @@ use super::parts::Parts;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Claim {
-    pub claim_unordered: String,
-    pub claim_unordered_low: String,
-    pub window: String,
-    pub pick_lock: String,
-    pub lock_rows: String,
+    pub(crate) claim_unordered: String,
+    pub(crate) claim_unordered_low: String,
+    pub(crate) window: String,
+    pub(crate) pick_lock: String,
+    pub(crate) lock_rows: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Claim {

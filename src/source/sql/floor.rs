@@ -6,9 +6,9 @@ use super::LOOK_LIMIT;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Floor {
-    pub advance: String,
-    pub withheld_released: String,
-    pub sweep: String,
+    pub(crate) advance: String,
+    pub(crate) withheld_released: String,
+    pub(crate) sweep: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Floor {

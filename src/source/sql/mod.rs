@@ -25,7 +25,7 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// while rows flow. (A custom plan saw the usually empty straggler list and costed its
 /// index probe at a tenth of the generic plan's: every look was planned, 2,424 plans for
 /// 2,376 looks in a drain by 8 relays.)
-pub const LOOK_LIMIT: usize = 1001;
+pub(crate) const LOOK_LIMIT: usize = 1001;
 
 /// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
 /// of migration 0004 computes it (see [`bucket_of`]).
@@ -34,7 +34,7 @@ pub const BUCKETS: i32 = 64;
 /// A row's key bucket, exactly as `migrations/0004_bucket_index.concurrent.sql` writes it
 /// (PostgreSQL uses the index only for the same expression). `o` is a table alias with
 /// its dot, or empty.
-pub fn bucket_of(o: &str, key: &str, id: &str) -> String {
+pub(crate) fn bucket_of(o: &str, key: &str, id: &str) -> String {
     format!(
         "((COALESCE(hashtext(({o}{key})::text COLLATE \"C\")::int8, ({o}{id})::int8) & {})::int4)",
         BUCKETS - 1
@@ -48,10 +48,10 @@ pub struct TableSql {
     /// on, skipping locked ones, at most `$1`, and return those whose payloads add up to
     /// at most `$3` bytes (the first one whatever its size when `$4`). Returns rows as
     /// [`RowLayout`] describes.
-    pub claim_unordered: String,
+    pub(crate) claim_unordered: String,
     /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
     /// (the retry index).
-    pub claim_unordered_low: String,
+    pub(crate) claim_unordered_low: String,
     /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
     /// buckets of the oldest pending, due rows, at most `$1`, without locking, leaving out
     /// rows held back by an earlier held row of their key (dead, or waiting for its next
@@ -80,62 +80,62 @@ pub struct TableSql {
     /// are still pending without one, and the keys of those held-back rows (as text); when
     /// `$3`, also every held-back row's key before the candidate, each with its first id
     /// (two arrays, without the cap: for the floor's withheld keys).
-    pub advance: String,
+    pub(crate) advance: String,
     /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
     /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back and
     /// its key.
-    pub sweep: String,
+    pub(crate) sweep: String,
     /// The floor's withheld keys `$1` (each hidden from `$2`, the same position) that are
     /// released: no row of the key below that id is dead or has a failure history.
-    pub withheld_released: String,
+    pub(crate) withheld_released: String,
     /// Locks the rows `$1` (order values) that are still pending and due, skipping locked
     /// ones.
     /// Returns rows as [`RowLayout`] describes.
-    pub lock_rows: String,
+    pub(crate) lock_rows: String,
     /// Deletes the published rows `$1`.
-    pub delete: String,
+    pub(crate) delete: String,
     /// Sets `published_at` on the published rows `$1`.
-    pub mark: String,
+    pub(crate) mark: String,
     /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
     /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
     /// now. Returns each row's order value and whether it is now dead.
-    pub record_failures: String,
+    pub(crate) record_failures: String,
     /// A row at its last attempt that could not reach its dead-letter topic: waits like a
     /// retry (`$1` ids, `$2` errors, `$3` microseconds), its attempt not counted.
-    pub postpone: String,
+    pub(crate) postpone: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
-    pub publishable_exists: String,
+    pub(crate) publishable_exists: String,
     /// Rows waiting for their next attempt: how many, and the earliest one due in (as
     /// interval text and seconds).
-    pub waiting: String,
+    pub(crate) waiting: String,
     /// `status`: pending, failing (pending with attempts), dead, kept-published and
     /// waiting counts, the earliest next attempt as text, the pending rows held back by
     /// a held row of their key, and the oldest pending row's age in seconds (NULL
     /// without `created_at`).
-    pub status: String,
+    pub(crate) status: String,
     /// `status`: the oldest held rows (dead or waiting), at most `$1`: order value,
     /// attempts, dead_at and next_attempt_at as text, last_error, key, and how many later
     /// pending rows of its key it holds back.
-    pub held_rows: String,
+    pub(crate) held_rows: String,
     /// `requeue --id`: clears dead_at and attempts of the dead rows `$1`; returns their
     /// order values.
-    pub requeue_ids: String,
+    pub(crate) requeue_ids: String,
     /// `requeue --all`: the same for every dead row.
-    pub requeue_all: String,
+    pub(crate) requeue_all: String,
     /// `requeue --waiting`: rows waiting for their next attempt are due now.
-    pub requeue_waiting: String,
+    pub(crate) requeue_waiting: String,
     /// `replay`: the rows `$1` kept as published (not dead) are pending and due again;
     /// returns their order values. `$2`: count only (`--dry-run`), change nothing.
-    pub replay_ids: String,
+    pub(crate) replay_ids: String,
     /// `replay --since/--until`: order values after `$3`, at most `$4`, of rows kept as
     /// published (not dead) created in [`$1`, `$2`) (RFC 3339 text), in order. `None`
     /// without a creation-time column.
-    pub replay_range: Option<String>,
+    pub(crate) replay_range: Option<String>,
     /// Metrics: pending rows and the oldest pending row's age in seconds (0 when none or
     /// without a creation-time column), read like a claim from the floor `$1` and below it
     /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
-    pub backlog: String,
+    pub(crate) backlog: String,
     /// Retention (mark mode, [`super::retention`]): looks at the `$2` rows after `$1` in
     /// order and deletes those published more than `$3` seconds ago, skipping rows locked
     /// by others. Returns the chunk's last order value (NULL when empty), its row count,
@@ -143,15 +143,15 @@ pub struct TableSql {
     /// it holds a row published within them, and how many of its rows were old enough
     /// (those beyond the rows deleted were locked).
     /// `None` without a creation-time column (retention needs one, checked at start-up).
-    pub retire: Option<String>,
-    pub layout: RowLayout,
+    pub(crate) retire: Option<String>,
+    pub(crate) layout: RowLayout,
     /// The first key of this table's bucket advisory locks (the second is the bucket).
     pub tag: i32,
 }
 
 /// The first key of a table's bucket advisory locks: FNV-1a of its qualified name, the
 /// same in every relay of every release that has buckets (no PostgreSQL hash in it).
-pub fn table_tag(name: &str) -> i32 {
+pub(crate) fn table_tag(name: &str) -> i32 {
     let mut h: u32 = 0x811c_9dc5;
     for b in name.bytes() {
         h ^= u32::from(b);
@@ -178,17 +178,17 @@ fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> Strin
 /// then the message id when it is not the order column, the topic template's columns and the
 /// header columns, all as text.
 #[derive(Debug, Clone, Copy)]
-pub struct RowLayout {
+pub(crate) struct RowLayout {
     /// The message id is a column of its own (not the order column).
-    pub message_id: bool,
-    pub topic_columns: usize,
-    pub header_columns: usize,
-    pub dead_letter_columns: usize,
+    pub(crate) message_id: bool,
+    pub(crate) topic_columns: usize,
+    pub(crate) header_columns: usize,
+    pub(crate) dead_letter_columns: usize,
 }
 
 impl RowLayout {
     /// Columns of a claimed row.
-    pub fn width(&self) -> usize {
+    pub(crate) fn width(&self) -> usize {
         8 + usize::from(self.message_id)
             + self.topic_columns
             + self.header_columns
@@ -201,7 +201,7 @@ impl TableSql {
     /// ([`floor`]), a batch's end ([`settle`]), the operator's and the probe's ([`admin`])
     /// and retention's ([`retention`]), all from one set of names and fragments
     /// ([`parts`]).
-    pub fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
+    pub(crate) fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
         let p = parts::Parts::new(table, shape, ordering);
         let claim = claim::statements(&p);
         let floor = floor::statements(&p);

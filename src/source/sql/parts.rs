@@ -7,40 +7,40 @@ use super::{bucket_of, RowLayout, FIRST_WINDOW};
 
 /// One table's names and shared fragments, each explained where it is made.
 pub(super) struct Parts {
-    pub t: String,
-    pub id: String,
-    pub key: String,
-    pub published_at: String,
-    pub dead_at: String,
-    pub attempts: String,
-    pub last_error: String,
-    pub next: String,
-    pub size: String,
-    pub columns: String,
-    pub pending: String,
-    pub due: String,
-    pub held: String,
-    pub not_behind_dead: String,
-    pub waiting: String,
-    pub window_filter: String,
-    pub bucket_filter: String,
-    pub obucket: String,
-    pub retrying: String,
-    pub fresh: String,
-    pub low_stragglers: String,
-    pub low_retrying: String,
-    pub held_back_row: String,
-    pub held_back: String,
+    pub(crate) t: String,
+    pub(crate) id: String,
+    pub(crate) key: String,
+    pub(crate) published_at: String,
+    pub(crate) dead_at: String,
+    pub(crate) attempts: String,
+    pub(crate) last_error: String,
+    pub(crate) next: String,
+    pub(crate) size: String,
+    pub(crate) columns: String,
+    pub(crate) pending: String,
+    pub(crate) due: String,
+    pub(crate) held: String,
+    pub(crate) not_behind_dead: String,
+    pub(crate) waiting: String,
+    pub(crate) window_filter: String,
+    pub(crate) bucket_filter: String,
+    pub(crate) obucket: String,
+    pub(crate) retrying: String,
+    pub(crate) fresh: String,
+    pub(crate) low_stragglers: String,
+    pub(crate) low_retrying: String,
+    pub(crate) held_back_row: String,
+    pub(crate) held_back: String,
     /// The creation-time column, when the table has one.
-    pub created_at: Option<Ident>,
-    pub ordering: Ordering,
-    pub layout: RowLayout,
+    pub(crate) created_at: Option<Ident>,
+    pub(crate) ordering: Ordering,
+    pub(crate) layout: RowLayout,
     payload_type: PayloadType,
     payload_column: String,
 }
 
 impl Parts {
-    pub fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> Parts {
+    pub(crate) fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> Parts {
         let t = table.name.quoted();
         let c = &table.columns;
         // The order column is the row's handle everywhere: it is unique (checked).
@@ -175,17 +175,17 @@ impl Parts {
 
     /// A row's payload bytes, read before the payload itself (`prefix`: a table alias
     /// with its dot, or empty).
-    pub fn size_of(&self, prefix: &str) -> String {
+    pub(crate) fn size_of(&self, prefix: &str) -> String {
         size_of(self.payload_type, &self.payload_column, prefix)
     }
 
     /// Below the floor: the stragglers `ids`, by primary key.
-    pub fn stragglers_part(&self, o: &str, ids: &str) -> String {
+    pub(crate) fn stragglers_part(&self, o: &str, ids: &str) -> String {
         stragglers_part(&self.id, o, ids)
     }
 
     /// Below the floor `floor`: rows with a failure history, from the retry index.
-    pub fn retry_part(&self, o: &str, floor: &str, ids: &str) -> String {
+    pub(crate) fn retry_part(&self, o: &str, floor: &str, ids: &str) -> String {
         retry_part(&self.id, &self.next, o, floor, ids)
     }
 }

@@ -4,7 +4,7 @@ use super::parts::Parts;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Retention {
-    pub retire: Option<String>,
+    pub(crate) retire: Option<String>,
 }
 
 pub(super) fn statements(p: &Parts) -> Retention {

@@ -5,10 +5,10 @@ use super::parts::Parts;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Settle {
-    pub delete: String,
-    pub mark: String,
-    pub record_failures: String,
-    pub postpone: String,
+    pub(crate) delete: String,
+    pub(crate) mark: String,
+    pub(crate) record_failures: String,
+    pub(crate) postpone: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Settle {

@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode};
 use outbox_relay::shutdown::Shutdown;
-use outbox_relay::sink::kafka::health::partition_of;
+use outbox_relay::sink::kafka::partition_of;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 
