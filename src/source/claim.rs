@@ -94,27 +94,32 @@
 //! # Round trips
 //!
 //! Each statement of a claim waits one round trip to the database, which on a distant
-//! database (another zone: 5-20 ms) is most of a batch's time. Two rules keep them few:
+//! database (another zone: 5-20 ms) is most of a batch's time. Three rules keep them few:
 //!
-//! - *Tails ride along.* The tails of a key this claim owns are locked with the claim's
-//!   next lock statement, whatever it is, and only those not tried yet are left for the
-//!   last one (often none). In a bucket the claim holds (its advisory lock), the tails
-//!   of the keys planned in a round go with their heads, on the chance that the round
-//!   gets them. Order holds as before: a row is published only if this transaction holds
-//!   its key's head and every row between, and a tail it locked for a key whose head it
-//!   did not get is never published, only released when the transaction ends (another
-//!   claimer that owns that key meets it as a tail it could not lock, and its run stops
-//!   there: the row stays pending for the key's next claim).
+//! - *Tails ride along.* The tails of a key this claim owns are locked with its next
+//!   lock statement (another round's heads), and only those not tried yet are left for
+//!   the last one, often none.
 //! - *Lanes above 0 take buckets first* on a deep backlog, once a pick has shown how many
-//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), one pick
-//!   statement in the order the last deep first window ranked the buckets, instead of the
-//!   first window, its lock round and then a pick. Lane 0 still reads the first window
-//!   every claim, so the oldest rows keep a claimer and the ranking stays fresh; a lone
-//!   lane whose buckets hold no row plans from the first window as every claim does.
+//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), starting
+//!   with a pick in the order the last deep first window ranked the buckets, instead of
+//!   the first window, its lock round and then a pick. Lane 0 keeps reading the first
+//!   window (unless it is surplus itself), so the oldest rows keep a claimer and the
+//!   ranking stays fresh; a lane whose buckets hold no row plans from the first window
+//!   as every claim does.
+//! - *A surplus claim locks in its pick* ([`super::sql::TableSql::pick_lock`]): the
+//!   statement that reads its buckets also locks, `SKIP LOCKED`, each key's first row
+//!   among the rows it read (its candidates: in id order, about the room and the bytes
+//!   the batch has left), then the other candidates of the keys whose first row it got,
+//!   and the claim plans its rounds in memory from what came back. Order holds as in
+//!   any round: a key's first row in a bucket read is its head (the read is a prefix of
+//!   its pending rows, see *Buckets*), a key is taken only if that head was got, and
+//!   then only the unbroken run of rows got behind it. No row is locked but a head and
+//!   the run behind a head this claim holds, so no other claimer's run is cut short; the
+//!   candidates bound the rows, and their payloads, that come back.
 //!
-//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500): the
-//! proxy's round trips per batch went from 8.7 to 6.3. (Every connection's, the floor
-//! keeper's included; the figures are in docs/benchmark.md.)
+//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
+//! 8.5 round trips per batch before these rules, 4.1-4.4 after (every connection's, the
+//! floor keeper's included; docs/benchmark.md has the rates).
 //!
 //! Throughout, "id" means the table's order column: `id` in the default table, or the
 //! column `[tables.columns] order` names (an integer with a unique index).
@@ -405,7 +410,7 @@ async fn claim_by_key(
         plan.leave_to_lower_lanes(&first[..offset]);
         cursor = offset;
     }
-    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows, false).await?;
+    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows).await?;
     // A deep backlog whose first window did not fill the batch (its keys are other
     // claimers'): take buckets, read after the first window. Only once the rounds went
     // through the whole window: a key with rows left in it unplanned must not get tails
@@ -441,9 +446,10 @@ async fn claim_by_key(
     ))
 }
 
-/// The claim of a lane whose last claim was contended ([`BucketDepth`]): buckets first, in
-/// one statement, where [`claim_by_key`] would read the first window and try the heads
-/// other claimers own in it before it asked for buckets. The buckets are tried in the
+/// The claim of a lane whose last claim was contended, or of a lane above 0 on a deep
+/// backlog ([`BucketDepth`]): buckets first, one statement that reads and locks
+/// ([`TableSql::pick_lock`]), where [`claim_by_key`] would read the first window and try
+/// the heads other claimers own in it before it asked for buckets. The buckets are tried in the
 /// order the last deep first window ranked them (the oldest work first), then the others.
 /// `None` when the buckets it got held no row: the backlog has moved on, and the claim is
 /// planned as every claim is.
@@ -534,10 +540,21 @@ async fn take_buckets(
             .min(room)
             .max(1)
             + reread;
-        // The rows the statement locks: the batch's room and a quarter more, in id
-        // order (more only when the keys met first are held elsewhere), and the rows of
-        // known keys it reads again.
-        let lock_limit = room + room / 4 + reread;
+        // A surplus claim (no first window) locks in the pick itself: its candidates
+        // are the batch's room and a quarter more, in id order and within the bytes it
+        // has left (a quarter more too), so the answer stays within the budget. A claim
+        // past a first window only reads, and locks in rounds: the bucket's first rows
+        // are its own first window's, whose keys it has planned already.
+        let cap = match after == FIRST_WINDOW {
+            true => Candidates {
+                rows: room + room / 4,
+                bytes: plan
+                    .bytes_left()
+                    .saturating_add(plan.bytes_left() / 4)
+                    .max(1),
+            },
+            false => Candidates { rows: 0, bytes: 0 },
+        };
         let read = tx
             .query(
                 &sql.pick_lock,
@@ -549,7 +566,8 @@ async fn take_buckets(
                     &stragglers,
                     &sql.tag,
                     &(want as i64),
-                    &(lock_limit as i64),
+                    &(cap.rows as i64),
+                    &(cap.bytes.min(i64::MAX as u64) as i64),
                 ],
             )
             .await?;
@@ -558,7 +576,7 @@ async fn take_buckets(
             got,
             tried,
             locked,
-        } = Picked::split(&read, &sql.layout, lock_limit);
+        } = Picked::split(&read, &sql.layout, cap);
         // The read starts at the floor, in its own snapshot: its rows up to the first
         // window's end of keys this claim met there are theirs already (planned, or
         // left to others); those of other keys are their heads now.
@@ -582,11 +600,15 @@ async fn take_buckets(
             .collect::<HashSet<_>>()
             .len();
         let before = plan.reserved;
-        // A bucket read's rows planned partly are fine: its keys get no later rows. The
-        // rows it locked are known: the rounds are planned without another statement.
-        let locked_ids: HashSet<i64> = locked.keys().copied().collect();
-        rows.extend(locked);
-        plan_locked(plan, &window, &tried, &locked_ids);
+        // A bucket read's rows planned partly are fine: its keys get no later rows.
+        if cap.rows > 0 {
+            // What the pick locked is known: its rounds need no statement.
+            let locked_ids: HashSet<i64> = locked.keys().copied().collect();
+            rows.extend(locked);
+            plan_locked(plan, &window, &tried, &locked_ids);
+        } else {
+            lock_rounds(tx, sql, plan, &window, 0, rows).await?;
+        }
         depth.observe(got.len(), keys, plan.reserved - before, room);
     }
     Ok(found)
@@ -599,7 +621,7 @@ async fn finish_claim(
     plan: &mut KeyPlan,
     mut rows: HashMap<i64, ClaimedRow>,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
-    let tails = plan.tails_to_try(false);
+    let tails = plan.tails_to_try();
     let mut locked_tails = HashSet::new();
     if !tails.is_empty() {
         for r in tx.query(&sql.lock_rows, &[&tails]).await? {
@@ -621,8 +643,7 @@ async fn finish_claim(
 /// the window planning got.
 ///
 /// Each round's statement also carries the tails not tried yet of keys owned since an
-/// earlier statement, and with `optimistic` the tails of the keys planned in it: see
-/// *Round trips* in the module doc.
+/// earlier statement: see *Round trips* in the module doc.
 async fn lock_rounds(
     tx: &Tx<'_>,
     sql: &TableSql,
@@ -630,7 +651,6 @@ async fn lock_rounds(
     window: &[Candidate],
     mut cursor: usize,
     rows: &mut HashMap<i64, ClaimedRow>,
-    optimistic: bool,
 ) -> Result<usize, SourceError> {
     let mut rounds = 0;
     while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
@@ -639,7 +659,7 @@ async fn lock_rounds(
             break;
         }
         rounds += 1;
-        ids.extend(plan.tails_to_try(optimistic));
+        ids.extend(plan.tails_to_try());
         let locked = tx.query(&sql.lock_rows, &[&ids]).await?;
         let locked_ids: HashSet<i64> = locked.iter().map(|r| r.get(0)).collect();
         plan.settle_round(&locked_ids);
@@ -679,13 +699,41 @@ fn most_in_one_bucket(window: &[Candidate]) -> usize {
     counts.into_iter().max().unwrap_or(0)
 }
 
+/// How many of a pick's rows are its candidates for locks (see [`TableSql::pick_lock`]):
+/// in id order, at most `rows` rows and `bytes` payload bytes (the first whatever its
+/// size). No rows: the pick only reads.
+#[derive(Debug, Clone, Copy)]
+struct Candidates {
+    rows: usize,
+    bytes: u64,
+}
+
+impl Candidates {
+    /// The candidates among `window`, as the statement chose them.
+    fn of(self, window: &[Candidate]) -> HashSet<i64> {
+        let mut sorted: Vec<(i64, u64)> = window.iter().map(|c| (c.id, c.size)).collect();
+        sorted.sort_unstable();
+        let mut run: u64 = 0;
+        let mut chosen = HashSet::new();
+        for (n, (id, size)) in sorted.into_iter().enumerate() {
+            if n >= self.rows || run >= self.bytes {
+                break;
+            }
+            run = run.saturating_add(size);
+            chosen.insert(id);
+        }
+        chosen
+    }
+}
+
 /// What one [`TableSql::pick_lock`] read, locked and got.
 struct Picked {
     /// The rows read.
     window: Vec<Candidate>,
     /// The buckets got, in the order they were got.
     got: Vec<i32>,
-    /// The rows the statement tried to lock: the first of `window` in id order.
+    /// The candidates for locks: each key's first among them was tried, and the others
+    /// of a key whose first was got.
     tried: HashSet<i64>,
     /// The rows it locked.
     locked: HashMap<i64, ClaimedRow>,
@@ -694,7 +742,7 @@ struct Picked {
 impl Picked {
     /// Splits a pick's answer: each row read is the locked row's columns (NULL when not
     /// locked) then the four of the read; a bucket got is a row of NULLs but its bucket.
-    fn split(read: &[Row], layout: &RowLayout, lock_limit: usize) -> Picked {
+    fn split(read: &[Row], layout: &RowLayout, cap: Candidates) -> Picked {
         let at = layout.width();
         let mut picked = Picked {
             window: Vec::new(),
@@ -713,17 +761,15 @@ impl Picked {
                 picked.locked.insert(row.id, row);
             }
         }
-        let mut ids: Vec<i64> = picked.window.iter().map(|c| c.id).collect();
-        ids.sort_unstable();
-        picked.tried = ids.into_iter().take(lock_limit).collect();
+        picked.tried = cap.of(&picked.window);
         picked
     }
 }
 
-/// Plans `window`, whose rows in `tried` were locked (those in `locked`) by the statement
-/// that read it, in rounds as [`lock_rounds`] does, without a statement: a head or a tail
-/// that was not tried counts as held elsewhere, except tails (of keys owned before) that
-/// are not in the window, which stay for the claim's last statement.
+/// Plans `window`, a pick whose candidates `tried` were locked as [`TableSql::pick_lock`]
+/// says (those got are `locked`), in rounds as [`lock_rounds`] does, without a statement.
+/// A head that was not a candidate counts as held elsewhere (its key is blocked); a
+/// tail of an owned key that was not one stays for the claim's last statement.
 fn plan_locked(
     plan: &mut KeyPlan,
     window: &[Candidate],
@@ -1022,23 +1068,22 @@ impl KeyPlan {
     }
 
     /// Tails to send with the next lock statement, each tried once: those of the keys
-    /// owned so far, and with `planned` those of the keys planned in the current round
-    /// (locked on the chance that the round gets their heads).
-    pub(crate) fn tails_to_try(&mut self, planned: bool) -> Vec<i64> {
+    /// owned so far.
+    pub(crate) fn tails_to_try(&mut self) -> Vec<i64> {
         let mut ids = Vec::new();
         for (key, state) in &self.keys {
-            let send = match state {
-                KeyState::Owned { .. } => true,
-                KeyState::Planned { .. } => planned,
-                KeyState::Blocked => false,
-            };
-            if let (true, Some(tail)) = (send, self.tails.get(key)) {
+            if let (KeyState::Owned { .. }, Some(tail)) = (state, self.tails.get(key)) {
                 ids.extend(tail.iter().filter(|id| !self.tried.contains(id)));
             }
         }
         self.tried.extend(&ids);
         ids.sort_unstable();
         ids
+    }
+
+    /// Payload bytes the batch may still take.
+    pub(crate) fn bytes_left(&self) -> u64 {
+        self.byte_budget.saturating_sub(self.bytes)
     }
 
     /// Marks as tried the tails (of keys owned or planned) that `tried` says a statement
@@ -1218,47 +1263,70 @@ mod tests {
         let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&first, &mut cursor), vec![1]);
-        assert_eq!(
-            plan.tails_to_try(false),
-            Vec::<i64>::new(),
-            "a is only planned"
-        );
+        assert_eq!(plan.tails_to_try(), Vec::<i64>::new(), "a is only planned");
         plan.settle_round(&all(&[1]));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&later, &mut cursor), vec![3]);
         assert_eq!(
-            plan.tails_to_try(false),
+            plan.tails_to_try(),
             vec![2, 4],
             "a is owned: its tails ride"
         );
         plan.settle_round(&all(&[2, 3, 4]));
         // What is left for the last statement: b's tail only, not a's again.
-        assert_eq!(plan.tails_to_try(false), vec![5]);
-        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
+        assert_eq!(plan.tails_to_try(), vec![5]);
+        assert_eq!(plan.tails_to_try(), Vec::<i64>::new());
         assert_eq!(plan.finish(&all(&[5])), vec![1, 2, 3, 4, 5]);
     }
 
     #[test]
-    fn a_tail_locked_with_a_head_not_got_is_never_published() {
-        // In a bucket this claim holds, tails go with their heads. Key a's head is held
-        // elsewhere: its tails this claim got stay out of the batch and their room is
-        // given back; b's run stops at the tail it could not get.
+    fn a_pick_that_locked_is_planned_from_what_it_got() {
+        // Candidates 1-5 (row 6 was past the pick's cap). Key a's head is held
+        // elsewhere: nothing of a is taken and its room is given back. Key b got its head
+        // and row 4, not row 5: its run stops there. Key c's head was not a candidate: c
+        // is left alone. Row 7 of b (not a candidate) is never reached.
         let w = window(&[
             (1, Some("a")),
             (2, Some("b")),
             (3, Some("a")),
             (4, Some("b")),
             (5, Some("b")),
+            (6, Some("c")),
+            (7, Some("b")),
         ]);
-        let mut plan = KeyPlan::new(budget(5));
-        let mut cursor = 0;
-        let mut ids = plan.plan_round(&w, &mut cursor);
-        ids.extend(plan.tails_to_try(true));
-        assert_eq!(ids, vec![1, 2, 3, 4, 5]);
-        plan.settle_round(&all(&[2, 3, 5]));
-        assert_eq!(plan.room(), 2, "a's rows are given back");
-        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
-        assert_eq!(plan.finish(&HashSet::new()), vec![2]);
+        let mut plan = KeyPlan::new(budget(10));
+        plan_locked(&mut plan, &w, &all(&[1, 2, 3, 4, 5]), &all(&[2, 4]));
+        assert_eq!(plan.room(), 6, "b's rows 2, 4, 5 and 7 stay reserved");
+        assert_eq!(
+            plan.tails_to_try(),
+            vec![7],
+            "b's tail past the cap is left to try"
+        );
+        assert_eq!(plan.finish(&all(&[7])), vec![2, 4]);
+    }
+
+    #[test]
+    fn a_picks_candidates_are_its_first_rows_within_rows_and_bytes() {
+        let w: Vec<Candidate> = [(5, 100), (1, 100), (3, 900), (4, 100), (2, 100)]
+            .into_iter()
+            .map(|(id, size)| Candidate {
+                id,
+                key: Some("k".into()),
+                size,
+                bucket: 0,
+            })
+            .collect();
+        let of = |rows, bytes| {
+            let mut ids: Vec<i64> = Candidates { rows, bytes }.of(&w).into_iter().collect();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(of(3, u64::MAX), vec![1, 2, 3]);
+        // Row 3 starts below 250 bytes and is taken whatever its size; row 4 is not.
+        assert_eq!(of(10, 250), vec![1, 2, 3]);
+        assert_eq!(of(10, 200), vec![1, 2]);
+        assert_eq!(of(10, 1), vec![1], "a first row whatever its size");
+        assert_eq!(of(0, u64::MAX), Vec::<i64>::new(), "a pick that only reads");
     }
 
     #[test]

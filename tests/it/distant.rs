@@ -244,5 +244,32 @@ async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_olde
             let oldest: Vec<i64> = (0..ids.len() as i64).map(|i| first + KEYS * i).collect();
             assert_eq!(ids, oldest, "key {key} takes its oldest rows, in id order");
         }
+        // What the pick locks, and so sends back with payloads, stays within the rows and
+        // bytes it is given: rows 1-3 carry one byte each, so 3 bytes lock three heads.
+        let locked = async |rows: i64, bytes: i64| {
+            let read = client
+                .query(
+                    &plan.sql.pick_lock,
+                    &[
+                        &i64::MIN,
+                        &1_000i64,
+                        &(0..64).collect::<Vec<i32>>(),
+                        &i64::MIN,
+                        &Vec::<i64>::new(),
+                        &plan.sql.tag,
+                        &64i64,
+                        &rows,
+                        &bytes,
+                    ],
+                )
+                .await
+                .unwrap();
+            read.iter()
+                .filter(|r| r.get::<_, Option<i64>>(0).is_some())
+                .count()
+        };
+        assert_eq!(locked(1_000, 3).await, 3, "three one-byte candidates");
+        assert_eq!(locked(10, i64::MAX).await, 10, "ten candidates");
+        assert_eq!(locked(0, i64::MAX).await, 0, "a pick that only reads");
     }
 }

@@ -587,6 +587,7 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
                         &sql.tag,
                         &(BUCKETS as i64),
                         &100i64,
+                        &i64::MAX,
                     ],
                 )
                 .await
