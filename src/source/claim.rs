@@ -94,32 +94,27 @@
 //! # Round trips
 //!
 //! Each statement of a claim waits one round trip to the database, which on a distant
-//! database (another zone: 5-20 ms) is most of a batch's time. Three rules keep them few:
+//! database (another zone: 5-20 ms) is most of a batch's time. Two rules keep them few:
 //!
-//! - *Tails ride along.* The tails of a key this claim owns are locked with its next
-//!   lock statement (another round's heads), and only those not tried yet are left for
-//!   the last one, often none.
+//! - *Tails ride along.* The tails of a key this claim owns are locked with the claim's
+//!   next lock statement, whatever it is, and only those not tried yet are left for the
+//!   last one (often none). In a bucket the claim holds (its advisory lock), the tails
+//!   of the keys planned in a round go with their heads, on the chance that the round
+//!   gets them. Order holds as before: a row is published only if this transaction holds
+//!   its key's head and every row between, and a tail it locked for a key whose head it
+//!   did not get is never published, only released when the transaction ends (another
+//!   claimer that owns that key meets it as a tail it could not lock, and its run stops
+//!   there: the row stays pending for the key's next claim).
 //! - *Lanes above 0 take buckets first* on a deep backlog, once a pick has shown how many
-//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), starting
-//!   with a pick in the order the last deep first window ranked the buckets, instead of
-//!   the first window, its lock round and then a pick. Lane 0 keeps reading the first
-//!   window (unless it is surplus itself), so the oldest rows keep a claimer and the
-//!   ranking stays fresh; a lane whose buckets hold no row plans from the first window
-//!   as every claim does.
-//! - *A surplus claim locks in its pick* ([`super::sql::TableSql::pick_lock`]): the
-//!   statement that reads its buckets also locks, `SKIP LOCKED`, each key's first row
-//!   among the rows it read (its candidates: in id order, about the room and the bytes
-//!   the batch has left), then the other candidates of the keys whose first row it got,
-//!   and the claim plans its rounds in memory from what came back. Order holds as in
-//!   any round: a key's first row in a bucket read is its head (the read is a prefix of
-//!   its pending rows, see *Buckets*), a key is taken only if that head was got, and
-//!   then only the unbroken run of rows got behind it. No row is locked but a head and
-//!   the run behind a head this claim holds, so no other claimer's run is cut short; the
-//!   candidates bound the rows, and their payloads, that come back.
+//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), one pick
+//!   statement in the order the last deep first window ranked the buckets, instead of the
+//!   first window, its lock round and then a pick. Lane 0 still reads the first window
+//!   every claim, so the oldest rows keep a claimer and the ranking stays fresh; a lone
+//!   lane whose buckets hold no row plans from the first window as every claim does.
 //!
-//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
-//! 8.5 round trips per batch before these rules, 4.1-4.4 after (every connection's, the
-//! floor keeper's included; docs/benchmark.md has the rates).
+//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500): the
+//! proxy's round trips per batch went from 8.7 to 6.3. (Every connection's, the floor
+//! keeper's included; the figures are in docs/benchmark.md.)
 //!
 //! Throughout, "id" means the table's order column: `id` in the default table, or the
 //! column `[tables.columns] order` names (an integer with a unique index).
@@ -410,7 +405,7 @@ async fn claim_by_key(
         plan.leave_to_lower_lanes(&first[..offset]);
         cursor = offset;
     }
-    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows).await?;
+    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows, false).await?;
     // A deep backlog whose first window did not fill the batch (its keys are other
     // claimers'): take buckets, read after the first window. Only once the rounds went
     // through the whole window: a key with rows left in it unplanned must not get tails
@@ -427,8 +422,18 @@ async fn claim_by_key(
         // A bucket read starts at the floor: room for the first window's rows it reads
         // again (the most any one bucket had there).
         let reread = most_in_one_bucket(&first);
+        let reread_bytes = first.iter().map(|c| c.size).sum();
         let picks = take_buckets(
-            tx, sql, &mut plan, &mut rows, candidates, last, reread, floor, depth,
+            tx,
+            sql,
+            &mut plan,
+            &mut rows,
+            candidates,
+            last,
+            reread,
+            reread_bytes,
+            floor,
+            depth,
         )
         .await?;
         // Every bucket is another claimer's, or every key this claim met is: the table
@@ -446,10 +451,9 @@ async fn claim_by_key(
     ))
 }
 
-/// The claim of a lane whose last claim was contended, or of a lane above 0 on a deep
-/// backlog ([`BucketDepth`]): buckets first, one statement that reads and locks
-/// ([`TableSql::pick_lock`]), where [`claim_by_key`] would read the first window and try
-/// the heads other claimers own in it before it asked for buckets. The buckets are tried in the
+/// The claim of a lane whose last claim was contended ([`BucketDepth`]): buckets first, in
+/// one statement, where [`claim_by_key`] would read the first window and try the heads
+/// other claimers own in it before it asked for buckets. The buckets are tried in the
 /// order the last deep first window ranked them (the oldest work first), then the others.
 /// `None` when the buckets it got held no row: the backlog has moved on, and the claim is
 /// planned as every claim is.
@@ -475,6 +479,7 @@ async fn claim_as_surplus(
         &mut rows,
         ranking,
         super::sql::FIRST_WINDOW,
+        0,
         0,
         floor,
         depth,
@@ -506,7 +511,8 @@ struct Picks {
 /// Takes buckets (see *Buckets* in the module doc) from `candidates`, in order, for the
 /// room `plan` has left, and plans and locks their rows; at most [`MAX_PICKS`] picks.
 /// A bucket read's rows up to `after` of keys the plan already met are theirs (planned,
-/// or left to others) and dropped; `reread` is room added per bucket for them.
+/// or left to others) and dropped; `reread` is room added per bucket for them, and
+/// `reread_bytes` bytes to what a pick may lock.
 #[allow(clippy::too_many_arguments)]
 async fn take_buckets(
     tx: &Tx<'_>,
@@ -516,6 +522,7 @@ async fn take_buckets(
     mut candidates: Vec<i32>,
     after: i64,
     reread: usize,
+    reread_bytes: u64,
     floor: &FloorView,
     depth: &BucketDepth,
 ) -> Result<Picks, SourceError> {
@@ -540,20 +547,17 @@ async fn take_buckets(
             .min(room)
             .max(1)
             + reread;
-        // A surplus claim (no first window) locks in the pick itself: its candidates
-        // are the batch's room and a quarter more, in id order and within the bytes it
-        // has left (a quarter more too), so the answer stays within the budget. A claim
-        // past a first window only reads, and locks in rounds: the bucket's first rows
-        // are its own first window's, whose keys it has planned already.
-        let cap = match after == FIRST_WINDOW {
-            true => Candidates {
-                rows: room + room / 4,
-                bytes: plan
-                    .bytes_left()
-                    .saturating_add(plan.bytes_left() / 4)
-                    .max(1),
-            },
-            false => Candidates { rows: 0, bytes: 0 },
+        // The rows the statement locks, and sends back with their payloads: the batch's
+        // room and a quarter more, in id order, within the bytes it has left (a quarter
+        // more too), so the answer stays within the budget (more only when the keys met
+        // first are held elsewhere), and the rows of known keys it reads again.
+        let cap = Candidates {
+            rows: room + room / 4 + reread,
+            bytes: plan
+                .bytes_left()
+                .saturating_add(plan.bytes_left() / 4)
+                .saturating_add(reread_bytes)
+                .max(1),
         };
         let read = tx
             .query(
@@ -600,15 +604,11 @@ async fn take_buckets(
             .collect::<HashSet<_>>()
             .len();
         let before = plan.reserved;
-        // A bucket read's rows planned partly are fine: its keys get no later rows.
-        if cap.rows > 0 {
-            // What the pick locked is known: its rounds need no statement.
-            let locked_ids: HashSet<i64> = locked.keys().copied().collect();
-            rows.extend(locked);
-            plan_locked(plan, &window, &tried, &locked_ids);
-        } else {
-            lock_rounds(tx, sql, plan, &window, 0, rows).await?;
-        }
+        // A bucket read's rows planned partly are fine: its keys get no later rows. The
+        // rows it locked are known: the rounds are planned without another statement.
+        let locked_ids: HashSet<i64> = locked.keys().copied().collect();
+        rows.extend(locked);
+        plan_locked(plan, &window, &tried, &locked_ids);
         depth.observe(got.len(), keys, plan.reserved - before, room);
     }
     Ok(found)
@@ -621,7 +621,7 @@ async fn finish_claim(
     plan: &mut KeyPlan,
     mut rows: HashMap<i64, ClaimedRow>,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
-    let tails = plan.tails_to_try();
+    let tails = plan.tails_to_try(false);
     let mut locked_tails = HashSet::new();
     if !tails.is_empty() {
         for r in tx.query(&sql.lock_rows, &[&tails]).await? {
@@ -643,7 +643,8 @@ async fn finish_claim(
 /// the window planning got.
 ///
 /// Each round's statement also carries the tails not tried yet of keys owned since an
-/// earlier statement: see *Round trips* in the module doc.
+/// earlier statement, and with `optimistic` the tails of the keys planned in it: see
+/// *Round trips* in the module doc.
 async fn lock_rounds(
     tx: &Tx<'_>,
     sql: &TableSql,
@@ -651,6 +652,7 @@ async fn lock_rounds(
     window: &[Candidate],
     mut cursor: usize,
     rows: &mut HashMap<i64, ClaimedRow>,
+    optimistic: bool,
 ) -> Result<usize, SourceError> {
     let mut rounds = 0;
     while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
@@ -659,7 +661,7 @@ async fn lock_rounds(
             break;
         }
         rounds += 1;
-        ids.extend(plan.tails_to_try());
+        ids.extend(plan.tails_to_try(optimistic));
         let locked = tx.query(&sql.lock_rows, &[&ids]).await?;
         let locked_ids: HashSet<i64> = locked.iter().map(|r| r.get(0)).collect();
         plan.settle_round(&locked_ids);
@@ -699,9 +701,8 @@ fn most_in_one_bucket(window: &[Candidate]) -> usize {
     counts.into_iter().max().unwrap_or(0)
 }
 
-/// How many of a pick's rows are its candidates for locks (see [`TableSql::pick_lock`]):
-/// in id order, at most `rows` rows and `bytes` payload bytes (the first whatever its
-/// size). No rows: the pick only reads.
+/// How many of a pick's rows it tries to lock (see [`TableSql::pick_lock`]): the first in
+/// id order, at most `rows` rows and `bytes` payload bytes (the first whatever its size).
 #[derive(Debug, Clone, Copy)]
 struct Candidates {
     rows: usize,
@@ -709,7 +710,7 @@ struct Candidates {
 }
 
 impl Candidates {
-    /// The candidates among `window`, as the statement chose them.
+    /// The rows of `window` the statement tried, as it chose them.
     fn of(self, window: &[Candidate]) -> HashSet<i64> {
         let mut sorted: Vec<(i64, u64)> = window.iter().map(|c| (c.id, c.size)).collect();
         sorted.sort_unstable();
@@ -732,8 +733,7 @@ struct Picked {
     window: Vec<Candidate>,
     /// The buckets got, in the order they were got.
     got: Vec<i32>,
-    /// The candidates for locks: each key's first among them was tried, and the others
-    /// of a key whose first was got.
+    /// The rows the statement tried to lock: the first of `window` in id order.
     tried: HashSet<i64>,
     /// The rows it locked.
     locked: HashMap<i64, ClaimedRow>,
@@ -766,10 +766,10 @@ impl Picked {
     }
 }
 
-/// Plans `window`, a pick whose candidates `tried` were locked as [`TableSql::pick_lock`]
-/// says (those got are `locked`), in rounds as [`lock_rounds`] does, without a statement.
-/// A head that was not a candidate counts as held elsewhere (its key is blocked); a
-/// tail of an owned key that was not one stays for the claim's last statement.
+/// Plans `window`, whose rows in `tried` were locked (those in `locked`) by the statement
+/// that read it, in rounds as [`lock_rounds`] does, without a statement: a head or a tail
+/// that was not tried counts as held elsewhere, except tails (of keys owned before) that
+/// are not in the window, which stay for the claim's last statement.
 fn plan_locked(
     plan: &mut KeyPlan,
     window: &[Candidate],
@@ -1068,11 +1068,17 @@ impl KeyPlan {
     }
 
     /// Tails to send with the next lock statement, each tried once: those of the keys
-    /// owned so far.
-    pub(crate) fn tails_to_try(&mut self) -> Vec<i64> {
+    /// owned so far, and with `planned` those of the keys planned in the current round
+    /// (locked on the chance that the round gets their heads).
+    pub(crate) fn tails_to_try(&mut self, planned: bool) -> Vec<i64> {
         let mut ids = Vec::new();
         for (key, state) in &self.keys {
-            if let (KeyState::Owned { .. }, Some(tail)) = (state, self.tails.get(key)) {
+            let send = match state {
+                KeyState::Owned { .. } => true,
+                KeyState::Planned { .. } => planned,
+                KeyState::Blocked => false,
+            };
+            if let (true, Some(tail)) = (send, self.tails.get(key)) {
                 ids.extend(tail.iter().filter(|id| !self.tried.contains(id)));
             }
         }
@@ -1263,46 +1269,24 @@ mod tests {
         let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&first, &mut cursor), vec![1]);
-        assert_eq!(plan.tails_to_try(), Vec::<i64>::new(), "a is only planned");
+        assert_eq!(
+            plan.tails_to_try(false),
+            Vec::<i64>::new(),
+            "a is only planned"
+        );
         plan.settle_round(&all(&[1]));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&later, &mut cursor), vec![3]);
         assert_eq!(
-            plan.tails_to_try(),
+            plan.tails_to_try(false),
             vec![2, 4],
             "a is owned: its tails ride"
         );
         plan.settle_round(&all(&[2, 3, 4]));
         // What is left for the last statement: b's tail only, not a's again.
-        assert_eq!(plan.tails_to_try(), vec![5]);
-        assert_eq!(plan.tails_to_try(), Vec::<i64>::new());
+        assert_eq!(plan.tails_to_try(false), vec![5]);
+        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
         assert_eq!(plan.finish(&all(&[5])), vec![1, 2, 3, 4, 5]);
-    }
-
-    #[test]
-    fn a_pick_that_locked_is_planned_from_what_it_got() {
-        // Candidates 1-5 (row 6 was past the pick's cap). Key a's head is held
-        // elsewhere: nothing of a is taken and its room is given back. Key b got its head
-        // and row 4, not row 5: its run stops there. Key c's head was not a candidate: c
-        // is left alone. Row 7 of b (not a candidate) is never reached.
-        let w = window(&[
-            (1, Some("a")),
-            (2, Some("b")),
-            (3, Some("a")),
-            (4, Some("b")),
-            (5, Some("b")),
-            (6, Some("c")),
-            (7, Some("b")),
-        ]);
-        let mut plan = KeyPlan::new(budget(10));
-        plan_locked(&mut plan, &w, &all(&[1, 2, 3, 4, 5]), &all(&[2, 4]));
-        assert_eq!(plan.room(), 6, "b's rows 2, 4, 5 and 7 stay reserved");
-        assert_eq!(
-            plan.tails_to_try(),
-            vec![7],
-            "b's tail past the cap is left to try"
-        );
-        assert_eq!(plan.finish(&all(&[7])), vec![2, 4]);
     }
 
     #[test]
@@ -1326,7 +1310,29 @@ mod tests {
         assert_eq!(of(10, 250), vec![1, 2, 3]);
         assert_eq!(of(10, 200), vec![1, 2]);
         assert_eq!(of(10, 1), vec![1], "a first row whatever its size");
-        assert_eq!(of(0, u64::MAX), Vec::<i64>::new(), "a pick that only reads");
+    }
+
+    #[test]
+    fn a_tail_locked_with_a_head_not_got_is_never_published() {
+        // In a bucket this claim holds, tails go with their heads. Key a's head is held
+        // elsewhere: its tails this claim got stay out of the batch and their room is
+        // given back; b's run stops at the tail it could not get.
+        let w = window(&[
+            (1, Some("a")),
+            (2, Some("b")),
+            (3, Some("a")),
+            (4, Some("b")),
+            (5, Some("b")),
+        ]);
+        let mut plan = KeyPlan::new(budget(5));
+        let mut cursor = 0;
+        let mut ids = plan.plan_round(&w, &mut cursor);
+        ids.extend(plan.tails_to_try(true));
+        assert_eq!(ids, vec![1, 2, 3, 4, 5]);
+        plan.settle_round(&all(&[2, 3, 5]));
+        assert_eq!(plan.room(), 2, "a's rows are given back");
+        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
+        assert_eq!(plan.finish(&HashSet::new()), vec![2]);
     }
 
     #[test]

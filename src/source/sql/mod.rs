@@ -68,8 +68,9 @@ pub struct TableSql {
     /// [`TableSql::window`], and past a first window also those behind a row with a
     /// failure history (see `held_in_window`).
     ///
-    /// In the same statement, it locks the first `$8` rows read (in id order) that are
-    /// still pending and due, `SKIP LOCKED`: each row read comes back as the locked row's
+    /// In the same statement, it locks the first rows read in id order (at most `$8`
+    /// rows and `$9` payload bytes, the first whatever its size) that are still pending
+    /// and due, `SKIP LOCKED`: each row read comes back as the locked row's
     /// columns ([`RowLayout`], all NULL when it was not locked), then its order value,
     /// key, size and bucket; a bucket got as a row of NULLs but its bucket.
     pub pick_lock: String,
