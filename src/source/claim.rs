@@ -94,27 +94,38 @@
 //! # Round trips
 //!
 //! Each statement of a claim waits one round trip to the database, which on a distant
-//! database (another zone: 5-20 ms) is most of a batch's time. Two rules keep them few:
+//! database (another zone: 5-20 ms) is most of a batch's time. Three rules keep them few:
 //!
-//! - *Tails ride along.* The tails of a key this claim owns are locked with the claim's
-//!   next lock statement, whatever it is, and only those not tried yet are left for the
-//!   last one (often none). In a bucket the claim holds (its advisory lock), the tails
-//!   of the keys planned in a round go with their heads, on the chance that the round
-//!   gets them. Order holds as before: a row is published only if this transaction holds
-//!   its key's head and every row between, and a tail it locked for a key whose head it
-//!   did not get is never published, only released when the transaction ends (another
-//!   claimer that owns that key meets it as a tail it could not lock, and its run stops
-//!   there: the row stays pending for the key's next claim).
+//! - *Tails ride along.* The tails of a key this claim owns are locked with its next
+//!   round's heads, and only those not tried yet are left for the last statement (often
+//!   none).
 //! - *Lanes above 0 take buckets first* on a deep backlog, once a pick has shown how many
-//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), one pick
-//!   statement in the order the last deep first window ranked the buckets, instead of the
-//!   first window, its lock round and then a pick. Lane 0 still reads the first window
-//!   every claim, so the oldest rows keep a claimer and the ranking stays fresh; a lone
-//!   lane whose buckets hold no row plans from the first window as every claim does.
+//!   buckets fill a batch: the claim of a surplus lane ([`claim_as_surplus`]), starting
+//!   with a pick in the order the last deep first window ranked the buckets (up to
+//!   [`MAX_PICKS`] picks), instead of the first window, its lock round and then a pick.
+//!   Lane 0 keeps reading the first window (unless it is surplus itself), so the oldest
+//!   rows keep a claimer and the ranking stays fresh; a lane whose buckets hold no row
+//!   plans from the first window as every claim does.
+//! - *A pick locks what it read* ([`super::sql::TableSql::pick_lock`]): the statement
+//!   that reads the buckets also locks, `SKIP LOCKED`, its first rows in id order (about
+//!   the room and the payload bytes the batch has left, a quarter more, and the first
+//!   window's rows it reads again), and the claim plans its rounds in memory from what
+//!   came back. Order holds as in any round: a key is taken only if its head (its first
+//!   row in the read, which is a prefix of its pending rows, see *Buckets*) was got, and
+//!   then only the unbroken run of rows got behind it; a row this transaction locked
+//!   but does not take is never published, only released when it ends.
 //!
-//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500): the
-//! proxy's round trips per batch went from 8.7 to 6.3. (Every connection's, the floor
-//! keeper's included; the figures are in docs/benchmark.md.)
+//! The cost of the last rule: a pick also locks rows it will not take, the heads and
+//! tails of keys another claimer holds among them, and holds them until its transaction
+//! ends; a claimer that owns such a key meets its tail locked and its run stops there,
+//! so that key's next rows wait for a later batch (nothing is skipped: they stay
+//! pending, behind a head). Locking only heads, then the runs behind the heads got, in
+//! one statement was tried and made each pick cost 20 ms instead of 6
+//! (docs/benchmark.md, *A distant database*).
+//!
+//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
+//! 8.5-8.9 round trips per batch before these rules, 4.1-4.4 after (every connection's,
+//! the floor keeper's included).
 //!
 //! Throughout, "id" means the table's order column: `id` in the default table, or the
 //! column `[tables.columns] order` names (an integer with a unique index).
@@ -767,9 +778,9 @@ impl Picked {
 }
 
 /// Plans `window`, whose rows in `tried` were locked (those in `locked`) by the statement
-/// that read it, in rounds as [`lock_rounds`] does, without a statement: a head or a tail
-/// that was not tried counts as held elsewhere, except tails (of keys owned before) that
-/// are not in the window, which stay for the claim's last statement.
+/// that read it, in rounds as [`lock_rounds`] does, without a statement: a head that was
+/// not tried counts as held elsewhere (its key is blocked); a tail that was not tried
+/// stays for the claim's last statement.
 fn plan_locked(
     plan: &mut KeyPlan,
     window: &[Candidate],
@@ -1146,9 +1157,9 @@ impl KeyPlan {
     }
 
     /// The batch: key-less rows locked, owned heads, and for each owned key the unbroken
-    /// run of tail rows locked after its head. A tail row someone else holds (possible
-    /// only for a row that committed late, below a head another claimer already took)
-    /// ends its key's run there.
+    /// run of tail rows locked after its head. A tail row someone else holds (a row that
+    /// committed late, below a head another claimer already took, or one a pick locked
+    /// without taking it, see *Round trips*) ends its key's run there.
     pub(crate) fn finish(&self, locked_tails: &HashSet<i64>) -> Vec<i64> {
         let mut ids = self.unkeyed.clone();
         for (key, state) in &self.keys {
