@@ -13,6 +13,29 @@
 //!
 //! From the claim on, only `abort` (the shutdown deadline) interrupts: the transaction is
 //! dropped and rolled back, so every row not committed as published stays pending.
+//!
+//! # Batches that follow on
+//!
+//! A batch whose every row was published does not wait for its `COMMIT` before the next
+//! claim: the next batch's `BEGIN` and first claim statement go out behind it on the same
+//! session ([`Tx::execute_commit_then`]), and the worker goes on with what comes back
+//! ([`relay_batches`]). On a database 10 ms away that is one round trip of the four or so
+//! a batch waits. Nothing else changes:
+//!
+//! - **What the claim sees.** PostgreSQL runs what one session sends in order, so the
+//!   claim runs after the `COMMIT`, in a snapshot that has this batch's rows deleted or
+//!   marked, exactly as if it had waited. The claim invariant and the floor's proof
+//!   (`source::claim`, `source::floor`) are about what a claim sees and locks, and do not
+//!   know the difference.
+//! - **A failed commit.** The claim ran after the rollback: its transaction is dropped
+//!   (rolled back) with the error, and the batch's rows stay pending as before.
+//! - **Which table.** The one the worker's next round would take ([`Shared::follow_on`]):
+//!   the next after this one that is due for a look, so several tables still take turns.
+//!   A table with `max_rate` never follows on (its tokens are taken per batch).
+//! - **`stop`.** No batch follows on once `stop` fired; one that was claimed with the
+//!   `COMMIT` when it fired is rolled back unsent, like a claim `stop` cuts short.
+//! - **Trouble.** A batch with a failed, postponed or unacknowledged row does not follow
+//!   on: the worker backs off or the breaker opens as before.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -30,6 +53,9 @@ use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
 use crate::source::rate::Grant;
 use crate::source::table::TablePlan;
 use crate::source::{Source, SourceError, Tx};
+
+use super::breaker::BreakerState;
+use super::wake::Ticket;
 
 /// Why a batch could not run; each maps to retry-later or stop-the-process.
 #[derive(Debug, thiserror::Error)]
@@ -146,98 +172,221 @@ pub(crate) fn settle(
     Ok(s)
 }
 
-/// Runs one batch on `table` for worker `lane`.
-pub(super) async fn relay_batch(
-    shared: &Shared,
-    lane: usize,
-    table: &TablePlan,
-) -> Result<Batch, BatchError> {
-    // A rate-limited table's tokens first, in a statement of their own (`source::rate`).
-    let bucket = shared.bucket(table);
-    let allowed = match bucket {
-        None => shared.relay.batch_size,
-        Some(bucket) => {
-            let want = shared.relay.batch_size;
-            match shared
-                .source
-                .in_transaction(async |tx| bucket.take(tx, want).await)
-                .await?
-            {
-                Grant::Rows(n) => n,
-                Grant::Wait(wait) => return Ok(Batch::Throttled(wait)),
-            }
-        }
-    };
-    let result = relay_batch_of(shared, lane, table, allowed).await;
-    if let Some(bucket) = bucket {
-        let used = match &result {
-            Ok(Batch::Done { claimed, .. }) => *claimed,
-            _ => 0,
-        };
-        if used < allowed {
-            let unused = allowed - used;
-            let given = shared
-                .source
-                .in_transaction(async |tx| bucket.give_back(tx, unused).await);
-            if let Err(e) = given.await {
-                tracing::debug!(error = %e, "Could not give back unused rate tokens");
-            }
-        }
-    }
-    result
+/// How a worker's batches ended: the table of the last one, the ticket of that look
+/// ([`super::wake`]), and its outcome.
+pub(super) struct Ended {
+    pub(super) table: usize,
+    pub(super) ticket: Ticket,
+    pub(super) result: Result<Batch, BatchError>,
 }
 
-/// One batch of at most `allowed` rows.
-async fn relay_batch_of(
+/// Runs batches for worker `lane` from table `t` (looked at with `ticket`) on: one, or
+/// several on one session when each claims the next with its `COMMIT` ([`Shared::follow_on`]).
+pub(super) async fn relay_batch(shared: &Shared, lane: usize, t: usize, ticket: Ticket) -> Ended {
+    let ended = |result| Ended {
+        table: t,
+        ticket,
+        result,
+    };
+    // A rate-limited table's tokens first, in a statement of their own (`source::rate`).
+    let table = &shared.tables[t];
+    let Some(bucket) = shared.bucket(table) else {
+        return relay_batches(shared, lane, t, ticket, shared.relay.batch_size, true).await;
+    };
+    let want = shared.relay.batch_size;
+    let allowed = match shared
+        .source
+        .in_transaction(async |tx| bucket.take(tx, want).await)
+        .await
+    {
+        Ok(Grant::Rows(n)) => n,
+        Ok(Grant::Wait(wait)) => return ended(Ok(Batch::Throttled(wait))),
+        Err(e) => return ended(Err(e.into())),
+    };
+    // Its tokens are counted for this table alone: no batch follows on.
+    let done = relay_batches(shared, lane, t, ticket, allowed, false).await;
+    let used = match &done.result {
+        Ok(Batch::Done { claimed, .. }) => *claimed,
+        _ => 0,
+    };
+    if used < allowed {
+        let unused = allowed - used;
+        let given = shared
+            .source
+            .in_transaction(async |tx| bucket.give_back(tx, unused).await);
+        if let Err(e) = given.await {
+            tracing::debug!(error = %e, "Could not give back unused rate tokens");
+        }
+    }
+    done
+}
+
+/// Batches of at most `allowed` rows on one session, from table `t` on; with `follow`, a
+/// batch whose rows were all published claims the next one with its `COMMIT`.
+async fn relay_batches(
     shared: &Shared,
     lane: usize,
-    table: &TablePlan,
+    mut t: usize,
+    mut ticket: Ticket,
     allowed: usize,
-) -> Result<Batch, BatchError> {
+    follow: bool,
+) -> Ended {
     let stop = shared.shutdown.stop_token();
     let asked = Instant::now();
-    let mut session = tokio::select! {
+    let session = tokio::select! {
         biased;
-        _ = stop.cancelled() => return Ok(Batch::Stopped),
-        s = shared.source.session() => s?,
+        _ = stop.cancelled() => Ok(None),
+        s = shared.source.session() => s.map(Some),
     };
-    let span = tracing::debug_span!(
-        "batch",
-        worker = lane,
-        table = %table.config.name,
-        rows = tracing::field::Empty,
-        duration_ms = tracing::field::Empty,
-        session_wait_us = asked.elapsed().as_micros() as u64,
-    );
-    let result = run_phases(shared, lane, table, &mut session, allowed)
-        .instrument(span)
-        .await;
+    let session = match session {
+        Ok(Some(session)) => session,
+        Ok(None) => {
+            return Ended {
+                table: t,
+                ticket,
+                result: Ok(Batch::Stopped),
+            }
+        }
+        Err(e) => {
+            return Ended {
+                table: t,
+                ticket,
+                result: Err(e.into()),
+            }
+        }
+    };
+    let mut carried = None;
+    let result = loop {
+        let table = &shared.tables[t];
+        let span = tracing::debug_span!(
+            "batch",
+            worker = lane,
+            table = %table.config.name,
+            rows = tracing::field::Empty,
+            duration_ms = tracing::field::Empty,
+            session_wait_us = asked.elapsed().as_micros() as u64,
+        );
+        let phases = run_phases(
+            shared,
+            lane,
+            table,
+            &session,
+            allowed,
+            carried.take(),
+            follow,
+        );
+        let Phases { batch, next } = match phases.instrument(span).await {
+            Ok(phases) => phases,
+            Err(e) => break Err(e),
+        };
+        let Some(next) = next else {
+            break Ok(batch);
+        };
+        // Committed with every row published; the next claim came back with the COMMIT.
+        shared.went_through(t);
+        (t, ticket) = (next.table, next.ticket);
+        match next.claim {
+            Ok(claim) if !stop.is_cancelled() => carried = Some(claim),
+            // Dropped: ROLLBACK, nothing of it was sent.
+            Ok(_) => break Ok(Batch::Stopped),
+            Err(e) => break Err(e.into()),
+        }
+    };
+    drop(carried);
     // A session that timed out or broke mid-statement is never handed to the next batch.
     let error = match &result {
         Err(BatchError::Source(e)) => Some(e),
         _ => None,
     };
     Source::release(session, error);
-    result
+    Ended {
+        table: t,
+        ticket,
+        result,
+    }
 }
 
-async fn run_phases(
+impl Shared {
+    /// Where a worker's batch on table `t` that published every row goes on, its claim
+    /// sent with the `COMMIT`: the table the worker's next round would claim from (the
+    /// next one after `t`, in order, that is due for a look and has no `max_rate`, `t`
+    /// itself when no other is), with that look's ticket. None once `stop` fired or the
+    /// breaker opened.
+    fn follow_on(&self, t: usize) -> Option<(usize, Ticket)> {
+        if self.shutdown.stop_token().is_cancelled() || self.breaker.state() == BreakerState::Open {
+            return None;
+        }
+        // Rows were there: there may be more (`wake`, rule 1).
+        self.wakes.raise(t, false);
+        let (n, now) = (self.tables.len(), Instant::now());
+        (1..=n).map(|k| (t + k) % n).find_map(|u| {
+            if self.bucket(&self.tables[u]).is_some() {
+                return None;
+            }
+            self.wakes.begin(u, now).map(|ticket| (u, ticket))
+        })
+    }
+
+    /// The worker's bookkeeping of a batch on table `t` that committed with every row
+    /// published, when the next one followed on (the last one's is the worker's own).
+    fn went_through(&self, t: usize) {
+        self.ops.health.alive();
+        self.ops.health.progress();
+        self.wakes.raise(t, false);
+        self.breaker.record_success();
+    }
+}
+
+/// A claim made with the previous batch's `COMMIT`: its transaction, its rows, and how long
+/// the two took together.
+type Carried<'s> = (Tx<'s>, Claimed, Duration);
+
+/// What one batch's phases came to.
+struct Phases<'s> {
+    batch: Batch,
+    /// Every row was published and the next batch's claim went with the `COMMIT`.
+    next: Option<Next<'s>>,
+}
+
+/// The batch that follows on ([`Shared::follow_on`]).
+struct Next<'s> {
+    table: usize,
+    ticket: Ticket,
+    claim: Result<Carried<'s>, SourceError>,
+}
+
+impl From<Batch> for Phases<'_> {
+    fn from(batch: Batch) -> Self {
+        Phases { batch, next: None }
+    }
+}
+
+async fn run_phases<'s>(
     shared: &Shared,
     lane: usize,
     table: &TablePlan,
-    session: &mut deadpool_postgres::Object,
+    session: &'s deadpool_postgres::Object,
     allowed: usize,
-) -> Result<Batch, BatchError> {
+    carried: Option<Carried<'s>>,
+    follow: bool,
+) -> Result<Phases<'s>, BatchError> {
     let abort = shared.shutdown.abort_token();
-    let claim_started = SystemTime::now();
-    let claim_clock = Instant::now();
-    // 1. Claim. Dropping the transaction on `stop` rolls the claim back: nothing was sent.
-    let claim = claim(shared, lane, table, session, allowed);
-    let (tx, claimed) = tokio::select! {
-        biased;
-        _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped),
-        r = shared.source.bounded(claim) => r?,
+    // 1. Claim (or take the one that came with the previous batch's COMMIT). Dropping
+    // the transaction on `stop` rolls the claim back: nothing was sent.
+    let (tx, claimed, claimed_in) = match carried {
+        Some(carried) => carried,
+        None => {
+            let clock = Instant::now();
+            let claim = claim(shared, lane, table, session, allowed);
+            let (tx, claimed) = tokio::select! {
+                biased;
+                _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped.into()),
+                r = shared.source.bounded(claim) => r?,
+            };
+            (tx, claimed, clock.elapsed())
+        }
     };
+    let claim_started = SystemTime::now() - claimed_in;
     let mut rows = claimed.rows;
     if rows.is_empty() {
         // Sent, not waited for: the session's next transaction follows the ROLLBACK.
@@ -246,7 +395,8 @@ async fn run_phases(
             Batch::Contended
         } else {
             Batch::Empty
-        });
+        }
+        .into());
     }
     // Rows in flight: a drain is not done until they are settled. (An empty claim does
     // not count: on a slow link some worker is always inside one, and a drain that waited
@@ -254,7 +404,6 @@ async fn run_phases(
     let _active = shared.state.enter_batch();
     table.floor.note_claimed(rows.iter().map(|r| r.id).max());
     let started = Instant::now();
-    let claimed_in = claim_clock.elapsed();
     tracing::Span::current().record("rows", rows.len());
     let meters = shared.meters(table);
     let _in_flight = InFlight::new(&shared.ops.metrics.in_flight, rows.len());
@@ -266,7 +415,7 @@ async fn run_phases(
     let Some((outcomes, messages)) =
         publish(shared, table, &mut rows, trace.as_mut(), started).await
     else {
-        return Ok(Batch::Aborted);
+        return Ok(Batch::Aborted.into());
     };
     let acked_after = started.elapsed().as_secs_f64();
     meters.publish_seconds.observe(acked_after);
@@ -288,7 +437,7 @@ async fn run_phases(
             &mut settlement,
         );
         tokio::select! {
-            _ = abort.cancelled() => return Ok(Batch::Aborted),
+            _ = abort.cancelled() => return Ok(Batch::Aborted.into()),
             () = dead_letter => {}
         }
     }
@@ -297,10 +446,28 @@ async fn run_phases(
     if !settlement.failed.ids.is_empty() || !settlement.postponed.ids.is_empty() {
         table.floor.note_retrying();
     }
-    let dead = tokio::select! {
-        _ = abort.cancelled() => return Ok(Batch::Aborted),
-        r = shared.source.bounded(finalize(tx, shared, table, &settlement)) => r?,
+    // With every row published, the next batch's claim goes with the COMMIT.
+    let next_table = if follow && settlement.went_through() {
+        shared.follow_on(shared.index_of(table).expect("one of this run's tables"))
+    } else {
+        None
     };
+    let clock = Instant::now();
+    let next_claim = next_table.map(|(u, _)| {
+        let next = &shared.tables[u];
+        async move |tx: Tx<'s>| claim_in(shared, lane, next, tx, allowed).await
+    });
+    let (dead, next_claim) = tokio::select! {
+        _ = abort.cancelled() => return Ok(Batch::Aborted.into()),
+        r = shared.source.bounded(finalize(tx, shared, table, &settlement, next_claim)) => r?,
+    };
+    let next = next_table
+        .zip(next_claim)
+        .map(|((table, ticket), claim)| Next {
+            table,
+            ticket,
+            claim: claim.map(|(tx, claimed)| (tx, claimed, clock.elapsed())),
+        });
     let committed = Committed {
         rows: &rows,
         outcomes: &outcomes,
@@ -315,10 +482,21 @@ async fn run_phases(
     if let Some(trace) = trace {
         trace.committed(settlement.published.len());
     }
-    Ok(settlement.done(rows.len()))
+    Ok(Phases {
+        batch: settlement.done(rows.len()),
+        next,
+    })
 }
 
 impl Settlement {
+    /// Every row claimed was published and acknowledged: nothing failed, nothing waits.
+    fn went_through(&self) -> bool {
+        self.trouble.is_none()
+            && self.failed.ids.is_empty()
+            && self.postponed.ids.is_empty()
+            && !self.published.is_empty()
+    }
+
     /// What the worker learns of a committed batch of `claimed` rows.
     fn done(self, claimed: usize) -> Batch {
         Batch::Done {
@@ -341,10 +519,21 @@ async fn claim<'a>(
     shared: &Shared,
     lane: usize,
     table: &TablePlan,
-    session: &'a mut deadpool_postgres::Object,
+    session: &'a deadpool_postgres::Object,
     rows: usize,
 ) -> Result<(Tx<'a>, Claimed), SourceError> {
     let tx = shared.source.begin(session).await?;
+    claim_in(shared, lane, table, tx, rows).await
+}
+
+/// Claims up to `rows` rows of `table` in `tx`, a transaction just opened.
+async fn claim_in<'a>(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    tx: Tx<'a>,
+    rows: usize,
+) -> Result<(Tx<'a>, Claimed), SourceError> {
     let budget = Budget {
         rows,
         bytes: shared.relay.max_batch_bytes,
@@ -517,13 +706,21 @@ async fn dead_letter(
 }
 
 /// Phase 4: marks or deletes the published rows, records the failed rows' attempts and
-/// commits; returns the rows that reached `max_attempts` (dead-lettered).
-async fn finalize(
-    tx: Tx<'_>,
+/// commits; returns the rows that reached `max_attempts` (dead-lettered). With `next`, the
+/// session's next transaction is opened behind the `COMMIT` and `next` runs in it
+/// ([`Tx::execute_commit_then`]); its result comes back too (none when there was no
+/// published row to carry it).
+async fn finalize<'s, T, F, Fut>(
+    tx: Tx<'s>,
     shared: &Shared,
     table: &TablePlan,
     settlement: &Settlement,
-) -> Result<Vec<i64>, SourceError> {
+    next: Option<F>,
+) -> Result<(Vec<i64>, Option<Result<T, SourceError>>), SourceError>
+where
+    F: FnOnce(Tx<'s>) -> Fut,
+    Fut: std::future::Future<Output = Result<T, SourceError>>,
+{
     let mut dead = Vec::new();
     let postponed = &settlement.postponed;
     if !postponed.ids.is_empty() {
@@ -542,17 +739,19 @@ async fn finalize(
             }
         }
     }
-    // The published rows' delete or mark travels with the COMMIT: one round trip.
     if settlement.published.is_empty() {
         tx.commit().await?;
-    } else {
-        let sql = match shared.relay.on_publish {
-            OnPublish::Delete => &table.sql.delete,
-            OnPublish::Mark => &table.sql.mark,
-        };
-        tx.execute_and_commit(sql, &[&settlement.published]).await?;
+        return Ok((dead, None));
     }
-    Ok(dead)
+    // The published rows' delete or mark travels with the COMMIT: one round trip.
+    let sql = match shared.relay.on_publish {
+        OnPublish::Delete => &table.sql.delete,
+        OnPublish::Mark => &table.sql.mark,
+    };
+    let (_, next) = tx
+        .execute_commit_then(sql, &[&settlement.published], next)
+        .await?;
+    Ok((dead, next))
 }
 
 /// A committed batch, as [`observe`] reads it.

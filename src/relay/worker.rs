@@ -1,6 +1,7 @@
 //! One worker: wait while the circuit is open, run a batch on the next table that has
-//! rows ([`super::batch`]), back off after trouble, and otherwise wait for a NOTIFY or the
-//! poll interval.
+//! rows ([`super::batch`]; batches that go through follow on, each claiming the next with
+//! its `COMMIT`), back off after trouble, and otherwise wait for a NOTIFY or the poll
+//! interval.
 //!
 //! Only the idle wait, the breaker wait, the back-off pause and the claim race against
 //! `stop`; a batch whose rows are claimed runs to its commit unless `abort` fires.
@@ -8,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::batch::{relay_batch, Batch};
+use super::batch::{relay_batch, Batch, Ended};
 use super::breaker::BreakerState;
 use super::Shared;
 use crate::error::ErrorClass;
@@ -148,7 +149,12 @@ impl Worker {
             let Some(ticket) = shared.wakes.begin(t, std::time::Instant::now()) else {
                 continue;
             };
-            let result = relay_batch(shared, self.id, &shared.tables[t]).await;
+            // The batches may have gone on to other tables: `t` is the last one's.
+            let Ended {
+                table: t,
+                ticket,
+                result,
+            } = relay_batch(shared, self.id, t, ticket).await;
             if matches!(
                 result,
                 Ok(Batch::Empty | Batch::Contended | Batch::Throttled(_) | Batch::Done { .. })

@@ -139,18 +139,23 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
 /// A database in another zone pays each round trip in full, so the transaction's own
 /// statements share them: `BEGIN` goes out with the first statement ([`Tx::begin`] does not
 /// wait for its answer), the last statement goes out with `COMMIT`
-/// ([`Tx::execute_and_commit`]), and a transaction dropped unfinished (an empty claim, a
-/// claim cancelled by `stop`) sends `ROLLBACK` without waiting for it. PostgreSQL runs what
-/// one connection sends in order, so this changes when the client waits, never what runs:
-/// a statement sent before `COMMIT` is inside the transaction (if it fails, the transaction
-/// is aborted and the `COMMIT` that follows rolls it back), and a session's next `BEGIN`
-/// comes after its `ROLLBACK`. `tokio-postgres` puts a request on the wire when its future
-/// is first polled; the code below polls each statement once before creating the next.
+/// ([`Tx::execute_and_commit`]), the session's next transaction may follow the `COMMIT` in
+/// the same round trip ([`Tx::execute_commit_then`]), and a transaction dropped unfinished
+/// (an empty claim, a claim cancelled by `stop`) sends `ROLLBACK` without waiting for it.
+/// PostgreSQL runs what one connection sends in order, so this changes when the client
+/// waits, never what runs: a statement sent before `COMMIT` is inside the transaction (if
+/// it fails, the transaction is aborted and the `COMMIT` that follows rolls it back), and a
+/// session's next `BEGIN` comes after its `COMMIT` or `ROLLBACK`. `tokio-postgres` puts a
+/// request on the wire when its future is first polled; the code below polls each
+/// statement once, in order, before it waits for any.
 pub struct Tx<'a> {
     client: &'a deadpool_postgres::ClientWrapper,
     /// `None`: cached mode. Else the parameter types of each SQL text, for the unnamed
     /// statement.
     typed: Option<Arc<ParamTypes>>,
+    /// What the session's transactions run first ([`SessionMode::Pooled`] only), for the
+    /// next transaction [`Tx::execute_commit_then`] opens.
+    set_local: Option<Arc<str>>,
     /// `COMMIT` or `ROLLBACK` was sent.
     done: bool,
 }
@@ -164,19 +169,23 @@ impl<'a> Tx<'a> {
     /// same round trip. (`BEGIN` fails only when the connection does, which that statement
     /// reports.) In [`SessionMode::Pooled`] the `SET LOCAL` settings are waited for: a
     /// setting the server refused must be reported as itself.
+    ///
+    /// Callers open one transaction at a time on a session ([`Source::begin`] borrows it
+    /// mutably); the one exception is [`Tx::execute_commit_then`], which opens the next
+    /// only after this one's `COMMIT` is on the wire.
     async fn begin(
-        session: &'a mut deadpool_postgres::Object,
+        client: &'a deadpool_postgres::ClientWrapper,
         typed: Option<Arc<ParamTypes>>,
-        set_local: Option<&str>,
+        set_local: Option<Arc<str>>,
     ) -> Result<Tx<'a>, SourceError> {
-        let client: &'a deadpool_postgres::ClientWrapper = session;
         let tx = Tx {
             client,
             typed,
+            set_local,
             done: false,
         };
         tx.send_only("BEGIN")?;
-        if let Some(settings) = set_local {
+        if let Some(settings) = &tx.set_local {
             tx.client.batch_execute(settings).await?;
         }
         Ok(tx)
@@ -291,10 +300,33 @@ impl<'a> Tx<'a> {
     /// the `COMMIT` behind it rolls back: the statement's error is returned and nothing of
     /// the transaction took effect.
     pub async fn execute_and_commit(
-        mut self,
+        self,
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, SourceError> {
+        let none = None::<fn(Tx<'a>) -> std::future::Ready<Result<(), SourceError>>>;
+        Ok(self.execute_commit_then(sql, params, none).await?.0)
+    }
+
+    /// [`Tx::execute_and_commit`], then, with `next`, the session's next transaction:
+    /// `BEGIN` and `next`'s first statement go out behind the `COMMIT`, before any answer
+    /// is read, so the three share one round trip. PostgreSQL runs them in the order sent:
+    /// `next` runs after this transaction ended, and sees what it committed, exactly as if
+    /// it had waited for the `COMMIT`.
+    ///
+    /// The outer error is this transaction's: its statement or its `COMMIT` failed, nothing
+    /// of it took effect, and whatever `next` returned is dropped (a transaction in it, which
+    /// ran after the rollback, rolls back too). The inner result is `next`'s.
+    pub async fn execute_commit_then<T, F, Fut>(
+        mut self,
+        sql: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+        next: Option<F>,
+    ) -> Result<(u64, Option<Result<T, SourceError>>), SourceError>
+    where
+        F: FnOnce(Tx<'a>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, SourceError>>,
+    {
         // What may wait on the server (a statement's first prepare on the session, the
         // process's first look at its parameter types) is done before anything is sent.
         enum Ready<'p> {
@@ -305,40 +337,31 @@ impl<'a> Tx<'a> {
             None => Ready::Cached(self.cached(sql).await?),
             Some(_) => Ready::Typed(self.typed(sql, params).await?),
         };
+        self.done = true;
+        let client = self.client;
         let run = async {
             match &ready {
-                Ready::Cached(statement) => self.client.execute(statement, params).await,
-                Ready::Typed(typed) => self.client.execute_typed(sql, typed).await,
+                Ready::Cached(statement) => client.execute(statement, params).await,
+                Ready::Typed(typed) => client.execute_typed(sql, typed).await,
             }
         };
-        let mut run = std::pin::pin!(run);
-        // The first poll puts the statement on the wire. It may also finish it: the
-        // connection's task runs on another thread, and a worker thread descheduled between
-        // sending and reading finds the whole answer there (seen under load: 1 batch in a few
-        // thousand). Finished or not, the COMMIT must still be sent; a transaction dropped
-        // here rolls back what it published, and its rows go out again (caught by
+        let commit = client.batch_execute("COMMIT");
+        let (typed, set_local) = (self.typed.take(), self.set_local.take());
+        let after = async move {
+            let next = next?;
+            Some(async { next(Tx::begin(client, typed, set_local).await?).await }.await)
+        };
+        // `join3` polls each in turn, and a request goes on the wire at its future's first
+        // poll: the statement, then `COMMIT`, then `BEGIN` and `next`'s first statement.
+        // The statement may already be answered by then (the connection's task runs on
+        // another thread); the `COMMIT` is sent all the same. A transaction dropped here
+        // instead rolls back what it published, and its rows go out again (caught by
         // `nats_relay::same_key_rows_arrive_in_id_order_across_workers_and_processes`).
-        let first = futures_util::poll!(run.as_mut());
-        if let std::task::Poll::Ready(Err(e)) = first {
-            return Err(e.into()); // dropped: ROLLBACK
-        }
-        self.done = true;
-        let commit = self.client.batch_execute("COMMIT");
-        let n = match first {
-            std::task::Poll::Ready(ran) => {
-                let n = ran?;
-                commit.await?;
-                n
-            }
-            std::task::Poll::Pending => {
-                let (ran, committed) = futures_util::future::join(run, commit).await;
-                // A failed statement aborted the transaction: the COMMIT rolled it back.
-                let n = ran?;
-                committed?;
-                n
-            }
-        };
-        Ok(n)
+        let (ran, committed, after) = futures_util::future::join3(run, commit, after).await;
+        // A failed statement aborted the transaction: the COMMIT rolled it back.
+        let n = ran?;
+        committed?;
+        Ok((n, after))
     }
 
     pub async fn commit(mut self) -> Result<(), SourceError> {
@@ -372,7 +395,7 @@ pub struct Source {
     param_types: Arc<ParamTypes>,
     mode: SessionMode,
     /// What each transaction runs first in [`SessionMode::Pooled`].
-    set_local: Option<String>,
+    set_local: Option<Arc<str>>,
 }
 
 impl Source {
@@ -426,7 +449,7 @@ impl Source {
             prepared_statements: pg.prepared_statements,
             param_types: Arc::default(),
             mode,
-            set_local: (mode == SessionMode::Pooled).then(|| session::set_local(limits)),
+            set_local: (mode == SessionMode::Pooled).then(|| session::set_local(limits).into()),
         })
     }
 
@@ -440,13 +463,15 @@ impl Source {
         Ok(self.pool.get().await?)
     }
 
-    /// Opens a transaction on `session`, with statements cached as configured.
+    /// Opens a transaction on `session`, with statements cached as configured. One at a
+    /// time: the session's previous transaction has ended (or its `COMMIT` was sent, see
+    /// [`Tx::execute_commit_then`]).
     pub async fn begin<'a>(
         &self,
-        session: &'a mut deadpool_postgres::Object,
+        session: &'a deadpool_postgres::Object,
     ) -> Result<Tx<'a>, SourceError> {
         let typed = (!self.prepared_statements).then(|| self.param_types.clone());
-        Tx::begin(session, typed, self.set_local.as_deref()).await
+        Tx::begin(session, typed, self.set_local.clone()).await
     }
 
     /// Runs `work` in a short transaction of its own on a pool session, under
@@ -458,9 +483,9 @@ impl Source {
         work: impl AsyncFnOnce(&Tx<'_>) -> Result<T, SourceError>,
     ) -> Result<T, SourceError> {
         self.bounded(async {
-            let mut session = self.session().await?;
+            let session = self.session().await?;
             let result = async {
-                let tx = self.begin(&mut session).await?;
+                let tx = self.begin(&session).await?;
                 let value = work(&tx).await?;
                 tx.commit().await?;
                 Ok(value)

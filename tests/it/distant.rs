@@ -42,8 +42,8 @@ async fn settled(client: &tokio_postgres::Client) {
 /// One claim-shaped transaction that found rows: read them, then delete them with the
 /// commit.
 async fn claim_and_delete(source: &Source, ids: &[i64]) {
-    let mut session = source.session().await.unwrap();
-    let tx = source.begin(&mut session).await.unwrap();
+    let session = source.session().await.unwrap();
+    let tx = source.begin(&session).await.unwrap();
     let found = tx
         .query(
             "SELECT id FROM public.outbox WHERE id = ANY($1) FOR UPDATE SKIP LOCKED",
@@ -61,8 +61,8 @@ async fn claim_and_delete(source: &Source, ids: &[i64]) {
 
 /// One claim-shaped transaction that found nothing.
 async fn empty_claim(source: &Source) {
-    let mut session = source.session().await.unwrap();
-    let tx = source.begin(&mut session).await.unwrap();
+    let session = source.session().await.unwrap();
+    let tx = source.begin(&session).await.unwrap();
     let found = tx
         .query("SELECT id FROM public.outbox WHERE id < 0", &[])
         .await
@@ -125,8 +125,8 @@ async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction(
             source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
         proxy.set(testkit::Fault::Latency(Duration::from_millis(5)));
         let failing = async |source: &Source| {
-            let mut session = source.session().await.unwrap();
-            let tx = source.begin(&mut session).await.unwrap();
+            let session = source.session().await.unwrap();
+            let tx = source.begin(&session).await.unwrap();
             let deleted = tx
                 .execute("DELETE FROM public.outbox WHERE id = 1", &[])
                 .await
@@ -154,6 +154,113 @@ async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction(
         assert_eq!(
             column::<i64, Vec<i64>>(&client, "SELECT id FROM public.outbox ORDER BY id", &[]).await,
             vec![3]
+        );
+    }
+}
+
+/// A batch's `COMMIT` carries the session's next transaction: its `BEGIN` and its first
+/// statement (the next claim) go out behind the delete and the `COMMIT`, before any answer
+/// is read (`Tx::execute_commit_then`). So a claim, its delete with the commit and the next
+/// claim wait 2 round trips, not 3; and the next claim runs after the commit, so it sees
+/// the rows deleted. When the delete fails, nothing of the batch is kept and the next
+/// transaction, which ran after the rollback, is rolled back too.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_next_claim_goes_with_the_commit_and_sees_what_it_committed() {
+    use outbox_relay::source::{SourceError, Tx};
+    for prepared in ["true", "false"] {
+        let env = Env::new(relay()).await;
+        let client = env.client().await;
+        seed(&client, 8, 8, 0).await;
+        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+        let source =
+            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        const CLAIM: &str = "SELECT id FROM public.outbox WHERE id = ANY($1) ORDER BY id \
+                             FOR UPDATE SKIP LOCKED";
+        const DELETE: &str =
+            "DELETE FROM public.outbox WHERE id = ANY($1) AND 1 / (id - 7) IS NOT NULL";
+        // One batch: claim `ids`, delete them with the commit, and claim `next` in the
+        // session's next transaction; returns what the delete and the next claim got.
+        let batch = async |ids: &[i64], next: &[i64]| -> Result<(u64, Vec<i64>), SourceError> {
+            let session = source.session().await.unwrap();
+            let tx = source.begin(&session).await.unwrap();
+            let found = tx.query(CLAIM, &[&ids]).await?;
+            assert_eq!(found.len(), ids.len());
+            let next_claim = async |tx: Tx<'_>| {
+                let rows = tx.query(CLAIM, &[&next]).await?;
+                tx.commit().await?;
+                Ok(rows
+                    .iter()
+                    .map(|r| r.get::<_, i64>(0))
+                    .collect::<Vec<i64>>())
+            };
+            let (deleted, claimed) = tx
+                .execute_commit_then(DELETE, &[&ids], Some(next_claim))
+                .await?;
+            Ok((deleted, claimed.expect("a next transaction was asked for")?))
+        };
+        // The statements' first use prepares them (or learns their types): not counted.
+        assert_eq!(batch(&[1], &[8]).await.unwrap(), (1, vec![8]));
+        settled(&client).await;
+
+        proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
+        let before = proxy.round_trips();
+        let session = source.session().await.unwrap();
+        let tx = source.begin(&session).await.unwrap();
+        let (first, then) = (vec![2i64, 3], vec![2i64, 3, 4]);
+        let found = tx.query(CLAIM, &[&first]).await.unwrap();
+        assert_eq!(found.len(), 2);
+        // Keeps its transaction open, as the relay's next claim does.
+        async fn open_claim<'a>(
+            tx: Tx<'a>,
+            ids: &[i64],
+        ) -> Result<(Tx<'a>, Vec<tokio_postgres::Row>), SourceError> {
+            let rows = tx.query(CLAIM, &[&ids]).await?;
+            Ok((tx, rows))
+        }
+        let (deleted, next) = tx
+            .execute_commit_then(DELETE, &[&first], Some(|tx| open_claim(tx, &then)))
+            .await
+            .unwrap();
+        let waited = proxy.round_trips() - before;
+        let (next_tx, rows) = next.unwrap().unwrap();
+        proxy.set(testkit::Fault::None);
+        assert_eq!(deleted, 2);
+        assert_eq!(
+            waited, 2,
+            "round trips of a claim, its delete with the commit, and the next claim \
+             (prepared_statements = {prepared})"
+        );
+        let ids: Vec<i64> = rows.iter().map(|r| r.get(0)).collect();
+        assert_eq!(
+            ids,
+            [4],
+            "the next claim ran after the commit: 2 and 3 are gone"
+        );
+        next_tx.rollback().unwrap();
+        drop(session);
+
+        // Row 7 makes the delete fail (division by zero): the batch's transaction rolls
+        // back whole, and the next one, which claimed row 6 after that rollback, too.
+        let error = batch(&[5, 7], &[6]).await.unwrap_err().to_string();
+        assert!(
+            error.contains("division by zero"),
+            "the delete's error, got: {error}"
+        );
+        settled(&client).await;
+        assert_eq!(
+            column::<i64, Vec<i64>>(&client, "SELECT id FROM public.outbox ORDER BY id", &[]).await,
+            vec![4, 5, 6, 7, 8],
+            "rows 1-3 deleted, 5 and 7 kept (the delete rolled back) (prepared_statements = {prepared})"
+        );
+        let locked = count(
+            &client,
+            "SELECT count(*) FROM (SELECT id FROM public.outbox WHERE id = 6 \
+             FOR UPDATE SKIP LOCKED) free",
+        );
+        assert_eq!(
+            locked.await,
+            1,
+            "row 6 is not left locked by the next transaction"
         );
     }
 }
@@ -196,13 +303,13 @@ async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_olde
         // Not counted: two claims of lane 0 at once, so the second meets the first's
         // heads and picks buckets (the process learns the backlog is deep, and how deep
         // its buckets are); then one of lane 1, which prepares its statements.
-        let (mut a, mut b) = (
+        let (a, b) = (
             source.session().await.unwrap(),
             source.session().await.unwrap(),
         );
-        let first = source.begin(&mut a).await.unwrap();
+        let first = source.begin(&a).await.unwrap();
         assert_eq!(claim(&first, 0).await.rows.len(), 100);
-        let second = source.begin(&mut b).await.unwrap();
+        let second = source.begin(&b).await.unwrap();
         assert!(
             claim(&second, 0).await.contended,
             "every key is the first claim's"

@@ -433,8 +433,8 @@ async fn a_surplus_claimer_trying_buckets_first_takes_only_heads_and_their_runs(
     let source = &claims.source;
     // Lanes 0 and 4 plan from the window's start alike (4 lanes a window), with their own
     // surplus marks.
-    let mut session_a = source.session().await.unwrap();
-    let tx_a = source.begin(&mut session_a).await.unwrap();
+    let session_a = source.session().await.unwrap();
+    let tx_a = source.begin(&session_a).await.unwrap();
     let a = claims.claim(&tx_a, 0).await.unwrap();
     let a_keys: std::collections::BTreeSet<_> = a.rows.iter().map(|r| r.key.clone()).collect();
     assert_eq!(a_keys.len(), 4, "claim A holds every key: {a_keys:?}");
