@@ -424,7 +424,7 @@ async fn claim_by_key(
         plan.leave_to_lower_lanes(&first[..offset]);
         cursor = offset;
     }
-    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows, false).await?;
+    let reached = lock_rounds(tx, sql, &mut plan, &first, cursor, &mut rows).await?;
     // A deep backlog whose first window did not fill the batch (its keys are other
     // claimers'): take buckets, read after the first window. Only once the rounds went
     // through the whole window: a key with rows left in it unplanned must not get tails
@@ -607,7 +607,7 @@ async fn take_buckets(
         // The read starts at the floor, in its own snapshot: its rows up to the first
         // window's end of keys this claim met there are theirs already (planned, or
         // left to others); those of other keys are their heads now.
-        let mut window: Vec<Candidate> = window
+        let window: Vec<Candidate> = window
             .into_iter()
             .filter(|c| c.id > after || c.key.as_deref().is_some_and(|k| !plan.knows(k)))
             .filter(|c| !floor.hides(c.key.as_deref(), c.id))
@@ -620,7 +620,6 @@ async fn take_buckets(
         // Buckets before the last one got were tried and are held elsewhere.
         let last = candidates.iter().position(|b| Some(b) == got.last());
         candidates.drain(..=last.unwrap_or(candidates.len() - 1));
-        window.sort_unstable_by_key(|c| c.id);
         let keys = window
             .iter()
             .filter_map(|c| c.key.as_deref())
@@ -644,7 +643,7 @@ async fn finish_claim(
     plan: &mut KeyPlan,
     mut rows: HashMap<i64, ClaimedRow>,
 ) -> Result<Vec<ClaimedRow>, SourceError> {
-    let tails = plan.tails_to_try(false);
+    let tails = plan.tails_to_try();
     let mut locked_tails = HashSet::new();
     // A few tails are not worth a round trip: they end their keys' runs here and wait
     // for a later claim (a run may end anywhere, see `KeyPlan::finish`).
@@ -668,8 +667,7 @@ async fn finish_claim(
 /// the window planning got.
 ///
 /// Each round's statement also carries the tails not tried yet of keys owned since an
-/// earlier statement, and with `optimistic` the tails of the keys planned in it: see
-/// *Round trips* in the module doc.
+/// earlier statement: see *Round trips* in the module doc.
 async fn lock_rounds(
     tx: &Tx<'_>,
     sql: &TableSql,
@@ -677,7 +675,6 @@ async fn lock_rounds(
     window: &[Candidate],
     mut cursor: usize,
     rows: &mut HashMap<i64, ClaimedRow>,
-    optimistic: bool,
 ) -> Result<usize, SourceError> {
     let mut rounds = 0;
     while plan.has_room() && cursor < window.len() && rounds < MAX_ROUNDS {
@@ -686,7 +683,7 @@ async fn lock_rounds(
             break;
         }
         rounds += 1;
-        ids.extend(plan.tails_to_try(optimistic));
+        ids.extend(plan.tails_to_try());
         let locked = tx.query(&sql.lock_rows, &[&ids]).await?;
         let locked_ids: HashSet<i64> = locked.iter().map(|r| r.get(0)).collect();
         plan.settle_round(&locked_ids);
@@ -735,18 +732,17 @@ struct Candidates {
 }
 
 impl Candidates {
-    /// The rows of `window` the statement tried, as it chose them.
+    /// The rows of `window` (in id order) the statement tried, as it chose them.
     fn of(self, window: &[Candidate]) -> HashSet<i64> {
-        let mut sorted: Vec<(i64, u64)> = window.iter().map(|c| (c.id, c.size)).collect();
-        sorted.sort_unstable();
+        debug_assert!(window.is_sorted_by_key(|c| c.id));
         let mut run: u64 = 0;
         let mut chosen = HashSet::new();
-        for (n, (id, size)) in sorted.into_iter().enumerate() {
+        for (n, Candidate { id, size, .. }) in window.iter().enumerate() {
             if n >= self.rows || run >= self.bytes {
                 break;
             }
-            run = run.saturating_add(size);
-            chosen.insert(id);
+            run = run.saturating_add(*size);
+            chosen.insert(*id);
         }
         chosen
     }
@@ -754,7 +750,7 @@ impl Candidates {
 
 /// What one [`TableSql::pick_lock`] read, locked and got.
 struct Picked {
-    /// The rows read.
+    /// The rows read, in id order.
     window: Vec<Candidate>,
     /// The buckets got, in the order they were got.
     got: Vec<i32>,
@@ -786,6 +782,7 @@ impl Picked {
                 picked.locked.insert(row.id, row);
             }
         }
+        picked.window.sort_unstable_by_key(|c| c.id);
         picked.tried = cap.of(&picked.window);
         picked
     }
@@ -1097,17 +1094,11 @@ impl KeyPlan {
     }
 
     /// Tails to send with the next lock statement, each tried once: those of the keys
-    /// owned so far, and with `planned` those of the keys planned in the current round
-    /// (locked on the chance that the round gets their heads).
-    pub(crate) fn tails_to_try(&mut self, planned: bool) -> Vec<i64> {
+    /// owned so far.
+    pub(crate) fn tails_to_try(&mut self) -> Vec<i64> {
         let mut ids = Vec::new();
         for (key, state) in &self.keys {
-            let send = match state {
-                KeyState::Owned { .. } => true,
-                KeyState::Planned { .. } => planned,
-                KeyState::Blocked => false,
-            };
-            if let (true, Some(tail)) = (send, self.tails.get(key)) {
+            if let (KeyState::Owned { .. }, Some(tail)) = (state, self.tails.get(key)) {
                 ids.extend(tail.iter().filter(|id| !self.tried.contains(id)));
             }
         }
@@ -1298,29 +1289,25 @@ mod tests {
         let mut plan = KeyPlan::new(budget(10));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&first, &mut cursor), vec![1]);
-        assert_eq!(
-            plan.tails_to_try(false),
-            Vec::<i64>::new(),
-            "a is only planned"
-        );
+        assert_eq!(plan.tails_to_try(), Vec::<i64>::new(), "a is only planned");
         plan.settle_round(&all(&[1]));
         let mut cursor = 0;
         assert_eq!(plan.plan_round(&later, &mut cursor), vec![3]);
         assert_eq!(
-            plan.tails_to_try(false),
+            plan.tails_to_try(),
             vec![2, 4],
             "a is owned: its tails ride"
         );
         plan.settle_round(&all(&[2, 3, 4]));
         // What is left for the last statement: b's tail only, not a's again.
-        assert_eq!(plan.tails_to_try(false), vec![5]);
-        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
+        assert_eq!(plan.tails_to_try(), vec![5]);
+        assert_eq!(plan.tails_to_try(), Vec::<i64>::new());
         assert_eq!(plan.finish(&all(&[5])), vec![1, 2, 3, 4, 5]);
     }
 
     #[test]
     fn a_picks_candidates_are_its_first_rows_within_rows_and_bytes() {
-        let w: Vec<Candidate> = [(5, 100), (1, 100), (3, 900), (4, 100), (2, 100)]
+        let w: Vec<Candidate> = [(1, 100), (2, 100), (3, 900), (4, 100), (5, 100)]
             .into_iter()
             .map(|(id, size)| Candidate {
                 id,
@@ -1354,13 +1341,10 @@ mod tests {
             (5, Some("b")),
         ]);
         let mut plan = KeyPlan::new(budget(5));
-        let mut cursor = 0;
-        let mut ids = plan.plan_round(&w, &mut cursor);
-        ids.extend(plan.tails_to_try(true));
-        assert_eq!(ids, vec![1, 2, 3, 4, 5]);
-        plan.settle_round(&all(&[2, 3, 5]));
+        // The pick tried every row and got 2, 3 and 5.
+        plan_locked(&mut plan, &w, &all(&[1, 2, 3, 4, 5]), &all(&[2, 3, 5]));
         assert_eq!(plan.room(), 2, "a's rows are given back");
-        assert_eq!(plan.tails_to_try(false), Vec::<i64>::new());
+        assert_eq!(plan.tails_to_try(), Vec::<i64>::new());
         assert_eq!(plan.finish(&HashSet::new()), vec![2]);
     }
 

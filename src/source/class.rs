@@ -8,19 +8,27 @@ use openssl::ssl::ErrorCode;
 
 use crate::error::ErrorClass;
 
-/// SQLSTATE codes that no retry can fix.
+/// SQLSTATE codes that no retry can fix, besides [`FATAL_CLASSES`].
 const FATAL_SQLSTATES: &[&str] = &[
     "28000", // invalid_authorization_specification
     "28P01", // invalid_password
     "3D000", // invalid_catalog_name (database does not exist)
     "26000", // invalid_sql_statement_name: a prepared statement a pooler lost (PgBouncer)
     "3F000", // invalid_schema_name
-    "42501", // insufficient_privilege
-    "42P01", // undefined_table
-    "42703", // undefined_column
-    "42804", // datatype_mismatch
-    "42883", // undefined_function
 ];
+
+/// SQLSTATE classes that no retry can fix: 42, syntax error or access rule violation
+/// (insufficient_privilege, undefined_table, undefined_column, datatype_mismatch,
+/// undefined_function, syntax_error, ...). The statement, or the schema it names, is
+/// wrong, and the same statement gets the same answer: a claim statement with a syntax
+/// error used to be retried every few seconds for as long as the relay ran.
+const FATAL_CLASSES: &[&str] = &["42"];
+
+/// Codes of a [`FATAL_CLASSES`] class that another attempt can fix: 42P05
+/// duplicate_prepared_statement, a pooler's server session still holding a statement of
+/// that name from another client (see `source::Tx::typed`); the next transaction may run
+/// on another server session.
+const TRANSIENT_IN_FATAL_CLASSES: &[&str] = &["42P05"];
 
 /// Classifies a tokio-postgres error.
 ///
@@ -34,10 +42,13 @@ pub(crate) fn classify(e: &tokio_postgres::Error) -> ErrorClass {
     }
 }
 
-/// The class of a SQLSTATE: `FATAL_SQLSTATES` are fatal, every other code (shutdown,
-/// statement or lock timeout, serialization failure, too many connections) transient.
+/// The class of a SQLSTATE: `FATAL_SQLSTATES` and the codes of `FATAL_CLASSES` (but
+/// `TRANSIENT_IN_FATAL_CLASSES`) are fatal, every other code (shutdown, statement or lock
+/// timeout, serialization failure, too many connections) transient.
 pub(crate) fn classify_sqlstate(code: &str) -> ErrorClass {
-    if FATAL_SQLSTATES.contains(&code) {
+    let fatal_class = FATAL_CLASSES.iter().any(|class| code.starts_with(class))
+        && !TRANSIENT_IN_FATAL_CLASSES.contains(&code);
+    if fatal_class || FATAL_SQLSTATES.contains(&code) {
         ErrorClass::Fatal
     } else {
         ErrorClass::Transient
@@ -84,8 +95,11 @@ mod tests {
 
     #[test]
     fn fatal_sqlstates_are_well_formed() {
-        for code in FATAL_SQLSTATES {
+        for code in FATAL_SQLSTATES.iter().chain(TRANSIENT_IN_FATAL_CLASSES) {
             assert_eq!(code.len(), 5, "{code}");
+        }
+        for class in FATAL_CLASSES {
+            assert_eq!(class.len(), 2, "{class}");
         }
     }
 
@@ -105,7 +119,21 @@ mod tests {
             ("42501", Fatal, "insufficient_privilege"),
             ("42P01", Fatal, "undefined_table"),
             ("42703", Fatal, "undefined_column"),
+            ("42804", Fatal, "datatype_mismatch"),
+            ("42883", Fatal, "undefined_function"),
+            ("42601", Fatal, "syntax_error"),
+            (
+                "42P05",
+                Transient,
+                "duplicate_prepared_statement (a pooler's)",
+            ),
             ("3D000", Fatal, "database does not exist"),
+            ("3F000", Fatal, "invalid_schema_name"),
+            (
+                "26000",
+                Fatal,
+                "invalid_sql_statement_name (a pooler lost it)",
+            ),
         ] {
             assert_eq!(classify_sqlstate(code), class, "{code} {what}");
         }

@@ -140,7 +140,9 @@ pub(crate) fn describe(e: &tokio_postgres::Error) -> String {
 /// statements share them: `BEGIN` goes out with the first statement ([`Tx::begin`] does not
 /// wait for its answer), the last statement goes out with `COMMIT`
 /// ([`Tx::execute_and_commit`]), the session's next transaction may follow the `COMMIT` in
-/// the same round trip ([`Tx::execute_commit_then`]), and a transaction dropped unfinished
+/// the same round trip ([`Tx::execute_commit_then`]), behind a pooler the `SET LOCAL`
+/// settings go with `BEGIN` and the first statement ([`Tx::in_turn`]), and a transaction
+/// dropped unfinished
 /// (an empty claim, a claim cancelled by `stop`) sends `ROLLBACK` without waiting for it.
 /// PostgreSQL runs what one connection sends in order, so this changes when the client
 /// waits, never what runs: a statement sent before `COMMIT` is inside the transaction (if
@@ -156,9 +158,17 @@ pub struct Tx<'a> {
     /// What the session's transactions run first ([`SessionMode::Pooled`] only), for the
     /// next transaction [`Tx::execute_commit_then`] opens.
     set_local: Option<Arc<str>>,
+    /// That `SET LOCAL`, sent with `BEGIN` and not answered yet: the first statement goes
+    /// out behind it, and its answer is read first ([`Tx::in_turn`]).
+    settings: std::sync::Mutex<Option<Unanswered<'a>>>,
     /// `COMMIT` or `ROLLBACK` was sent.
     done: bool,
 }
+
+/// A simple query on the wire whose answer is still to be read.
+type Unanswered<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<(), tokio_postgres::Error>> + Send + 'a>,
+>;
 
 /// The parameter types of each SQL text the relay runs, learnt from its first prepare in
 /// the process (they depend only on the text and the table's column types).
@@ -167,28 +177,67 @@ pub(crate) type ParamTypes = std::sync::RwLock<std::collections::HashMap<String,
 impl<'a> Tx<'a> {
     /// Sends `BEGIN` without waiting for its answer: the first statement follows it in the
     /// same round trip. (`BEGIN` fails only when the connection does, which that statement
-    /// reports.) In [`SessionMode::Pooled`] the `SET LOCAL` settings are waited for: a
-    /// setting the server refused must be reported as itself.
+    /// reports.) In [`SessionMode::Pooled`] the `SET LOCAL` settings go with it, and the
+    /// first statement reads their answer before its own ([`Tx::in_turn`]): a setting the
+    /// server refused is reported as itself, not as the aborted transaction the statement
+    /// met.
     ///
-    /// Callers open one transaction at a time on a session ([`Source::begin`] borrows it
-    /// mutably); the one exception is [`Tx::execute_commit_then`], which opens the next
-    /// only after this one's `COMMIT` is on the wire.
+    /// Callers open one transaction at a time on a session ([`Source::begin`]); the one
+    /// exception is [`Tx::execute_commit_then`], which opens the next only after this
+    /// one's `COMMIT` is on the wire.
     async fn begin(
         client: &'a deadpool_postgres::ClientWrapper,
         typed: Option<Arc<ParamTypes>>,
         set_local: Option<Arc<str>>,
     ) -> Result<Tx<'a>, SourceError> {
+        use futures_util::FutureExt as _;
         let tx = Tx {
             client,
             typed,
             set_local,
+            settings: std::sync::Mutex::new(None),
             done: false,
         };
         tx.send_only("BEGIN")?;
-        if let Some(settings) = &tx.set_local {
-            tx.client.batch_execute(settings).await?;
+        if let Some(settings) = tx.set_local.clone() {
+            let mut sent: Unanswered<'a> =
+                Box::pin(async move { client.batch_execute(&settings).await });
+            // The first poll puts it on the wire.
+            match sent.as_mut().now_or_never() {
+                Some(answer) => answer?,
+                None => *tx.settings.lock().unwrap_or_else(|e| e.into_inner()) = Some(sent),
+            }
         }
         Ok(tx)
+    }
+
+    /// Runs `statement` (a future that puts its request on the wire when first polled)
+    /// behind the transaction's unanswered `SET LOCAL`, if any: polls it once, then reads
+    /// the settings' answer, then its own. A refused setting is the error returned.
+    async fn in_turn<T>(
+        &self,
+        statement: impl std::future::Future<Output = Result<T, SourceError>>,
+    ) -> Result<T, SourceError> {
+        let unanswered = self
+            .settings
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(settings) = unanswered else {
+            return statement.await;
+        };
+        let mut statement = std::pin::pin!(statement);
+        let first = futures_util::poll!(statement.as_mut());
+        settings.await?;
+        match first {
+            std::task::Poll::Ready(answer) => answer,
+            std::task::Poll::Pending => statement.await,
+        }
+    }
+
+    /// Reads the answer of the transaction's `SET LOCAL`, if it is still unread.
+    async fn settled(&self) -> Result<(), SourceError> {
+        self.in_turn(async { Ok(()) }).await
     }
 
     /// Puts `sql` (a simple query) on the wire and lets its answer go unread.
@@ -256,13 +305,16 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<Vec<tokio_postgres::Row>, SourceError> {
-        Ok(if self.typed.is_none() {
-            self.client.query(&self.cached(sql).await?, params).await?
-        } else {
-            self.client
-                .query_typed(sql, &self.typed(sql, params).await?)
-                .await?
+        self.in_turn(async {
+            Ok(if self.typed.is_none() {
+                self.client.query(&self.cached(sql).await?, params).await?
+            } else {
+                self.client
+                    .query_typed(sql, &self.typed(sql, params).await?)
+                    .await?
+            })
         })
+        .await
     }
 
     pub async fn query_one(
@@ -270,14 +322,17 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<tokio_postgres::Row, SourceError> {
-        Ok(if self.typed.is_none() {
-            self.client
-                .query_one(&self.cached(sql).await?, params)
-                .await?
-        } else {
-            let typed = self.typed(sql, params).await?;
-            self.client.query_typed_one(sql, &typed).await?
+        self.in_turn(async {
+            Ok(if self.typed.is_none() {
+                self.client
+                    .query_one(&self.cached(sql).await?, params)
+                    .await?
+            } else {
+                let typed = self.typed(sql, params).await?;
+                self.client.query_typed_one(sql, &typed).await?
+            })
         })
+        .await
     }
 
     pub async fn execute(
@@ -285,14 +340,17 @@ impl<'a> Tx<'a> {
         sql: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
     ) -> Result<u64, SourceError> {
-        Ok(if self.typed.is_none() {
-            self.client
-                .execute(&self.cached(sql).await?, params)
-                .await?
-        } else {
-            let typed = self.typed(sql, params).await?;
-            self.client.execute_typed(sql, &typed).await?
+        self.in_turn(async {
+            Ok(if self.typed.is_none() {
+                self.client
+                    .execute(&self.cached(sql).await?, params)
+                    .await?
+            } else {
+                let typed = self.typed(sql, params).await?;
+                self.client.execute_typed(sql, &typed).await?
+            })
         })
+        .await
     }
 
     /// Runs `sql` and commits, in one round trip: the statement is sent, then `COMMIT`,
@@ -327,6 +385,9 @@ impl<'a> Tx<'a> {
         F: FnOnce(Tx<'a>) -> Fut,
         Fut: std::future::Future<Output = Result<T, SourceError>>,
     {
+        // A transaction's first statement is never this one on the hot path: the settings'
+        // answer, if still unread, is read first.
+        self.settled().await?;
         // What may wait on the server (a statement's first prepare on the session, the
         // process's first look at its parameter types) is done before anything is sent.
         enum Ready<'p> {
@@ -365,6 +426,7 @@ impl<'a> Tx<'a> {
     }
 
     pub async fn commit(mut self) -> Result<(), SourceError> {
+        self.settled().await?;
         self.done = true;
         Ok(self.client.batch_execute("COMMIT").await?)
     }

@@ -72,6 +72,66 @@ async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_lea
     }
 }
 
+/// Behind a pooler each transaction sets its deadlines with `SET LOCAL`. They go out
+/// with `BEGIN` and the first statement, whose answer is read after theirs: a transaction
+/// of one statement and its commit waits 2 round trips (it waited 3 when the settings
+/// were waited for on their own), its first statement already runs under them, and a
+/// setting the server refuses is the error reported, not the aborted transaction the
+/// statement met. Counted through `testkit::Proxy` in front of PgBouncer.
+#[tokio::test(flavor = "multi_thread")]
+async fn behind_pgbouncer_the_settings_go_with_the_first_statement_and_a_refused_one_is_reported() {
+    use outbox_relay::source::{SessionLimits, SessionMode, Source};
+    let env = Env::new(relay()).await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], bouncer.port()).into()).unwrap();
+    let through_proxy = bouncer.url("outbox_relay", "app").replace(
+        &format!(":{}/", bouncer.port()),
+        &format!(":{}/", proxy.port()),
+    );
+    let source_with = async |extra: &str| {
+        let text = std::fs::read_to_string(&env.config)
+            .unwrap()
+            .replace(&as_relay_role(&env.db_url), &through_proxy)
+            .replace("pool_size = 16", &format!("pool_size = 16\n{extra}"));
+        let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
+        let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
+        let source = Source::open(&config.postgres, limits).await.unwrap();
+        assert_eq!(source.mode(), SessionMode::Pooled);
+        source
+    };
+    let show = async |source: &Source| {
+        source
+            .in_transaction(async |tx| {
+                let row = tx.query_one("SHOW statement_timeout", &[]).await?;
+                Ok(row.get::<_, String>(0))
+            })
+            .await
+    };
+    let source = source_with("").await;
+    // The statement's first use learns its parameter types: not counted.
+    assert_eq!(show(&source).await.unwrap(), "30s");
+    proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
+    let before = proxy.round_trips();
+    let shown = show(&source).await.unwrap();
+    let waited = proxy.round_trips() - before;
+    proxy.set(testkit::Fault::None);
+    assert_eq!(shown, "30s", "the first statement runs under the settings");
+    assert_eq!(
+        waited, 2,
+        "round trips of BEGIN, the settings, a statement and COMMIT"
+    );
+
+    // 30 days is more than PostgreSQL's statement_timeout can hold: SET LOCAL fails.
+    let refused = source_with("statement_timeout = \"30d\"").await;
+    let error = show(&refused).await.unwrap_err().to_string();
+    assert!(
+        error.contains("statement_timeout") && !error.contains("aborted"),
+        "the refused setting is the error, got: {error}"
+    );
+    // The session is usable afterwards (its transaction was rolled back).
+    assert_eq!(show(&source).await.unwrap(), "30s");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn three_drains_through_pgbouncer_deliver_every_row_once_in_key_order() {
     let env = Env::new(relay().workers(4).batch_size(40)).await;
