@@ -255,6 +255,8 @@ async fn relay_batches(
             }
         }
     };
+    // The first batch waited this long for its session; those that follow on, nothing.
+    let mut session_wait = asked.elapsed();
     let mut carried = None;
     let result = loop {
         let table = &shared.tables[t];
@@ -264,7 +266,7 @@ async fn relay_batches(
             table = %table.config.name,
             rows = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
-            session_wait_us = asked.elapsed().as_micros() as u64,
+            session_wait_us = std::mem::take(&mut session_wait).as_micros() as u64,
         );
         let phases = run_phases(
             shared,
