@@ -322,7 +322,7 @@ impl Shared {
         self.wakes.raise(t, false);
         let (n, now) = (self.tables.len(), Instant::now());
         (1..=n).map(|k| (t + k) % n).find_map(|u| {
-            if self.bucket(&self.tables[u]).is_some() {
+            if self.buckets[u].is_some() {
                 return None;
             }
             self.wakes.begin(u, now).map(|ticket| (u, ticket))

@@ -24,6 +24,23 @@ async fn source_through(env: &Env, proxy: &testkit::Proxy, extra: &str) -> Sourc
     Source::open(&config.postgres, limits).await.unwrap()
 }
 
+/// A database seeded with `rows` over `keys` (see `seed`), reached through a proxy: the
+/// environment, a direct client, the proxy, and a `Source` through it with
+/// `prepared_statements = {prepared}`.
+async fn distant(
+    relay: Relay,
+    rows: i64,
+    keys: i64,
+    prepared: &str,
+) -> (Env, tokio_postgres::Client, testkit::Proxy, Source) {
+    let env = Env::new(relay).await;
+    let client = env.client().await;
+    seed(&client, rows, keys, 0).await;
+    let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
+    let source = source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+    (env, client, proxy, source)
+}
+
 /// Waits until the relay's sessions have no transaction open: a `ROLLBACK` sent unwaited
 /// has reached the server (so it is counted before what follows, not with it).
 async fn settled(client: &tokio_postgres::Client) {
@@ -79,12 +96,7 @@ async fn empty_claim(source: &Source) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_the_commit() {
     for prepared in ["true", "false"] {
-        let env = Env::new(relay()).await;
-        let client = env.client().await;
-        seed(&client, 4, 2, 0).await;
-        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
-        let source =
-            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        let (_env, client, proxy, source) = distant(relay(), 4, 2, prepared).await;
         // The statements' first use prepares them (or learns their types): not counted.
         claim_and_delete(&source, &[1]).await;
         empty_claim(&source).await;
@@ -117,12 +129,7 @@ async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction() {
     for prepared in ["true", "false"] {
-        let env = Env::new(relay()).await;
-        let client = env.client().await;
-        seed(&client, 3, 3, 0).await;
-        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
-        let source =
-            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        let (_env, client, proxy, source) = distant(relay(), 3, 3, prepared).await;
         proxy.set(testkit::Fault::Latency(Duration::from_millis(5)));
         let failing = async |source: &Source| {
             let session = source.session().await.unwrap();
@@ -168,12 +175,7 @@ async fn a_statement_sent_with_the_commit_commits_or_fails_with_the_transaction(
 async fn the_next_claim_goes_with_the_commit_and_sees_what_it_committed() {
     use outbox_relay::source::{SourceError, Tx};
     for prepared in ["true", "false"] {
-        let env = Env::new(relay()).await;
-        let client = env.client().await;
-        seed(&client, 8, 8, 0).await;
-        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
-        let source =
-            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        let (_env, client, proxy, source) = distant(relay(), 8, 8, prepared).await;
         const CLAIM: &str = "SELECT id FROM public.outbox WHERE id = ANY($1) ORDER BY id \
                              FOR UPDATE SKIP LOCKED";
         const DELETE: &str =
@@ -276,14 +278,10 @@ async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_olde
     use outbox_relay::source::claim::{claim_batch, Budget, FloorView};
     const KEYS: i64 = 20;
     for prepared in ["true", "false"] {
-        let env = Env::new(relay().batch_size(100)).await;
-        let client = env.client().await;
         // 20 keys: the first window (256 rows) holds every key, so a second claim that
         // meets the first's heads finds nothing left in it.
-        seed(&client, 5_000, KEYS, 0).await;
-        let proxy = testkit::Proxy::start(([127, 0, 0, 1], env.pg.port()).into()).unwrap();
-        let source =
-            source_through(&env, &proxy, &format!("prepared_statements = {prepared}")).await;
+        let (env, client, proxy, source) =
+            distant(relay().batch_size(100), 5_000, KEYS, prepared).await;
         let config = outbox_relay::config::load(&env.config).unwrap();
         let plans = outbox_relay::source::table::prepare(&source, &config)
             .await
