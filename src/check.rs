@@ -239,7 +239,7 @@ async fn table_subjects(client: &impl GenericClient, table: &TableConfig) -> BTr
     rows.iter()
         .filter_map(|row| {
             let values: Vec<Option<String>> = (0..row.len()).map(|i| row.get(i)).collect();
-            table.topic.render(&values).ok()
+            table.topic.render(&values).ok().map(|t| t.to_string())
         })
         .collect()
 }

@@ -35,7 +35,7 @@ pub(crate) use kafka::KafkaConfig;
 #[cfg(feature = "testing")]
 pub use names::adversarial_ident;
 pub use names::Ident;
-pub(crate) use names::{TableName, Template};
+pub(crate) use names::{RecentTopics, TableName, Template};
 pub(crate) use nats::{NatsAuth, NatsConfig};
 pub(crate) use postgres::PostgresConfig;
 pub use raw::Ordering;
@@ -590,7 +590,7 @@ mod tests {
         let t = &c.tables[0];
         assert_eq!(t.columns.order.as_str(), "seq");
         assert_eq!(t.columns.headers, OptionalColumn::Off);
-        assert_eq!(t.header_columns[0].0, "eventType");
+        assert_eq!(&*t.header_columns[0].0, "eventType");
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! names and topic templates. They are checked here once; SQL only ever sees them quoted.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// A PostgreSQL identifier as PostgreSQL itself resolves it: unquoted names fold to lower
 /// case, `"Quoted"` names are kept exactly.
@@ -123,6 +124,57 @@ impl fmt::Display for TableName {
 pub(crate) struct Template {
     parts: Vec<Part>,
     columns: Vec<Ident>,
+    /// The whole topic when the template has no column references: every message of the
+    /// table shares this one string.
+    constant: Option<Arc<str>>,
+}
+
+/// The distinct topics rendered last (at most [`RecentTopics::CAP`]): a batch's rows mostly
+/// share a few topics, and each is allocated once for all of them.
+#[derive(Debug, Default)]
+pub(crate) struct RecentTopics(Vec<Arc<str>>);
+
+impl RecentTopics {
+    const CAP: usize = 8;
+
+    /// The kept topic of `len` bytes that is `pieces` joined, compared without building it.
+    fn find<'a, I: Iterator<Item = &'a str>>(
+        &self,
+        len: usize,
+        pieces: impl Fn() -> I,
+    ) -> Option<Arc<str>> {
+        self.0
+            .iter()
+            .find(|topic| {
+                topic.len() == len && {
+                    let mut rest = &topic[..];
+                    pieces().all(|piece| match rest.strip_prefix(piece) {
+                        Some(after) => {
+                            rest = after;
+                            true
+                        }
+                        None => false,
+                    })
+                }
+            })
+            .cloned()
+    }
+
+    /// Keeps `topic`, forgetting the oldest when full, and returns it.
+    fn keep(&mut self, topic: Arc<str>) -> Arc<str> {
+        if self.0.len() == Self::CAP {
+            self.0.remove(0);
+        }
+        self.0.push(topic.clone());
+        topic
+    }
+}
+
+/// A topic template's column was NULL in a row: the row cannot get a topic.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("column {column} used in the topic template is NULL")]
+pub(crate) struct NullColumn {
+    pub(crate) column: Ident,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -179,7 +231,15 @@ impl Template {
         if parts.is_empty() {
             return Err("the topic template is empty".to_owned());
         }
-        Ok(Template { parts, columns })
+        let constant = match parts.as_slice() {
+            [Part::Literal(s)] => Some(Arc::from(s.as_str())),
+            _ => None,
+        };
+        Ok(Template {
+            parts,
+            columns,
+            constant,
+        })
     }
 
     /// The columns referenced, in the order [`Template::render`] expects their values.
@@ -189,31 +249,52 @@ impl Template {
 
     /// Renders the template from the values of [`Template::columns`]; a NULL value is an
     /// error naming the column.
-    pub(crate) fn render(&self, values: &[Option<String>]) -> Result<String, String> {
-        let mut out = String::new();
+    pub(crate) fn render(&self, values: &[Option<String>]) -> Result<Arc<str>, NullColumn> {
+        self.render_shared(values, &mut RecentTopics::default())
+    }
+
+    /// [`Template::render`], sharing strings: a template without column references gives
+    /// its one string, and a topic among `recent` is that string again, not a copy. A new
+    /// topic is built in one allocation and joins `recent`.
+    pub(crate) fn render_shared(
+        &self,
+        values: &[Option<String>],
+        recent: &mut RecentTopics,
+    ) -> Result<Arc<str>, NullColumn> {
+        if let Some(topic) = &self.constant {
+            return Ok(topic.clone());
+        }
+        let mut len = 0;
         for part in &self.parts {
-            match part {
-                Part::Literal(s) => out.push_str(s),
+            len += match part {
+                Part::Literal(s) => s.len(),
                 Part::Column(i) => match values.get(*i).and_then(Option::as_deref) {
-                    Some(v) => out.push_str(v),
+                    Some(v) => v.len(),
                     None => {
-                        return Err(format!(
-                            "column {} used in the topic template is NULL",
-                            self.columns[*i]
-                        ))
+                        return Err(NullColumn {
+                            column: self.columns[*i].clone(),
+                        })
                     }
                 },
-            }
+            };
         }
-        Ok(out)
+        let pieces = || {
+            self.parts.iter().map(|part| match part {
+                Part::Literal(s) => s.as_str(),
+                Part::Column(i) => values[*i].as_deref().unwrap_or_default(),
+            })
+        };
+        if let Some(topic) = recent.find(len, pieces) {
+            return Ok(topic);
+        }
+        let mut out = String::with_capacity(len);
+        pieces().for_each(|piece| out.push_str(piece));
+        Ok(recent.keep(Arc::from(out)))
     }
 
     /// The topic when the template has no column references.
     pub(crate) fn literal(&self) -> Option<&str> {
-        match self.parts.as_slice() {
-            [Part::Literal(s)] => Some(s),
-            _ => None,
-        }
+        self.constant.as_deref()
     }
 }
 
@@ -325,12 +406,57 @@ mod tests {
         let out = t
             .render(&[Some("order".into()), Some("created".into())])
             .unwrap();
-        assert_eq!(out, "outbox.order.{x}.created.order");
-        assert!(t
-            .render(&[None, Some("x".into())])
-            .unwrap_err()
-            .contains("aggregatetype"));
-        assert_eq!(Template::parse("fixed").unwrap().literal(), Some("fixed"));
+        assert_eq!(&*out, "outbox.order.{x}.created.order");
+        assert_eq!(out.len(), "outbox.order.{x}.created.order".len());
+        let null = t.render(&[None, Some("x".into())]).unwrap_err();
+        assert_eq!(null.column.as_str(), "aggregatetype");
+        assert!(null.to_string().contains("aggregatetype"));
+        let fixed = Template::parse("fixed").unwrap();
+        assert_eq!(fixed.literal(), Some("fixed"));
+        // Every message of a constant topic shares one string.
+        let (a, b) = (fixed.render(&[]).unwrap(), fixed.render(&[]).unwrap());
+        assert!(Arc::ptr_eq(&a, &b));
+    }
+
+    #[test]
+    fn rows_that_share_a_topic_share_its_string() {
+        let t = Template::parse("events.{type}").unwrap();
+        let mut recent = RecentTopics::default();
+        let row = |v: &str| [Some(v.to_owned())];
+        let a = t.render_shared(&row("a"), &mut recent).unwrap();
+        let b = t.render_shared(&row("b"), &mut recent).unwrap();
+        assert!(Arc::ptr_eq(
+            &a,
+            &t.render_shared(&row("a"), &mut recent).unwrap()
+        ));
+        assert!(Arc::ptr_eq(
+            &b,
+            &t.render_shared(&row("b"), &mut recent).unwrap()
+        ));
+        assert_eq!((&*a, &*b), ("events.a", "events.b"));
+        // Same length, other text: not taken for a kept topic.
+        assert_eq!(
+            &*t.render_shared(&row("c"), &mut recent).unwrap(),
+            "events.c"
+        );
+        // Pieces that join to the same text across other boundaries still match.
+        let two = Template::parse("{x}{y}").unwrap();
+        let ab = two
+            .render_shared(&[Some("a".into()), Some("bc".into())], &mut recent)
+            .unwrap();
+        let same = two
+            .render_shared(&[Some("ab".into()), Some("c".into())], &mut recent)
+            .unwrap();
+        assert!(Arc::ptr_eq(&ab, &same));
+        // The oldest is forgotten once more than CAP distinct topics were seen.
+        for i in 0..RecentTopics::CAP {
+            t.render_shared(&row(&format!("n{i}")), &mut recent)
+                .unwrap();
+        }
+        assert!(!Arc::ptr_eq(
+            &a,
+            &t.render_shared(&row("a"), &mut recent).unwrap()
+        ));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `[[tables]]`: which outbox tables are relayed, and which column plays which part.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::raw::{RawColumns, RawTable};
 use super::{headers, ConfigError, Ident, TableName, Template};
@@ -15,8 +16,8 @@ pub struct TableConfig {
     pub(crate) topic: Template,
     /// `[tables.columns]`: which column plays which part.
     pub(crate) columns: Columns,
-    /// Extra headers: header name and the column whose value it carries.
-    pub(crate) header_columns: Vec<(String, Ident)>,
+    /// Extra headers: header name (shared by every message of the table) and the column it comes from.
+    pub(crate) header_columns: Vec<(Arc<str>, Ident)>,
     /// `max_rate`: rows per second published by all relays of the table together
     /// (`None`: unlimited).
     pub(crate) max_rate: Option<f64>,
@@ -235,7 +236,7 @@ pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigErr
 fn header_columns(
     raw: BTreeMap<String, String>,
     at: &str,
-) -> Result<Vec<(String, Ident)>, ConfigError> {
+) -> Result<Vec<(Arc<str>, Ident)>, ConfigError> {
     raw.into_iter()
         .map(|(name, column)| {
             let key = format!("{at}.{name}");
@@ -252,7 +253,7 @@ fn header_columns(
                 ));
             }
             let column = Ident::parse(&column).map_err(|e| ConfigError::new(key, e))?;
-            Ok((name, column))
+            Ok((Arc::from(name), column))
         })
         .collect()
 }

@@ -25,6 +25,7 @@
 //! **Export off**: nothing is made, and a row's own `traceparent` passes through unchanged:
 //! a message never carries the id of a span nobody exports.
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
@@ -333,7 +334,7 @@ impl BatchTrace<'_> {
 }
 
 /// Replaces (or adds) the message's `traceparent` with `span`'s.
-fn set_traceparent(headers: &mut Vec<(String, String)>, span: &SpanContext) {
+fn set_traceparent(headers: &mut Vec<(Arc<str>, String)>, span: &SpanContext) {
     let value = format!(
         "00-{}-{}-{:02x}",
         span.trace_id(),
@@ -345,12 +346,12 @@ fn set_traceparent(headers: &mut Vec<(String, String)>, span: &SpanContext) {
         .find(|(name, _)| name.eq_ignore_ascii_case(TRACEPARENT))
     {
         Some((_, old)) => *old = value,
-        None => headers.push((TRACEPARENT.to_owned(), value)),
+        None => headers.push((Arc::from(TRACEPARENT), value)),
     }
 }
 
 /// A message's headers as the propagator reads them (names without regard to case).
-struct Headers<'a>(&'a [(String, String)]);
+struct Headers<'a>(&'a [(Arc<str>, String)]);
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -361,7 +362,7 @@ impl Extractor for Headers<'_> {
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.iter().map(|(name, _)| name.as_str()).collect()
+        self.0.iter().map(|(name, _)| &**name).collect()
     }
 }
 
@@ -369,10 +370,10 @@ impl Extractor for Headers<'_> {
 mod tests {
     use super::*;
 
-    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(Arc<str>, String)> {
         pairs
             .iter()
-            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .map(|(n, v)| (Arc::from(*n), v.to_string()))
             .collect()
     }
 
@@ -475,7 +476,7 @@ mod tests {
         assert_eq!(
             none[1],
             (
-                "traceparent".to_owned(),
+                Arc::from("traceparent"),
                 "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00".to_owned()
             )
         );

@@ -37,6 +37,7 @@
 //! - **Trouble.** A batch with a failed, postponed or unacknowledged row does not follow
 //!   on: the worker backs off or the breaker opens as before.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument;
@@ -555,9 +556,10 @@ async fn publish(
     mut trace: Option<&mut BatchTrace<'_>>,
     claimed: Instant,
 ) -> Option<(Vec<RowOutcome>, Vec<Result<Message, SinkError>>)> {
+    let mut topics = crate::config::RecentTopics::default();
     let mut messages: Vec<_> = rows
         .iter_mut()
-        .map(|row| to_message(&table.config, row))
+        .map(|row| to_message(&table.config, row, &mut topics))
         .collect();
     if let Some(trace) = trace.as_deref_mut() {
         let since_claim = claimed.elapsed().as_secs_f64();
@@ -634,7 +636,7 @@ async fn dead_letter(
             // holds still goes, without the headers column.
             Err(_) => Message {
                 id: format!("{}:{}", table.config.name, row.id),
-                topic: String::new(),
+                topic: Arc::from(""),
                 key: row.key.clone(),
                 payload: row.payload.take().map(bytes::Bytes::from),
                 headers: Vec::new(),
@@ -643,9 +645,9 @@ async fn dead_letter(
         };
         let topic = template.render(&row.dead_letter_values);
         let mut headers = original.headers;
-        headers.push(("outbox-error".to_owned(), error.clone()));
-        headers.push(("outbox-attempts".to_owned(), (row.attempts + 1).to_string()));
-        headers.push(("outbox-topic".to_owned(), original.topic));
+        headers.push((Arc::from("outbox-error"), error.clone()));
+        headers.push((Arc::from("outbox-attempts"), (row.attempts + 1).to_string()));
+        headers.push((Arc::from("outbox-topic"), original.topic.to_string()));
         letters.push((
             f,
             *id,
@@ -680,7 +682,7 @@ async fn dead_letter(
             Ok(_) => sent
                 .next()
                 .unwrap_or(Err(SinkError::transient("no answer"))),
-            Err(e) => Err(SinkError::bad_row(e.clone())),
+            Err(e) => Err(SinkError::bad_row(e.to_string())),
         };
         match result {
             Ok(()) => {}

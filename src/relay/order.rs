@@ -152,12 +152,13 @@ mod tests {
     use super::*;
     use crate::error::ErrorClass;
     use crate::sink::memory::MemorySink;
+    use std::sync::Arc;
 
     fn message(id: i64, key: Option<&str>) -> Result<Message, SinkError> {
         Ok(Message {
             id: format!("t:{id}"),
             topic: "t".into(),
-            key: key.map(str::to_owned),
+            key: key.map(Arc::from),
             payload: Default::default(),
             headers: vec![],
             timestamp_ms: None,

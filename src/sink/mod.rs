@@ -22,6 +22,7 @@ pub(crate) mod nats;
 mod stdout;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -29,20 +30,22 @@ use bytes::Bytes;
 use crate::config::{SinkConfig, SinkTarget};
 use crate::error::ErrorClass;
 
-/// One message, ready for any sink.
+/// One message, ready for any sink. What every message of a table shares (a constant
+/// topic, header names from `[tables.header_columns]`) and what a batch shares with its
+/// claim (the key) are reference-counted, not copied per message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
     /// `<table>:<id>`: Kafka header `outbox-id`, NATS `Nats-Msg-Id`.
     pub id: String,
     /// Kafka topic or NATS subject.
-    pub topic: String,
+    pub topic: Arc<str>,
     /// Ordering and partition key; `None`: no order promise.
-    pub key: Option<String>,
+    pub key: Option<Arc<str>>,
     /// The body, sent as bytes. `None` (a NULL payload column): a Kafka tombstone (a
     /// record with a null value, so log compaction deletes its key), an empty NATS body.
     pub payload: Option<Bytes>,
-    /// From the row's `headers` column, in the column's order.
-    pub headers: Vec<(String, String)>,
+    /// From the row's `headers` column in the column's order, then the header columns.
+    pub headers: Vec<(Arc<str>, String)>,
     /// The row's creation time in milliseconds since the Unix epoch: the Kafka record's
     /// timestamp (`None`: the producer's clock).
     pub timestamp_ms: Option<i64>,

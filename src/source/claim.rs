@@ -187,7 +187,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use tokio_postgres::Row;
 
@@ -205,7 +205,8 @@ pub struct ClaimedRow {
     pub id: i64,
     /// The message id column's value as text, when it is not the order column.
     pub(crate) message_id: Option<String>,
-    pub key: Option<String>,
+    /// Shared with the message built from the row.
+    pub key: Option<Arc<str>>,
     /// `None`: the column is NULL (a Kafka tombstone).
     pub(crate) payload: Option<Vec<u8>>,
     /// The headers column as JSON text, unchecked.
@@ -244,7 +245,7 @@ impl ClaimedRow {
         ClaimedRow {
             id: row.get(0),
             message_id,
-            key: row.get(1),
+            key: row.get::<_, Option<&str>>(1).map(Arc::from),
             payload: row.get::<_, Option<Vec<u8>>>(2),
             headers: row.get(3),
             attempts: row.get(4),
@@ -938,7 +939,8 @@ impl BucketDepth {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Candidate {
     pub(crate) id: i64,
-    pub(crate) key: Option<String>,
+    /// Shared by the claim's maps of keys, not copied into them.
+    pub(crate) key: Option<Arc<str>>,
     /// Payload bytes.
     pub(crate) size: u64,
     /// The key's bucket ([`super::sql::bucket_of`]; by id for a row without a key).
@@ -954,7 +956,7 @@ impl Candidate {
     fn from_row_at(r: &Row, at: usize) -> Candidate {
         Candidate {
             id: r.get(at),
-            key: r.get(at + 1),
+            key: r.get::<_, Option<&str>>(at + 1).map(Arc::from),
             size: r.get::<_, i64>(at + 2).max(0) as u64,
             bucket: r.get(at + 3),
         }
@@ -983,9 +985,9 @@ pub(crate) struct KeyPlan {
     full: bool,
     /// Sizes of the rows reserved.
     sizes: HashMap<i64, u64>,
-    keys: HashMap<String, KeyState>,
+    keys: HashMap<Arc<str>, KeyState>,
     /// Rows after the head, per key, in id order.
-    tails: HashMap<String, Vec<i64>>,
+    tails: HashMap<Arc<str>, Vec<i64>>,
     /// Tail rows a lock statement has tried (sent), and those it got.
     tried: HashSet<i64>,
     locked_tails: HashSet<i64>,
@@ -1195,7 +1197,7 @@ mod tests {
         rows.iter()
             .map(|(id, key)| Candidate {
                 id: *id,
-                key: key.map(str::to_owned),
+                key: key.map(Arc::from),
                 size: 100,
                 bucket: key.map_or(-1, |k| i32::from(k.as_bytes()[0] - b'a')),
             })
@@ -1455,7 +1457,7 @@ mod tests {
             .iter()
             .map(|&(id, bucket)| Candidate {
                 id,
-                key: Some(format!("k{bucket}")),
+                key: Some(format!("k{bucket}").into()),
                 size: 1,
                 bucket,
             })
@@ -1506,7 +1508,7 @@ mod tests {
             .enumerate()
             .map(|(id, bucket)| Candidate {
                 id: id as i64,
-                key: Some(format!("k{bucket}")),
+                key: Some(format!("k{bucket}").into()),
                 size: 1,
                 bucket,
             })

@@ -336,7 +336,8 @@ async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_olde
         );
         // Each key's rows in the claim are its oldest pending rows (nothing was deleted:
         // seed puts row n in key n % KEYS, so key k's rows are k, k + KEYS, ...).
-        let mut by_key: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        let mut by_key: std::collections::BTreeMap<std::sync::Arc<str>, Vec<i64>> =
+            Default::default();
         for row in &claimed.rows {
             by_key
                 .entry(row.key.clone().unwrap())

@@ -492,7 +492,7 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
         wait_until("key b's row", Duration::from_secs(10), async || {
             sink.published()
                 .iter()
-                .filter(|m| m.topic == "events.b")
+                .filter(|m| &*m.topic == "events.b")
                 .count()
                 > round
         })
@@ -521,13 +521,13 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
     let dead: Vec<_> = sink
         .published()
         .into_iter()
-        .filter(|m| m.topic == "dead.events.a")
+        .filter(|m| &*m.topic == "dead.events.a")
         .collect();
     assert_eq!(dead.len(), 1, "published there once");
     assert!(
         dead[0]
             .headers
-            .contains(&("outbox-attempts".to_owned(), "2".to_owned())),
+            .contains(&("outbox-attempts".into(), "2".to_owned())),
         "{:?}",
         dead[0].headers
     );

@@ -333,7 +333,8 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
     );
     // Every row once at least; each key's first occurrences in id order.
     let mut seen = HashSet::new();
-    let mut by_key: BTreeMap<(String, String), Vec<i64>> = BTreeMap::new();
+    let mut by_key: BTreeMap<(std::sync::Arc<str>, std::sync::Arc<str>), Vec<i64>> =
+        BTreeMap::new();
     for m in sink.published() {
         let id: i64 = m.id.rsplit(':').next().unwrap().parse().unwrap();
         if seen.insert(id) {
@@ -462,7 +463,7 @@ async fn a_surplus_claimer_trying_buckets_first_takes_only_heads_and_their_runs(
         "B takes rows once A is gone"
     );
     // Key 'k{r}' holds the ids n with n % 4 == r: its oldest pending rows are r, r+4, ...
-    let mut by_key: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+    let mut by_key: std::collections::BTreeMap<std::sync::Arc<str>, Vec<i64>> = Default::default();
     for row in &b.rows {
         by_key
             .entry(row.key.clone().unwrap())

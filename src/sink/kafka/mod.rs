@@ -316,7 +316,7 @@ impl SinkService for KafkaSink {
             ));
         }
         let size = RECORD_OVERHEAD
-            + message.key.as_ref().map_or(0, String::len)
+            + message.key.as_ref().map_or(0, |k| k.len())
             + message.payload.as_ref().map_or(0, |p| p.len())
             + message.id.len()
             + ID_HEADER.len()
@@ -341,7 +341,7 @@ impl SinkService for KafkaSink {
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut missing: HashMap<&str, bool> = HashMap::new();
         for message in messages {
-            if !missing.contains_key(message.topic.as_str()) {
+            if !missing.contains_key(&*message.topic) {
                 let exists = self.topic_exists(&message.topic).await;
                 missing.insert(&message.topic, exists == Some(false));
             }
@@ -356,7 +356,7 @@ impl SinkService for KafkaSink {
                 )));
                 continue;
             }
-            let enqueued = if missing[message.topic.as_str()] {
+            let enqueued = if missing[&*message.topic] {
                 Err(missing_topic(&message.topic))
             } else {
                 self.enqueue(message).await

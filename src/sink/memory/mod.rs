@@ -103,7 +103,7 @@ impl SinkService for MemorySink {
         self.unavailable
             .lock()
             .unwrap()
-            .contains(key)
+            .contains(&**key)
             .then(|| format!("held back: the destination of key {key:?} is unavailable"))
     }
 
@@ -117,7 +117,7 @@ impl SinkService for MemorySink {
         messages
             .iter()
             .map(
-                |m| match topic_failures.get(&m.topic).or(failures.get(&m.id)) {
+                |m| match topic_failures.get(&*m.topic).or(failures.get(&m.id)) {
                     Some(e) => Err(e.clone()),
                     None => {
                         published.push((*m).clone());

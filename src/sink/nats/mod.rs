@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use async_nats::{HeaderMap, ServerAddr};
+use async_nats::{header, HeaderMap, ServerAddr, Subject};
 
 use super::{scrub, within, Message, SinkError, SinkService};
 
@@ -189,6 +189,37 @@ impl NatsSink {
     }
 }
 
+/// The subjects of one batch, each made once from its message's topic and shared by the
+/// messages that follow with the same topic (a batch mostly has few): the subject holds
+/// the topic's string itself, so making and cloning one copies nothing.
+#[derive(Default)]
+struct Subjects(Vec<(Arc<str>, Subject)>);
+
+impl Subjects {
+    fn of(&mut self, topic: &Arc<str>) -> Subject {
+        let known = self
+            .0
+            .iter()
+            .find(|(t, _)| Arc::ptr_eq(t, topic) || t == topic);
+        if let Some((_, subject)) = known {
+            return subject.clone();
+        }
+        let bytes = bytes::Bytes::from_owner(Topic(topic.clone()));
+        let subject = Subject::from_utf8(bytes).expect("a topic is a str");
+        self.0.push((topic.clone(), subject.clone()));
+        subject
+    }
+}
+
+/// A topic's shared string as the bytes a [`Subject`] is made of.
+struct Topic(Arc<str>);
+
+impl AsRef<[u8]> for Topic {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
 impl SinkService for NatsSink {
     const NAME: &'static str = "nats";
 
@@ -204,7 +235,7 @@ impl SinkService for NatsSink {
         for (name, value) in message
             .headers
             .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .map(|(n, v)| (&**n, v.as_str()))
             .chain([(MSG_ID_HEADER, message.id.as_str())])
         {
             if !headers::is_valid_name(name) {
@@ -233,6 +264,7 @@ impl SinkService for NatsSink {
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
         let mut acks = Vec::with_capacity(messages.len());
+        let mut subjects = Subjects::default();
         // Queue the whole batch first, then collect the acks: one round trip, not one per row.
         for message in messages {
             if self.recently_denied(&message.topic) {
@@ -242,13 +274,17 @@ impl SinkService for NatsSink {
             }
             let mut headers = HeaderMap::new();
             for (name, value) in &message.headers {
-                headers.insert(name.as_str(), value.as_str());
+                headers.insert(&**name, value.as_str());
             }
-            headers.insert(MSG_ID_HEADER, message.id.as_str());
+            headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
             let publish = PublishMessage::build()
                 .payload(message.payload.clone().unwrap_or_default())
                 .headers(headers);
-            match self.js.send_publish(message.topic.clone(), publish).await {
+            match self
+                .js
+                .send_publish(subjects.of(&message.topic), publish)
+                .await
+            {
                 Ok(ack) => acks.push(Some(ack)),
                 Err(e) => {
                     acks.push(None);
@@ -452,6 +488,21 @@ fn parse_servers(config: &NatsConfig) -> Result<(Vec<ServerAddr>, Vec<String>), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batchs_subjects_are_its_topics_strings_made_once() {
+        let mut subjects = Subjects::default();
+        let (a, b) = (Arc::<str>::from("events.a"), Arc::<str>::from("events.b"));
+        let first = subjects.of(&a);
+        assert_eq!(first.as_str(), "events.a");
+        // The subject is the topic's own string, not a copy of it.
+        assert_eq!(first.as_str().as_ptr(), a.as_ptr());
+        assert_eq!(subjects.of(&b).as_str(), "events.b");
+        // An equal topic from another string finds the subject made first.
+        let again = subjects.of(&Arc::from("events.a"));
+        assert_eq!(again.as_str().as_ptr(), a.as_ptr());
+        assert_eq!(subjects.0.len(), 2);
+    }
 
     #[test]
     fn secrets_are_scrubbed() {

@@ -71,7 +71,7 @@ fn line(m: &Message) -> serde_json::Value {
     let headers: serde_json::Map<String, serde_json::Value> = m
         .headers
         .iter()
-        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone())))
         .collect();
     // Payloads that are not UTF-8 are shown as a list of bytes rather than mangled; a NULL
     // payload as null.
@@ -84,8 +84,8 @@ fn line(m: &Message) -> serde_json::Value {
     };
     serde_json::json!({
         "id": m.id,
-        "topic": m.topic,
-        "key": m.key,
+        "topic": &*m.topic,
+        "key": m.key.as_deref(),
         "headers": headers,
         "payload": payload,
     })

@@ -95,8 +95,8 @@ impl Bench {
                     let messages: Vec<Message> = (n..(n + batch).min(end))
                         .map(|i| Message {
                             id: format!("bench.limit:{i}"),
-                            topic: format!("bench.{}", i % TOPICS),
-                            key: Some(format!("k{}", i % keys)),
+                            topic: format!("bench.{}", i % TOPICS).into(),
+                            key: Some(format!("k{}", i % keys).into()),
                             payload: Some(payload.clone()),
                             headers: Vec::new(),
                             timestamp_ms: None,
