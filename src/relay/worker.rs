@@ -187,11 +187,11 @@ impl Worker {
                     }
                     *next = (t + 1) % tables;
                     match (&trouble, published) {
-                        (Some(e), 0) => shared.breaker.record_failure(&e.message),
+                        (Some(e), 0) => shared.breaker.record_failure(e.message()),
                         _ => shared.breaker.record_success(),
                     }
                     return match trouble {
-                        Some(e) => Round::Trouble(e.message),
+                        Some(e) => Round::Trouble(e.message().to_owned()),
                         None => Round::Worked,
                     };
                 }
