@@ -36,8 +36,9 @@
 //! that the compiler reports dead code. What is `pub`:
 //!
 //! - the commands: [`cli`], [`config::load`] and [`config::Config`], [`relay::run`] with
-//!   its [`relay::Report`], [`source::migrate`], [`check`], [`admin`], [`shutdown`], and
-//!   `ops::progress::Stderr` (drain's progress line);
+//!   its [`relay::Report`] and its [`relay::RelayError`] (with [`relay::TableFailed`], the
+//!   fatal error a worker met), [`source::migrate`], [`check`], [`admin`], [`shutdown`],
+//!   and `ops::progress::Stderr` (drain's progress line);
 //! - for tests that drive the parts directly: [`source::Source`] and its transactions,
 //!   [`source::table::prepare`], [`source::claim::claim_batch`] (with the claim's
 //!   constants), [`sink::Sink`], [`sink::Message`], [`sink::SinkError`] and

@@ -302,7 +302,7 @@ fn split_url(conn: &str) -> Result<(String, Vec<(String, String)>), String> {
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if TLS_PARAMS.contains(&k) {
-            found.push((k.to_owned(), percent_decode(v)?));
+            found.push((k.to_owned(), percent_decode(v).map_err(|e| e.to_string())?));
         } else {
             kept.push(pair);
         }
@@ -434,20 +434,39 @@ fn key_values(conn: &str) -> Result<Vec<(String, String)>, String> {
     }
 }
 
+/// A URL query value that does not decode.
+#[derive(Debug, thiserror::Error)]
+enum DecodeError {
+    /// A `%` not followed by two hex digits.
+    #[error("bad %-escape in {value:?}")]
+    Escape { value: String },
+    /// The decoded bytes are not UTF-8; `source` says where they stop being.
+    #[error("{value:?} is not UTF-8")]
+    Utf8 {
+        value: String,
+        source: std::str::Utf8Error,
+    },
+}
+
 /// Decodes a `%XX`-escaped URL query value. A `%` not followed by two hex digits is an
 /// error rather than kept as written: it is a typo in a file path.
-fn percent_decode(v: &str) -> Result<String, String> {
+fn percent_decode(v: &str) -> Result<String, DecodeError> {
     let malformed = v.match_indices('%').any(|(at, _)| {
         !v.get(at + 1..at + 3)
             .is_some_and(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()))
     });
     if malformed {
-        return Err(format!("bad %-escape in {v:?}"));
+        return Err(DecodeError::Escape {
+            value: v.to_owned(),
+        });
     }
     percent_encoding::percent_decode_str(v)
         .decode_utf8()
         .map(|text| text.into_owned())
-        .map_err(|_| format!("{v:?} is not UTF-8"))
+        .map_err(|source| DecodeError::Utf8 {
+            value: v.to_owned(),
+            source,
+        })
 }
 
 #[cfg(test)]
@@ -515,12 +534,20 @@ mod tests {
         assert_eq!(percent_decode("%2Fa%20b").unwrap(), "/a b");
         assert_eq!(percent_decode("plain").unwrap(), "plain");
         for bad in ["%", "%2", "%zz", "a%2"] {
-            assert!(
-                percent_decode(bad).unwrap_err().contains("bad %-escape"),
-                "{bad}"
-            );
+            let e = percent_decode(bad).unwrap_err();
+            assert!(matches!(e, DecodeError::Escape { .. }), "{bad}: {e:?}");
+            assert_eq!(e.to_string(), format!("bad %-escape in {bad:?}"));
         }
-        assert!(percent_decode("%ff").unwrap_err().contains("not UTF-8"));
+        let e = percent_decode("a%ff").unwrap_err();
+        assert_eq!(e.to_string(), "\"a%ff\" is not UTF-8");
+        let DecodeError::Utf8 { source, .. } = e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(
+            source.valid_up_to(),
+            1,
+            "the decoded `a` is valid, `%ff` is not"
+        );
     }
 
     #[test]

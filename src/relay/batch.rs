@@ -148,7 +148,7 @@ pub(crate) fn settle(
             RowOutcome::Failed(e) => match e.class {
                 ErrorClass::BadRow => {
                     s.failed.ids.push(row.id);
-                    s.failed.errors.push(e.message.clone());
+                    s.failed.errors.push(e.message().to_owned());
                     let wait = retry_wait(row.attempts.max(0) as u32);
                     s.failed.waits_us.push(wait.as_micros() as i64);
                 }
@@ -692,7 +692,7 @@ async fn dead_letter(
             ),
             Err(e) => {
                 tracing::warn!(table = %table.config.name, id, error = %e, "Dead-letter topic unavailable; the row waits for its next attempt");
-                retry.push((*f, e.message));
+                retry.push((*f, e.message().to_owned()));
             }
         }
     }

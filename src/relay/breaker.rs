@@ -188,7 +188,7 @@ impl Breaker {
                     });
                     tracing::debug!(after = ?pause, "Broker answers: circuit half-open, trying a batch");
                 }
-                Err(e) => tracing::debug!(error = %e.message, "Broker still unreachable"),
+                Err(e) => tracing::debug!(error = %e.message(), "Broker still unreachable"),
             }
         }
     }

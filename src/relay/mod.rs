@@ -9,6 +9,7 @@
 mod batch;
 mod breaker;
 mod drain;
+mod error;
 mod message;
 mod order;
 mod pause;
@@ -29,34 +30,15 @@ use crate::config::{Config, RelayConfig};
 use crate::ops::otel::Otel;
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
-use crate::sink::{Sink, SinkError};
+use crate::sink::Sink;
 use crate::source::table::TablePlan;
 use crate::source::{floor, retention};
-use crate::source::{SessionLimits, Source, SourceError};
+use crate::source::{SessionLimits, Source};
 
+pub use error::{RelayError, TableFailed};
 use start::Endpoints;
 use start::{connect_sink, prepare_tables};
 use state::RunState;
-
-/// A failure that ends the run (exit code 1).
-#[derive(Debug, thiserror::Error)]
-pub enum RelayError {
-    #[error(transparent)]
-    Source(#[from] SourceError),
-    #[error(transparent)]
-    Sink(#[from] SinkError),
-    /// `[http] listen` could not be bound.
-    #[error(transparent)]
-    Http(#[from] ops::http::BindError),
-    /// Trace export is on and its exporter could not be set up.
-    #[error(transparent)]
-    Tracing(#[from] ops::otel::ExporterError),
-    #[error("{0}")]
-    Fatal(String),
-    /// Stopped (drain --timeout, a signal) before a dependency was ever reached.
-    #[error("{what} was never reached: {last_error}")]
-    Unreachable { what: String, last_error: String },
-}
 
 /// What a run or drain achieved.
 #[derive(Debug, Clone, Default)]
@@ -129,9 +111,9 @@ impl Shared {
     }
 
     /// Records a fatal error and stops the relay.
-    fn fail(&self, message: String) {
-        tracing::error!(error = %message, "Stopping: this needs an operator");
-        self.state.record_fatal(message);
+    fn fail(&self, failed: TableFailed) {
+        tracing::error!(error = %failed, "Stopping: this needs an operator");
+        self.state.record_fatal(failed);
         self.shutdown.request_stop();
     }
 }
@@ -220,7 +202,7 @@ async fn relay(
             let system = sink.name();
             tokio::task::spawn_blocking(move || Otel::start(url, system))
                 .await
-                .map_err(|e| RelayError::Fatal(format!("starting the span exporter: {e}")))??
+                .map_err(RelayError::TracingTask)??
         }
     };
     // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
@@ -300,8 +282,8 @@ async fn relay(
         let shared = shared.clone();
         let _ = tokio::task::spawn_blocking(move || shared.otel.shutdown(OTEL_FLUSH)).await;
     }
-    if let Some(message) = shared.state.take_fatal() {
-        return Err(RelayError::Fatal(message));
+    if let Some(failed) = shared.state.take_fatal() {
+        return Err(failed.into());
     }
     Ok(report(&shared, mode, started).await)
 }

@@ -46,7 +46,7 @@ impl RowOutcome {
             RowOutcome::Published => Ok(()),
             RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
             RowOutcome::HeldBack => Err("not counted: an earlier row of its key failed"),
-            RowOutcome::Failed(e) => Err(&e.message),
+            RowOutcome::Failed(e) => Err(e.message()),
             RowOutcome::Unavailable(reason) => Err(reason),
         }
     }

@@ -4,6 +4,8 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
 
+use super::TableFailed;
+
 /// The run's flags and counters, shared by the workers and read for the report.
 #[derive(Default)]
 pub(crate) struct RunState {
@@ -14,7 +16,7 @@ pub(crate) struct RunState {
     /// The deadline cut batches short: they rolled back.
     aborted: AtomicBool,
     /// The first error that stopped the run.
-    fatal: Mutex<Option<String>>,
+    fatal: Mutex<Option<TableFailed>>,
     published: AtomicU64,
     failed: AtomicU64,
     dead: AtomicU64,
@@ -77,11 +79,11 @@ impl RunState {
     }
 
     /// Keeps the first fatal error; later ones are consequences.
-    pub(crate) fn record_fatal(&self, message: String) {
-        self.fatal.lock().unwrap().get_or_insert(message);
+    pub(crate) fn record_fatal(&self, failed: TableFailed) {
+        self.fatal.lock().unwrap().get_or_insert(failed);
     }
 
-    pub(crate) fn take_fatal(&self) -> Option<String> {
+    pub(crate) fn take_fatal(&self) -> Option<TableFailed> {
         self.fatal.lock().unwrap().take()
     }
 }
@@ -117,12 +119,28 @@ mod tests {
 
     #[test]
     fn the_first_fatal_error_is_the_one_reported() {
+        use crate::relay::batch::BatchError;
+        use crate::sink::SinkError;
+        use crate::source::SourceError;
+
         let state = RunState::default();
-        state.record_fatal("permission denied for table outbox".into());
-        state.record_fatal("connection closed".into());
+        let denied = SourceError::Schema("permission denied for table outbox".into());
+        state.record_fatal(TableFailed::new(
+            "public.outbox".into(),
+            BatchError::Source(denied),
+        ));
+        let closed = SinkError::fatal("connection closed");
+        state.record_fatal(TableFailed::new(
+            "public.other".into(),
+            BatchError::Sink(closed),
+        ));
+        let kept = state.take_fatal().expect("a fatal error");
+        assert_eq!(kept.table(), "public.outbox");
         assert_eq!(
-            state.take_fatal().as_deref(),
-            Some("permission denied for table outbox")
+            kept.to_string(),
+            "table public.outbox: permission denied for table outbox"
         );
+        let source = std::error::Error::source(&kept).expect("its source");
+        assert!(source.downcast_ref::<SourceError>().is_some());
     }
 }

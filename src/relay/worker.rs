@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::batch::{relay_batch, Batch, Ended};
 use super::breaker::BreakerState;
-use super::Shared;
+use super::{Shared, TableFailed};
 use crate::error::ErrorClass;
 use crate::retry::Backoff;
 
@@ -187,11 +187,11 @@ impl Worker {
                     }
                     *next = (t + 1) % tables;
                     match (&trouble, published) {
-                        (Some(e), 0) => shared.breaker.record_failure(&e.message),
+                        (Some(e), 0) => shared.breaker.record_failure(e.message()),
                         _ => shared.breaker.record_success(),
                     }
                     return match trouble {
-                        Some(e) => Round::Trouble(e.message),
+                        Some(e) => Round::Trouble(e.message().to_owned()),
                         None => Round::Worked,
                     };
                 }
@@ -201,7 +201,8 @@ impl Worker {
                     return Round::Exit;
                 }
                 Err(e) if e.class() == ErrorClass::Fatal => {
-                    shared.fail(format!("table {}: {e}", shared.tables[t].config.name));
+                    let table = shared.tables[t].config.name.to_string();
+                    shared.fail(TableFailed::new(table, e));
                     return Round::Exit;
                 }
                 Err(e) => {

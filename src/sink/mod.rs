@@ -21,6 +21,7 @@ pub mod memory;
 pub(crate) mod nats;
 mod stdout;
 
+use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,38 +53,101 @@ pub struct Message {
 }
 
 /// A publish failure with its class.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{message}")]
+///
+/// Its text ([`SinkError::message`], also its `Display`) is the complete sentence an
+/// operator reads, with the client library's own text already in it, run through
+/// `scrub` so it never holds a secret. [`std::error::Error::source`] is the client
+/// library's error it was made from, where there is one (an rdkafka `KafkaError`, an
+/// async-nats error): for code that must inspect it (match on a Kafka error code, a NATS
+/// error kind), never for printing, since the cause's own `Display` and `Debug` may echo
+/// the secrets `scrub` removed from the message. For the same reason `Debug` leaves the
+/// cause out.
+///
+/// Two errors are equal when their class and message are, whatever their causes.
+#[derive(Clone)]
 pub struct SinkError {
     /// Retry later, this row is bad, or stop the process.
     pub(crate) class: ErrorClass,
     /// What happened; never holds a secret.
-    pub message: String,
+    message: String,
+    /// The client library's error, for inspection only (see the type's doc).
+    source: Option<Arc<dyn std::error::Error + Send + Sync + 'static>>,
 }
 
 impl SinkError {
     /// The broker's fault: retried.
     pub fn transient(message: impl Into<String>) -> SinkError {
-        SinkError {
-            class: ErrorClass::Transient,
-            message: message.into(),
-        }
+        SinkError::new(ErrorClass::Transient, message.into())
     }
     /// The row's fault: retried on its schedule, then dead-lettered.
     pub fn bad_row(message: impl Into<String>) -> SinkError {
-        SinkError {
-            class: ErrorClass::BadRow,
-            message: message.into(),
-        }
+        SinkError::new(ErrorClass::BadRow, message.into())
     }
     /// Stops the process: the operator must fix something.
     pub(crate) fn fatal(message: impl Into<String>) -> SinkError {
+        SinkError::new(ErrorClass::Fatal, message.into())
+    }
+
+    fn new(class: ErrorClass, message: String) -> SinkError {
         SinkError {
-            class: ErrorClass::Fatal,
-            message: message.into(),
+            class,
+            message,
+            source: None,
+        }
+    }
+
+    /// The same error, carrying `cause` (the client library's error it was made from) as
+    /// its [`source`](std::error::Error::source). The message does not change: it already
+    /// says what `cause` says, scrubbed.
+    pub(crate) fn caused_by(
+        mut self,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> SinkError {
+        self.source = Some(Arc::new(cause));
+        self
+    }
+
+    /// What happened, in the operator's words; never holds a secret.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+impl fmt::Display for SinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// Class and message only: the cause's `Debug` may hold a secret (see the type's doc).
+impl fmt::Debug for SinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut s = f.debug_struct("SinkError");
+        s.field("class", &self.class)
+            .field("message", &self.message);
+        if self.source.is_some() {
+            s.finish_non_exhaustive()
+        } else {
+            s.finish()
         }
     }
 }
+
+impl std::error::Error for SinkError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        // The cause itself, not the `Arc` around it, so that it downcasts to its own type.
+        let cause: &(dyn std::error::Error + 'static) = self.source.as_deref()?;
+        Some(cause)
+    }
+}
+
+impl PartialEq for SinkError {
+    fn eq(&self, other: &SinkError) -> bool {
+        self.class == other.class && self.message == other.message
+    }
+}
+
+impl Eq for SinkError {}
 
 /// What every sink does. Each sink implements it in its own folder; [`Sink`] dispatches
 /// to the one configured, in one place (the `dispatch!` macro).

@@ -111,6 +111,7 @@ impl KafkaSink {
                 "cannot create the Kafka producer: {}",
                 scrub(&e.to_string(), &secrets)
             ))
+            .caused_by(e)
         })?;
         let knows_partitions = matches!(
             client.get("partitioner"),
@@ -233,14 +234,15 @@ impl KafkaSink {
                     record = back;
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                 }
-                Err((e, _)) => return Err(self.classify(&message.topic, &e)),
+                Err((e, _)) => return Err(self.classify(&message.topic, e)),
             }
         }
     }
 
-    fn classify(&self, topic: &str, e: &KafkaError) -> SinkError {
+    /// The error of a record librdkafka refused or could not deliver, carrying `e`.
+    fn classify(&self, topic: &str, e: KafkaError) -> SinkError {
         let text = scrub(&e.to_string(), &self.secrets);
-        match e.rdkafka_error_code().map(classify_code) {
+        let error = match e.rdkafka_error_code().map(classify_code) {
             Some(Class::BadRow) => SinkError::bad_row(text),
             Some(Class::Fatal) => SinkError::fatal(format!(
                 "{text}: the broker refuses this producer; fix its credentials or ACLs"
@@ -253,7 +255,8 @@ impl KafkaSink {
                 ))
             }
             Some(Class::Transient) | None => SinkError::transient(text),
-        }
+        };
+        error.caused_by(e)
     }
 
     /// Topic name -> partition count, from the brokers (all topics, or just `topic`).
@@ -273,6 +276,7 @@ impl KafkaSink {
                         "Kafka brokers did not answer: {}",
                         scrub(&e.to_string(), &secrets)
                     ))
+                    .caused_by(e)
                 })?;
             Ok(metadata
                 .topics()
@@ -372,7 +376,7 @@ impl SinkService for KafkaSink {
                 Err(e) => Err(e),
                 Ok(delivery) => match delivery.await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _))) => Err(self.classify(&message.topic, &e)),
+                    Ok(Err((e, _))) => Err(self.classify(&message.topic, e)),
                     Err(_) => Err(SinkError::transient(
                         "the producer dropped a delivery report",
                     )),
@@ -393,7 +397,7 @@ impl SinkService for KafkaSink {
         tokio::task::spawn_blocking(move || producer.flush(timeout))
             .await
             .map_err(|e| SinkError::transient(format!("flush task failed: {e}")))?
-            .map_err(|e| SinkError::transient(format!("Kafka flush: {e}")))
+            .map_err(|e| SinkError::transient(format!("Kafka flush: {e}")).caused_by(e))
     }
 }
 
@@ -447,3 +451,53 @@ const METADATA_LIMIT: Duration = Duration::from_secs(5);
 /// room frees as earlier records are acknowledged, so a short pause keeps the queue full
 /// without spinning on it.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    fn config(properties: &[(&str, &str)]) -> KafkaConfig {
+        KafkaConfig {
+            brokers: "127.0.0.1:1".to_owned(),
+            properties: properties
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            secret_properties: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_refused_producer_carries_the_kafka_error_and_only_the_message_is_scrubbed() {
+        let refused = config(&[("sasl.password", "hunter2"), ("linger.ms", "hunter2")]);
+        let Err(e) = KafkaSink::connect(&refused, Duration::from_secs(5)) else {
+            panic!("a producer with linger.ms = \"hunter2\" was created");
+        };
+        assert_eq!(e.class, crate::error::ErrorClass::Fatal);
+        assert!(e
+            .message()
+            .starts_with("cannot create the Kafka producer: "));
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        let cause = e.source().and_then(|s| s.downcast_ref::<KafkaError>());
+        assert!(
+            matches!(cause, Some(KafkaError::ClientConfig(_, _, key, _)) if key == "linger.ms"),
+            "{cause:?}"
+        );
+    }
+
+    #[test]
+    fn a_delivery_error_exposes_its_kafka_error_code() {
+        let sink = KafkaSink::connect(&config(&[]), Duration::from_secs(5)).unwrap();
+        let too_large = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        let e = sink.classify("orders", too_large.clone());
+        assert_eq!(e.class, crate::error::ErrorClass::BadRow);
+        assert_eq!(e.message(), too_large.to_string());
+        let code = e
+            .source()
+            .and_then(|s| s.downcast_ref::<KafkaError>())
+            .and_then(KafkaError::rdkafka_error_code);
+        assert_eq!(code, Some(RDKafkaErrorCode::MessageSizeTooLarge));
+    }
+}

@@ -49,6 +49,19 @@ pub(crate) const DENIED_TTL: Duration = Duration::from_secs(30);
 /// again every 2 s anyway.
 const REPLY_LIMIT: Duration = Duration::from_secs(2);
 
+/// Why [`NatsSink::stream_captures`] got no answer to "which stream captures this
+/// subject?". The cause of the transient [`SinkError`] of a publish nobody answered, when
+/// the lookup it prompted failed too; its `Display` is not scrubbed (see [`SinkError`]).
+#[derive(Debug, thiserror::Error)]
+enum LookupError {
+    /// The request failed (no responders, a lost connection, an error reply).
+    #[error("{0}")]
+    Failed(#[source] async_nats::jetstream::context::GetStreamByNameError),
+    /// No answer within [`REPLY_LIMIT`].
+    #[error("no answer within {REPLY_LIMIT:?}")]
+    NoAnswer,
+}
+
 /// A NATS connection and its JetStream context.
 pub struct NatsSink {
     client: async_nats::Client,
@@ -83,7 +96,7 @@ impl NatsSink {
             .event_callback(on_event(denied.clone(), connected_tx))
             .connect(addrs)
             .await
-            .map_err(|e| connect_error(config, &e, &secrets))?;
+            .map_err(|e| connect_error(config, e, &secrets))?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
         Ok(NatsSink {
             client,
@@ -104,7 +117,7 @@ impl NatsSink {
     }
 
     /// Whether some stream captures `subject`: `Ok(false)` only when the server said so.
-    async fn stream_captures(&self, subject: &str) -> Result<bool, String> {
+    async fn stream_captures(&self, subject: &str) -> Result<bool, LookupError> {
         if let Some((at, captured)) = self.captured.lock().unwrap().get(subject) {
             if at.elapsed() < CAPTURE_TTL {
                 return Ok(*captured);
@@ -115,8 +128,8 @@ impl NatsSink {
         let captured = match tokio::time::timeout(REPLY_LIMIT, lookup).await {
             Ok(Ok(_)) => true,
             Ok(Err(e)) if e.kind() == Kind::NotFound => false,
-            Ok(Err(e)) => return Err(scrub(&e.to_string(), &self.secrets)),
-            Err(_) => return Err(format!("no answer within {REPLY_LIMIT:?}")),
+            Ok(Err(e)) => return Err(LookupError::Failed(e)),
+            Err(_) => return Err(LookupError::NoAnswer),
         };
         self.captured
             .lock()
@@ -137,7 +150,8 @@ impl NatsSink {
             Ok(Err(e)) => Err(SinkError::transient(format!(
                 "NATS flush failed: {}",
                 scrub(&e.to_string(), &self.secrets)
-            ))),
+            ))
+            .caused_by(e)),
             Err(_) => Err(SinkError::transient(format!(
                 "NATS did not answer within {REPLY_LIMIT:?}"
             ))),
@@ -149,16 +163,18 @@ impl NatsSink {
         &self.js
     }
 
+    /// The error of a publish or an ack that failed, carrying `e` (or, when the stream
+    /// lookup it prompted failed, the lookup's error).
     async fn classify(
         &self,
         subject: &str,
-        e: &async_nats::jetstream::context::PublishError,
+        e: async_nats::jetstream::context::PublishError,
     ) -> SinkError {
         let text = scrub(&e.to_string(), &self.secrets);
-        let code = std::error::Error::source(e)
+        let code = std::error::Error::source(&e)
             .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
             .map(|js| js.error_code().0);
-        match classify_publish(e.kind(), code) {
+        let error = match classify_publish(e.kind(), code) {
             ErrorClass::BadRow => SinkError::bad_row(text),
             ErrorClass::Fatal => SinkError::fatal(text),
             ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
@@ -173,10 +189,18 @@ impl NatsSink {
                         "the stream capturing {subject:?} did not answer (no responders: a \
                          leader election?)"
                     )),
-                    Err(lookup) => SinkError::transient(format!(
-                        "no responders for {subject:?}, and JetStream could not say which \
-                         stream captures it: {lookup}"
-                    )),
+                    // The lookup's failure is what the message explains: it is the cause.
+                    Err(lookup) => {
+                        let said = match &lookup {
+                            LookupError::Failed(l) => scrub(&l.to_string(), &self.secrets),
+                            LookupError::NoAnswer => lookup.to_string(),
+                        };
+                        return SinkError::transient(format!(
+                            "no responders for {subject:?}, and JetStream could not say which \
+                             stream captures it: {said}"
+                        ))
+                        .caused_by(lookup);
+                    }
                 }
             }
             ErrorClass::Transient
@@ -185,7 +209,8 @@ impl NatsSink {
                 denied_error(subject)
             }
             ErrorClass::Transient => SinkError::transient(text),
-        }
+        };
+        error.caused_by(e)
     }
 }
 
@@ -288,7 +313,7 @@ impl SinkService for NatsSink {
                 Ok(ack) => acks.push(Some(ack)),
                 Err(e) => {
                     acks.push(None);
-                    results.push(Err(self.classify(&message.topic, &e).await));
+                    results.push(Err(self.classify(&message.topic, e).await));
                     continue;
                 }
             }
@@ -299,7 +324,7 @@ impl SinkService for NatsSink {
             if let Some(ack) = ack {
                 match ack.await {
                     Ok(ack) => acked_by = Some(ack.stream),
-                    Err(e) => results[i] = Err(self.classify(&messages[i].topic, &e).await),
+                    Err(e) => results[i] = Err(self.classify(&messages[i].topic, e).await),
                 }
             }
         }
@@ -341,7 +366,8 @@ impl SinkService for NatsSink {
                 return Err(SinkError::transient(format!(
                     "{asked} did not answer: {}",
                     scrub(&e.to_string(), &self.secrets)
-                )))
+                ))
+                .caused_by(e))
             }
             Err(_) => {
                 return Err(SinkError::transient(format!(
@@ -396,6 +422,7 @@ async fn connect_options(
                     "sink.nats.credentials_file: {} is not a usable .creds file: {e}",
                     path.display()
                 ))
+                .caused_by(e)
             })?;
         }
         NatsAuth::NKey(seed) => {
@@ -444,7 +471,7 @@ fn on_event(
 /// A failed connect: refused credentials are fatal, anything else transient.
 fn connect_error(
     config: &NatsConfig,
-    e: &async_nats::ConnectError,
+    e: async_nats::ConnectError,
     secrets: &[String],
 ) -> SinkError {
     let message = format!(
@@ -452,14 +479,15 @@ fn connect_error(
         config.redacted(),
         scrub(&e.to_string(), secrets)
     );
-    match e.kind() {
+    let error = match e.kind() {
         async_nats::ConnectErrorKind::AuthorizationViolation
         | async_nats::ConnectErrorKind::Authentication => SinkError::fatal(format!(
             "{message}: the server refused these credentials; fix the user, password, token, \
              nkey or .creds in [sink.nats]"
         )),
         _ => SinkError::transient(message),
-    }
+    };
+    error.caused_by(e)
 }
 
 /// Parses the configured URLs, collecting any passwords or tokens they carry.
@@ -502,6 +530,30 @@ mod tests {
         let again = subjects.of(&Arc::from("events.a"));
         assert_eq!(again.as_str().as_ptr(), a.as_ptr());
         assert_eq!(subjects.0.len(), 2);
+    }
+
+    #[test]
+    fn refused_credentials_carry_the_connect_error_and_only_the_message_is_scrubbed() {
+        let config = NatsConfig {
+            urls: vec!["nats://relay:hunter2@127.0.0.1:4222".to_owned()],
+            auth: NatsAuth::None,
+            tls_ca: None,
+            tls_client: None,
+        };
+        let refused = async_nats::ConnectError::with_source(
+            async_nats::ConnectErrorKind::AuthorizationViolation,
+            "hunter2 is not the password",
+        );
+        let e = connect_error(&config, refused, &["hunter2".to_owned()]);
+        assert_eq!(e.class, ErrorClass::Fatal);
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        let cause = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<async_nats::ConnectError>())
+            .map(|c| c.kind());
+        assert_eq!(
+            cause,
+            Some(async_nats::ConnectErrorKind::AuthorizationViolation)
+        );
     }
 
     #[test]

@@ -104,7 +104,7 @@ impl Bench {
                         .collect();
                     let refs: Vec<&Message> = messages.iter().collect();
                     for r in sink.publish_batch(&refs).await {
-                        r.map_err(|e| anyhow::anyhow!("{}", e.message))?;
+                        r.map_err(|e| anyhow::anyhow!("{}", e.message()))?;
                     }
                     n += messages.len();
                 }
@@ -116,7 +116,7 @@ impl Bench {
         }
         sink.close(Duration::from_secs(5))
             .await
-            .map_err(|e| anyhow::anyhow!("closing the sink: {}", e.message))?;
+            .map_err(|e| anyhow::anyhow!("closing the sink: {}", e.message()))?;
         let secs = started.elapsed().as_secs_f64();
         let stored = self.stored(sink_name).await? - stored_before;
         if stored != (per_worker * self.a.workers) as i64 {
