@@ -35,7 +35,7 @@ pub(crate) use kafka::KafkaConfig;
 #[cfg(feature = "testing")]
 pub use names::adversarial_ident;
 pub use names::Ident;
-pub(crate) use names::{RecentTopics, TableName, Template};
+pub(crate) use names::{NullColumn, RecentTopics, TableName, Template};
 pub(crate) use nats::{NatsAuth, NatsConfig};
 pub(crate) use postgres::PostgresConfig;
 pub use raw::Ordering;

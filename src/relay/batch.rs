@@ -42,10 +42,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use tracing::Instrument;
 
-use super::message::to_message;
+use super::message::{message_id, to_message};
 use super::order::{publish_in_order, RowOutcome};
 use super::Shared;
-use crate::config::{OnPublish, Ordering};
+use crate::config::{NullColumn, OnPublish, Ordering, TableConfig};
 use crate::error::ErrorClass;
 use crate::ops::otel::BatchTrace;
 use crate::retry;
@@ -373,33 +373,18 @@ async fn run_phases<'s>(
     carried: Option<Carried<'s>>,
     follow: bool,
 ) -> Result<Phases<'s>, BatchError> {
-    let abort = shared.shutdown.abort_token();
-    // 1. Claim (or take the one that came with the previous batch's COMMIT). Dropping
-    // the transaction on `stop` rolls the claim back: nothing was sent.
+    // 1. Claim (or take the one that came with the previous batch's COMMIT).
     let (tx, claimed, claimed_in) = match carried {
         Some(carried) => carried,
-        None => {
-            let clock = Instant::now();
-            let claim = claim(shared, lane, table, session, allowed);
-            let (tx, claimed) = tokio::select! {
-                biased;
-                _ = shared.shutdown.stop_token().cancelled() => return Ok(Batch::Stopped.into()),
-                r = shared.source.bounded(claim) => r?,
-            };
-            (tx, claimed, clock.elapsed())
-        }
+        None => match claim_phase(shared, lane, table, session, allowed).await? {
+            Some(claimed) => claimed,
+            None => return Ok(Batch::Stopped.into()),
+        },
     };
     let claim_started = SystemTime::now() - claimed_in;
     let mut rows = claimed.rows;
     if rows.is_empty() {
-        // Sent, not waited for: the session's next transaction follows the ROLLBACK.
-        tx.rollback()?;
-        return Ok(if claimed.contended {
-            Batch::Contended
-        } else {
-            Batch::Empty
-        }
-        .into());
+        return nothing_claimed(tx, claimed.contended);
     }
     // Rows in flight: a drain is not done until they are settled. (An empty claim does
     // not count: on a slow link some worker is always inside one, and a drain that waited
@@ -424,53 +409,18 @@ async fn run_phases<'s>(
     meters.publish_seconds.observe(acked_after);
 
     // 3. Settle.
-    let relay = &shared.relay;
-    let mut settlement = settle(&rows, &outcomes, |attempts| {
-        retry::full_jitter(relay.retry_backoff, relay.retry_backoff_max, attempts)
-    })
-    .map_err(BatchError::Sink)?;
-    // 3b. Rows about to be dead-lettered go to the dead-letter topic first.
-    if let Some(template) = &table.config.dead_letter_topic {
-        let dead_letter = dead_letter(
-            shared,
-            table,
-            template,
-            &mut rows,
-            messages,
-            &mut settlement,
-        );
-        tokio::select! {
-            _ = abort.cancelled() => return Ok(Batch::Aborted.into()),
-            () = dead_letter => {}
-        }
-    }
+    let Some(settlement) = settle_phase(shared, table, &mut rows, &outcomes, messages).await?
+    else {
+        return Ok(Batch::Aborted.into());
+    };
 
     // 4. Finalize.
-    if !settlement.failed.ids.is_empty() || !settlement.postponed.ids.is_empty() {
-        table.floor.note_retrying();
-    }
-    // With every row published, the next batch's claim goes with the COMMIT.
-    let next_table = if follow && settlement.went_through() {
-        shared.follow_on(shared.index_of(table).expect("one of this run's tables"))
-    } else {
-        None
+    let follow = follow && settlement.went_through();
+    let Some((dead, next)) =
+        finalize_phase(shared, lane, table, tx, &settlement, allowed, follow).await?
+    else {
+        return Ok(Batch::Aborted.into());
     };
-    let clock = Instant::now();
-    let next_claim = next_table.map(|(u, _)| {
-        let next = &shared.tables[u];
-        async move |tx: Tx<'s>| claim_in(shared, lane, next, tx, allowed).await
-    });
-    let (dead, next_claim) = tokio::select! {
-        _ = abort.cancelled() => return Ok(Batch::Aborted.into()),
-        r = shared.source.bounded(finalize(tx, shared, table, &settlement, next_claim)) => r?,
-    };
-    let next = next_table
-        .zip(next_claim)
-        .map(|((table, ticket), claim)| Next {
-            table,
-            ticket,
-            claim: claim.map(|(tx, claimed)| (tx, claimed, clock.elapsed())),
-        });
     let committed = Committed {
         rows: &rows,
         outcomes: &outcomes,
@@ -489,6 +439,101 @@ async fn run_phases<'s>(
         batch: settlement.done(rows.len()),
         next,
     })
+}
+
+/// A claim that took nothing: its transaction is rolled back (sent, not waited for: the
+/// session's next transaction follows the `ROLLBACK`).
+fn nothing_claimed<'s>(tx: Tx<'_>, contended: bool) -> Result<Phases<'s>, BatchError> {
+    tx.rollback()?;
+    Ok(match contended {
+        true => Batch::Contended,
+        false => Batch::Empty,
+    }
+    .into())
+}
+
+/// Phase 1: opens a transaction on `session` and claims in it; `None` when `stop` fired
+/// first (dropping the transaction rolls the claim back: nothing was sent).
+async fn claim_phase<'s>(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    session: &'s deadpool_postgres::Object,
+    allowed: usize,
+) -> Result<Option<Carried<'s>>, BatchError> {
+    let clock = Instant::now();
+    let claim = claim(shared, lane, table, session, allowed);
+    tokio::select! {
+        biased;
+        _ = shared.shutdown.stop_token().cancelled() => Ok(None),
+        r = shared.source.bounded(claim) => {
+            let (tx, claimed) = r?;
+            Ok(Some((tx, claimed, clock.elapsed())))
+        }
+    }
+}
+
+/// Phase 3: settles each row by its outcome, then sends the rows about to be
+/// dead-lettered to the dead-letter topic (3b); `None` when `abort` fired during 3b.
+async fn settle_phase(
+    shared: &Shared,
+    table: &TablePlan,
+    rows: &mut [ClaimedRow],
+    outcomes: &[RowOutcome],
+    messages: Vec<Result<Message, SinkError>>,
+) -> Result<Option<Settlement>, BatchError> {
+    let relay = &shared.relay;
+    let mut settlement = settle(rows, outcomes, |attempts| {
+        retry::full_jitter(relay.retry_backoff, relay.retry_backoff_max, attempts)
+    })
+    .map_err(BatchError::Sink)?;
+    if let Some(template) = &table.config.dead_letter_topic {
+        let dead_letter = dead_letter(shared, table, template, rows, messages, &mut settlement);
+        tokio::select! {
+            _ = shared.shutdown.abort_token().cancelled() => return Ok(None),
+            () = dead_letter => {}
+        }
+    }
+    Ok(Some(settlement))
+}
+
+/// Phase 4: writes the settlement and commits; with `follow`, the next batch's claim (on
+/// the table [`Shared::follow_on`] picks, if any) goes with the `COMMIT`. Returns the
+/// rows dead-lettered and the batch that follows on; `None` when `abort` fired first
+/// (the transaction rolls back).
+async fn finalize_phase<'s>(
+    shared: &Shared,
+    lane: usize,
+    table: &TablePlan,
+    tx: Tx<'s>,
+    settlement: &Settlement,
+    allowed: usize,
+    follow: bool,
+) -> Result<Option<(Vec<i64>, Option<Next<'s>>)>, BatchError> {
+    if !settlement.failed.ids.is_empty() || !settlement.postponed.ids.is_empty() {
+        table.floor.note_retrying();
+    }
+    let next_table = match follow {
+        true => shared.follow_on(shared.index_of(table).expect("one of this run's tables")),
+        false => None,
+    };
+    let clock = Instant::now();
+    let next_claim = next_table.map(|(u, _)| {
+        let next = &shared.tables[u];
+        async move |tx: Tx<'s>| claim_in(shared, lane, next, tx, allowed).await
+    });
+    let (dead, next_claim) = tokio::select! {
+        _ = shared.shutdown.abort_token().cancelled() => return Ok(None),
+        r = shared.source.bounded(finalize(tx, shared, table, settlement, next_claim)) => r?,
+    };
+    let next = next_table
+        .zip(next_claim)
+        .map(|((table, ticket), claim)| Next {
+            table,
+            ticket,
+            claim: claim.map(|(tx, claimed)| (tx, claimed, clock.elapsed())),
+        });
+    Ok(Some((dead, next)))
 }
 
 impl Settlement {
@@ -611,20 +656,48 @@ async fn dead_letter(
     table: &TablePlan,
     template: &crate::config::Template,
     rows: &mut [ClaimedRow],
-    mut messages: Vec<Result<Message, SinkError>>,
+    messages: Vec<Result<Message, SinkError>>,
     settlement: &mut Settlement,
 ) {
     let max = shared.relay.max_attempts as i32;
+    let letters = letters(&table.config, template, max, rows, messages, settlement);
+    if letters.is_empty() {
+        return;
+    }
+    let unsent = send_letters(shared, table, &letters).await;
+    // Postponed, attempt uncounted: out of the failures, highest index first (`unsent`
+    // is in the failures' order).
+    let postponed = &mut settlement.postponed;
+    for (f, error) in unsent.into_iter().rev() {
+        postponed.ids.push(settlement.failed.ids.remove(f));
+        settlement.failed.errors.remove(f);
+        postponed.errors.push(format!("dead-letter topic: {error}"));
+        postponed
+            .waits_us
+            .push(settlement.failed.waits_us.remove(f));
+    }
+}
+
+/// A dead letter: the index of its row among the settlement's failures, the row's id,
+/// and its message for the dead-letter topic (or why the row has no such topic).
+type Letter = (usize, i64, Result<Message, NullColumn>);
+
+/// The dead letters of the failed rows whose attempt reaches `max`: each row's message
+/// with the dead-letter topic and headers naming the error, the attempts and the original
+/// topic.
+fn letters(
+    table: &TableConfig,
+    template: &crate::config::Template,
+    max: i32,
+    rows: &mut [ClaimedRow],
+    mut messages: Vec<Result<Message, SinkError>>,
+    settlement: &Settlement,
+) -> Vec<Letter> {
     let by_id: std::collections::HashMap<i64, usize> =
         rows.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+    let failed = settlement.failed.ids.iter().zip(&settlement.failed.errors);
     let mut letters = Vec::new();
-    for (f, (id, error)) in settlement
-        .failed
-        .ids
-        .iter()
-        .zip(&settlement.failed.errors)
-        .enumerate()
-    {
+    for (f, (id, error)) in failed.enumerate() {
         let i = by_id[id];
         let row = &mut rows[i];
         if row.attempts + 1 < max {
@@ -635,7 +708,7 @@ async fn dead_letter(
             // The row could not become a message (its topic or headers are bad): what it
             // holds still goes, without the headers column.
             Err(_) => Message {
-                id: format!("{}:{}", table.config.name, row.id),
+                id: message_id(table, row),
                 topic: Arc::from(""),
                 key: row.key.clone(),
                 payload: row.payload.take().map(bytes::Bytes::from),
@@ -648,19 +721,24 @@ async fn dead_letter(
         headers.push((Arc::from("outbox-error"), error.clone()));
         headers.push((Arc::from("outbox-attempts"), (row.attempts + 1).to_string()));
         headers.push((Arc::from("outbox-topic"), original.topic.to_string()));
-        letters.push((
-            f,
-            *id,
-            topic.map(|topic| Message {
-                topic,
-                headers,
-                ..original
-            }),
-        ));
+        let letter = topic.map(|topic| Message {
+            topic,
+            headers,
+            ..original
+        });
+        letters.push((f, *id, letter));
     }
-    if letters.is_empty() {
-        return;
-    }
+    letters
+}
+
+/// Sends `letters` in one batch and returns those the broker could not take for its own
+/// sake (index among the failures, in order, and the error), to be postponed; letters
+/// refused for their own sake are logged and dead-lettered in the table only.
+async fn send_letters(
+    shared: &Shared,
+    table: &TablePlan,
+    letters: &[Letter],
+) -> Vec<(usize, String)> {
     let sendable: Vec<&Message> = letters
         .iter()
         .filter_map(|(_, _, m)| m.as_ref().ok())
@@ -676,8 +754,8 @@ async fn dead_letter(
             ]
         });
     let mut sent = sent.into_iter();
-    let mut retry = Vec::new();
-    for (f, id, message) in &letters {
+    let mut unsent = Vec::new();
+    for (f, id, message) in letters {
         let result = match message {
             Ok(_) => sent
                 .next()
@@ -692,21 +770,11 @@ async fn dead_letter(
             ),
             Err(e) => {
                 tracing::warn!(table = %table.config.name, id, error = %e, "Dead-letter topic unavailable; the row waits for its next attempt");
-                retry.push((*f, e.message().to_owned()));
+                unsent.push((*f, e.message().to_owned()));
             }
         }
     }
-    // Postponed, attempt uncounted: out of the failures (highest index first).
-    retry.sort_unstable_by_key(|(f, _)| *f);
-    let postponed = &mut settlement.postponed;
-    for (f, error) in retry.into_iter().rev() {
-        postponed.ids.push(settlement.failed.ids.remove(f));
-        settlement.failed.errors.remove(f);
-        postponed.errors.push(format!("dead-letter topic: {error}"));
-        postponed
-            .waits_us
-            .push(settlement.failed.waits_us.remove(f));
-    }
+    unsent
 }
 
 /// Phase 4: marks or deletes the published rows, records the failed rows' attempts and

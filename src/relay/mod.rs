@@ -91,6 +91,51 @@ struct Shared {
 const OTEL_FLUSH: Duration = Duration::from_secs(2);
 
 impl Shared {
+    /// The run's shared state over its dependencies (the database, the broker, the
+    /// endpoints' state and the span exporter) and its checked tables.
+    fn new(
+        config: &Config,
+        mode: Mode,
+        (source, sink, ops, otel): (Source, Sink, Arc<Ops>, Otel),
+        tables: Vec<TablePlan>,
+        shutdown: &Shutdown,
+    ) -> Shared {
+        // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
+        // `requeue`/`replay`): the name's Display form.
+        let wakes = Arc::new(wake::Wakes::new(
+            tables
+                .iter()
+                .map(|t| (t.config.name.to_string(), t.notify))
+                .collect(),
+            config.relay.poll_interval,
+            mode == Mode::Drain,
+        ));
+        let names = tables.iter().map(|t| t.config.name.clone()).collect();
+        let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
+        let rate = |t: &crate::config::TableConfig| {
+            t.max_rate
+                .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
+        };
+        Shared {
+            source,
+            sink,
+            tables,
+            relay: config.relay.clone(),
+            publish_timeout: config.sink.publish_timeout,
+            drain: mode == Mode::Drain,
+            shutdown: shutdown.clone(),
+            wakes,
+            pauses: pause::PauseState::new(names),
+            valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
+            buckets: config.tables.iter().map(rate).collect(),
+            meters,
+            breaker: breaker::Breaker::default(),
+            ops,
+            state: RunState::default(),
+            otel,
+        }
+    }
+
     /// The index of `table` among this run's tables.
     fn index_of(&self, table: &TablePlan) -> Option<usize> {
         self.tables.iter().position(|p| std::ptr::eq(p, table))
@@ -205,43 +250,8 @@ async fn relay(
                 .map_err(RelayError::TracingTask)??
         }
     };
-    // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
-    // `requeue`/`replay`): the name's Display form.
-    let wakes = Arc::new(wake::Wakes::new(
-        tables
-            .iter()
-            .map(|t| (t.config.name.to_string(), t.notify))
-            .collect(),
-        config.relay.poll_interval,
-        mode == Mode::Drain,
-    ));
-    let names = tables.iter().map(|t| t.config.name.clone()).collect();
-    let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
-    let shared = Arc::new(Shared {
-        source,
-        sink,
-        tables,
-        relay: config.relay.clone(),
-        publish_timeout: config.sink.publish_timeout,
-        drain: mode == Mode::Drain,
-        shutdown: shutdown.clone(),
-        wakes,
-        pauses: pause::PauseState::new(names),
-        valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
-        buckets: config
-            .tables
-            .iter()
-            .map(|t| {
-                t.max_rate
-                    .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
-            })
-            .collect(),
-        meters,
-        breaker: breaker::Breaker::default(),
-        ops: endpoints.ops.clone(),
-        state: RunState::default(),
-        otel,
-    });
+    let dependencies = (source, sink, endpoints.ops.clone(), otel);
+    let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &shutdown));
     tracing::info!(
         tables = shared.tables.len(),
         workers = config.relay.workers,
