@@ -19,14 +19,30 @@
 //!
 //! Authorization refused at connect is fatal. Everything else (timeouts, a lost
 //! connection, server errors) is the broker's: transient.
+//!
+//! # A stream leader change
+//!
+//! A stream's leader that steps down (a graceful stop, lame-duck mode, a step-down
+//! request) or dies drops the publishes it had received but not yet stored: no ack ever
+//! comes for them. The relay follows JetStream's advisory that a stream elected a leader
+//! (`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`); a publish still waiting for its
+//! ack when one arrives is sent again, to the new leader, instead of waiting out
+//! `sink.publish_timeout`. A copy the old leader did store comes back as a duplicate
+//! (same `Nats-Msg-Id`), acknowledged and not stored twice; a key has at most one message
+//! in flight, so sending it again cannot reorder the key.
 
 use std::collections::HashMap;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
+use async_nats::jetstream::context::{ContextBuilder, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
 use async_nats::{header, HeaderMap, ServerAddr, Subject};
+use futures_util::StreamExt;
+use tokio::sync::watch;
 
 use super::{scrub, within, Message, SinkError, SinkService};
 
@@ -48,6 +64,11 @@ pub(crate) const DENIED_TTL: Duration = Duration::from_secs(30);
 /// for its answer: a healthy server answers in milliseconds, and the relay's probe asks
 /// again every 2 s anyway.
 const REPLY_LIMIT: Duration = Duration::from_secs(2);
+/// JetStream's advisories that a replicated stream elected a leader, one subject a stream.
+const LEADER_ELECTED: &str = "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.>";
+
+/// A sent publish's acknowledgement to come.
+type Ack = Pin<Box<dyn Future<Output = Result<PublishAck, PublishError>> + Send>>;
 
 /// A NATS connection and its JetStream context.
 pub struct NatsSink {
@@ -64,6 +85,8 @@ pub struct NatsSink {
     /// The stream that acknowledged the latest batch: what [`SinkService::healthcheck`]
     /// asks about once there is one.
     last_stream: Mutex<Option<String>>,
+    /// Counts the stream leader elections announced since connect ([`follow_elections`]).
+    elections: watch::Receiver<u64>,
 }
 
 impl NatsSink {
@@ -85,6 +108,7 @@ impl NatsSink {
             .await
             .map_err(|e| connect_error(config, &e, &secrets))?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
+        let elections = follow_elections(&client).await;
         Ok(NatsSink {
             client,
             js,
@@ -93,7 +117,25 @@ impl NatsSink {
             denied,
             connected,
             last_stream: Mutex::new(None),
+            elections,
         })
+    }
+
+    /// Sends `message` to JetStream; the ack is awaited separately.
+    async fn send(&self, subjects: &mut Subjects, message: &Message) -> Result<Ack, PublishError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(&**name, value.as_str());
+        }
+        headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
+        let publish = PublishMessage::build()
+            .payload(message.payload.clone().unwrap_or_default())
+            .headers(headers);
+        let ack = self
+            .js
+            .send_publish(subjects.of(&message.topic), publish)
+            .await?;
+        Ok(ack.into_future())
     }
 
     /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
@@ -261,45 +303,66 @@ impl SinkService for NatsSink {
         Ok(())
     }
 
+    /// Sends the whole batch, then collects the acks: one round trip, not one per row. A
+    /// stream leader elected meanwhile gets what is still unacknowledged again (see the
+    /// module doc, *A stream leader change*).
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
-        let mut acks = Vec::with_capacity(messages.len());
+        let mut acks: Vec<Option<Ack>> = Vec::with_capacity(messages.len());
         let mut subjects = Subjects::default();
-        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
+        let mut elections = self.elections.clone();
+        elections.borrow_and_update();
         for message in messages {
             if self.recently_denied(&message.topic) {
                 acks.push(None);
                 results.push(Err(denied_error(&message.topic)));
                 continue;
             }
-            let mut headers = HeaderMap::new();
-            for (name, value) in &message.headers {
-                headers.insert(&**name, value.as_str());
-            }
-            headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
-            let publish = PublishMessage::build()
-                .payload(message.payload.clone().unwrap_or_default())
-                .headers(headers);
-            match self
-                .js
-                .send_publish(subjects.of(&message.topic), publish)
-                .await
-            {
-                Ok(ack) => acks.push(Some(ack)),
+            match self.send(&mut subjects, message).await {
+                Ok(ack) => {
+                    acks.push(Some(ack));
+                    results.push(Ok(()));
+                }
                 Err(e) => {
                     acks.push(None);
                     results.push(Err(self.classify(&message.topic, &e).await));
-                    continue;
                 }
             }
-            results.push(Ok(()));
         }
         let mut acked_by = None;
-        for (i, ack) in acks.into_iter().enumerate() {
-            if let Some(ack) = ack {
-                match ack.await {
-                    Ok(ack) => acked_by = Some(ack.stream),
-                    Err(e) => results[i] = Err(self.classify(&messages[i].topic, &e).await),
+        let mut i = 0;
+        while i < acks.len() {
+            let Some(ack) = acks[i].as_mut() else {
+                i += 1;
+                continue;
+            };
+            tokio::select! {
+                biased;
+                outcome = ack => {
+                    acks[i] = None;
+                    match outcome {
+                        Ok(ack) => acked_by = Some(ack.stream),
+                        Err(e) => results[i] = Err(self.classify(&messages[i].topic, &e).await),
+                    }
+                    i += 1;
+                }
+                // (Never again once the advisories' follower has stopped.)
+                Ok(()) = elections.changed() => {
+                    let mut again = 0;
+                    for j in i..acks.len() {
+                        if acks[j].is_none() {
+                            continue;
+                        }
+                        acks[j] = match self.send(&mut subjects, messages[j]).await {
+                            Ok(ack) => Some(ack),
+                            Err(e) => {
+                                results[j] = Err(self.classify(&messages[j].topic, &e).await);
+                                None
+                            }
+                        };
+                        again += 1;
+                    }
+                    tracing::debug!(again, "A JetStream stream elected a leader: unacknowledged messages sent again");
                 }
             }
         }
@@ -413,6 +476,34 @@ async fn connect_options(
         options = options.require_tls(true);
     }
     Ok(options)
+}
+
+/// Counts JetStream's stream leader elections, from their advisories ([`LEADER_ELECTED`]),
+/// until every receiver is gone. A user who may not subscribe to them gets none (the
+/// server refuses asynchronously): the count stays 0, and a publish the old leader dropped
+/// waits out its timeout.
+async fn follow_elections(client: &async_nats::Client) -> watch::Receiver<u64> {
+    let (count, elections) = watch::channel(0);
+    match client.subscribe(LEADER_ELECTED).await {
+        Ok(mut advisories) => {
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = count.closed() => break,
+                        advisory = advisories.next() => match advisory {
+                            Some(advisory) => {
+                                tracing::debug!(subject = %advisory.subject, "A JetStream stream elected a leader");
+                                count.send_modify(|n| *n += 1);
+                            }
+                            None => break,
+                        },
+                    }
+                }
+            });
+        }
+        Err(e) => tracing::debug!(error = %e, "Not following JetStream's leader elections"),
+    }
+    elections
 }
 
 /// Follows the connection's events: up or down into `connected`, subjects the server
