@@ -1059,3 +1059,55 @@ async fn a_publish_a_stepped_down_leader_dropped_is_sent_again_when_a_leader_is_
     let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
     assert_eq!(again, ids, "each unacknowledged message is sent again once");
 }
+
+/// "No responders" for a publish is a stream between leaders, or no stream at all: the
+/// sink asks JetStream which, and a leader elected meanwhile answers first. Here the
+/// question gets no answer (the relay's user may not ask it, as when JetStream's meta leader
+/// is changing too) while the test announces elections until the batch is back: the
+/// election decides, the broker's fault, retried.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_responders_during_a_leader_election_is_transient_without_the_streams_answer() {
+    use outbox_relay::sink::{Message, Sink};
+
+    let _shared = shared();
+    let (nats, url) = testkit::NatsServer::start_with_denied_publish(&["$JS.API.STREAM.NAMES"])
+        .expect("start nats-server");
+    let client = nats.client().await.expect("connect");
+    let config = outbox_relay::config::from_str(
+        &format!(
+            "[postgres]\nurl = \"postgres://relay@127.0.0.1/app\"\n[sink]\nkind = \"nats\"\n\
+             publish_timeout = \"10min\"\n[sink.nats]\nurl = \"{url}\"\n\
+             [[tables]]\nname = \"public.outbox\"\n"
+        ),
+        |_| None,
+        Vec::<(String, String)>::new(),
+    )
+    .expect("config");
+    let sink = Sink::connect(&config.sink).await.expect("connect the sink");
+    let message = Message {
+        id: "public.outbox:1".to_owned(),
+        topic: "between.leaders".into(),
+        key: Some("k".into()),
+        payload: Some("x".into()),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    };
+    let batch = [&message];
+    let publish = sink.publish_batch(&batch);
+    tokio::pin!(publish);
+    let results = loop {
+        tokio::select! {
+            results = &mut publish => break results,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => client
+                .publish("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.S", "{}".into())
+                .await
+                .expect("announce a leader"),
+        }
+    };
+    let error = results[0].as_ref().expect_err("nothing stored it");
+    assert!(
+        error.message.contains("elected a leader"),
+        "the election, not the unanswered question, decides: {}",
+        error.message
+    );
+}

@@ -10,7 +10,9 @@
 //!   "no responders", which a stream leader election also produces, for every subject. So
 //!   the relay asks the server which stream captures the subject (`$JS.API.STREAM.NAMES`
 //!   with a subject filter, answers cached for [`CAPTURE_TTL`]): only a positive "none" makes
-//!   the row bad; a stream that exists, or no answer, keeps the failure transient.
+//!   the row bad; a stream that exists, no answer, or a stream leader elected before the
+//!   answer comes (JetStream's meta leader, who answers, may be changing too) keeps the
+//!   failure transient.
 //! - *Publish permission denied for the subject.* The server drops the message and reports
 //!   `Permissions Violation for Publish to "<subject>"` as an asynchronous error, so the
 //!   PubAck never comes. The relay records those subjects from the connection's events; a
@@ -191,10 +193,13 @@ impl NatsSink {
         &self.js
     }
 
+    /// What a failed publish to `subject` means; `elections` counts the stream leader
+    /// elections seen since the publish was sent.
     async fn classify(
         &self,
         subject: &str,
         e: &async_nats::jetstream::context::PublishError,
+        elections: &watch::Receiver<u64>,
     ) -> SinkError {
         let text = scrub(&e.to_string(), &self.secrets);
         let code = std::error::Error::source(e)
@@ -204,8 +209,20 @@ impl NatsSink {
             ErrorClass::BadRow => SinkError::bad_row(text),
             ErrorClass::Fatal => SinkError::fatal(text),
             ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
-                // "No responders": no stream, or a stream between leaders. Ask which.
-                match self.stream_captures(subject).await {
+                // "No responders": no stream, or a stream between leaders. A leader elected
+                // since says which; else ask (whoever answers that may be changing too).
+                let mut elected = elections.clone();
+                let captured = tokio::select! {
+                    biased;
+                    Ok(()) = elected.changed() => {
+                        return SinkError::transient(format!(
+                            "no responders for {subject:?} while a JetStream stream elected a \
+                             leader"
+                        ))
+                    }
+                    captured = self.stream_captures(subject) => captured,
+                };
+                match captured {
                     Ok(false) => SinkError::bad_row(format!(
                         "no JetStream stream captures subject {subject:?}: add the subject to \
                          a stream, or fix the table's topic template \
@@ -325,7 +342,7 @@ impl SinkService for NatsSink {
                 }
                 Err(e) => {
                     acks.push(None);
-                    results.push(Err(self.classify(&message.topic, &e).await));
+                    results.push(Err(self.classify(&message.topic, &e, &elections).await));
                 }
             }
         }
@@ -342,7 +359,10 @@ impl SinkService for NatsSink {
                     acks[i] = None;
                     match outcome {
                         Ok(ack) => acked_by = Some(ack.stream),
-                        Err(e) => results[i] = Err(self.classify(&messages[i].topic, &e).await),
+                        Err(e) => {
+                            let topic = &messages[i].topic;
+                            results[i] = Err(self.classify(topic, &e, &elections).await);
+                        }
                     }
                     i += 1;
                 }
@@ -356,13 +376,17 @@ impl SinkService for NatsSink {
                         acks[j] = match self.send(&mut subjects, messages[j]).await {
                             Ok(ack) => Some(ack),
                             Err(e) => {
-                                results[j] = Err(self.classify(&messages[j].topic, &e).await);
+                                let topic = &messages[j].topic;
+                                results[j] = Err(self.classify(topic, &e, &elections).await);
                                 None
                             }
                         };
                         again += 1;
                     }
-                    tracing::debug!(again, "A JetStream stream elected a leader: unacknowledged messages sent again");
+                    tracing::debug!(
+                        again,
+                        "A JetStream stream elected a leader: unacknowledged messages sent again"
+                    );
                 }
             }
         }
@@ -492,7 +516,8 @@ async fn follow_elections(client: &async_nats::Client) -> watch::Receiver<u64> {
                         _ = count.closed() => break,
                         advisory = advisories.next() => match advisory {
                             Some(advisory) => {
-                                tracing::debug!(subject = %advisory.subject, "A JetStream stream elected a leader");
+                                let subject = &advisory.subject;
+                                tracing::debug!(%subject, "A JetStream stream elected a leader");
                                 count.send_modify(|n| *n += 1);
                             }
                             None => break,
