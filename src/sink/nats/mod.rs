@@ -407,7 +407,8 @@ impl SinkService for NatsSink {
     /// answer means publishes can be stored again. Before that, `$JS.API.INFO` (in a
     /// cluster, the JetStream meta leader answers: it is elected separately, and can be
     /// down while the stream's leader serves, which kept the circuit open for seconds
-    /// after a server holding both died).
+    /// after a server holding both died). A stream leader elected while the probe waits for
+    /// its answer gets the question again.
     async fn healthcheck(&self) -> Result<(), SinkError> {
         if self.client.connection_state() != async_nats::connection::State::Connected {
             return Err(SinkError::transient("not connected to NATS"));
@@ -421,19 +422,34 @@ impl SinkService for NatsSink {
             Some(stream) => format!("stream {stream}"),
             None => "JetStream".to_owned(),
         };
-        let request = self.client.request(subject, bytes::Bytes::new());
-        let reply = match tokio::time::timeout(REPLY_LIMIT, request).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => {
-                return Err(SinkError::transient(format!(
-                    "{asked} did not answer: {}",
-                    scrub(&e.to_string(), &self.secrets)
-                )))
-            }
-            Err(_) => {
-                return Err(SinkError::transient(format!(
-                    "{asked} did not answer within {REPLY_LIMIT:?}"
-                )))
+        // Asked between two leaders, the question gets no answer: asked again as soon as a
+        // stream elects one, which answers at once.
+        let mut elections = self.elections.clone();
+        elections.borrow_and_update();
+        let ask = || Box::pin(self.client.request(subject.clone(), bytes::Bytes::new()));
+        let mut request = ask();
+        let mut deadline = tokio::time::Instant::now() + REPLY_LIMIT;
+        let reply = loop {
+            tokio::select! {
+                biased;
+                reply = &mut request => match reply {
+                    Ok(reply) => break reply,
+                    Err(e) => {
+                        return Err(SinkError::transient(format!(
+                            "{asked} did not answer: {}",
+                            scrub(&e.to_string(), &self.secrets)
+                        )))
+                    }
+                },
+                Ok(()) = elections.changed() => {
+                    request = ask();
+                    deadline = tokio::time::Instant::now() + REPLY_LIMIT;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(SinkError::transient(format!(
+                        "{asked} did not answer within {REPLY_LIMIT:?}"
+                    )))
+                }
             }
         };
         // An error reply (the stream gone, no leader known) is not a serving stream.
