@@ -10,7 +10,9 @@
 //! refused with "no suitable peers for placement"); [`NatsCluster::create_stream`] once
 //! the stream has a leader and every replica is current. Each cluster has its own name, so
 //! servers of two clusters started side by side never join each other. [`NatsCluster::kill`] (SIGKILL) and [`NatsCluster::restart`]
-//! (same ports, same store) play a server's crash in a test.
+//! (same ports, same store) play a server's crash in a test; [`NatsCluster::stop`] (SIGTERM,
+//! or SIGUSR2 for lame-duck mode) and [`NatsCluster::wait_stopped`] an operator's graceful
+//! stop, as in a rolling restart.
 //!
 //! Torn down by `Drop`: every server is killed and the directory removed; the servers
 //! also get SIGKILL if the thread that started them dies without unwinding.
@@ -23,11 +25,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::nats::{read_stream_with, stream_info};
-use crate::process::{die_with_parent, free_port, scratch_dir, wait_for_port};
-use crate::StoredMessage;
+use crate::process::{die_with_parent, free_port, scratch_dir, send_signal, wait_for_port};
+use crate::{Signal, StoredMessage};
 
 /// How long the cluster gets to elect a leader (meta or stream) before a helper fails.
 const ELECTION_LIMIT: Duration = Duration::from_secs(30);
+/// How long a server asked to stop gets to exit before [`NatsCluster::wait_stopped`] kills it.
+const STOP_LIMIT: Duration = Duration::from_secs(30);
 
 /// `n` routed `nats-server -js` processes in one cluster.
 pub struct NatsCluster {
@@ -45,6 +49,8 @@ struct Node {
     config: PathBuf,
     log: PathBuf,
     child: Option<Child>,
+    /// Asked to stop ([`NatsCluster::stop`]) and not yet seen to exit.
+    stopping: bool,
 }
 
 impl NatsCluster {
@@ -71,6 +77,7 @@ impl NatsCluster {
                 log: dir.join(format!("{name}.log")),
                 name,
                 child: None,
+                stopping: false,
             };
             std::fs::write(
                 &node.config,
@@ -114,6 +121,7 @@ impl NatsCluster {
             .with_context(|| format!("start {binary:?} (install the nats-server package)"))?;
         wait_for_port(node.port, &mut child, "nats-server", &node.log)?;
         node.child = Some(child);
+        node.stopping = false;
         Ok(())
     }
 
@@ -172,10 +180,11 @@ impl NatsCluster {
         })
     }
 
-    /// Indices of the servers running now.
+    /// Indices of the servers running now, less those asked to stop (which refuse new
+    /// clients, or are about to).
     pub fn alive(&self) -> Vec<usize> {
         (0..self.nodes.len())
-            .filter(|&i| self.nodes[i].child.is_some())
+            .filter(|&i| self.nodes[i].child.is_some() && !self.nodes[i].stopping)
             .collect()
     }
 
@@ -346,6 +355,48 @@ impl NatsCluster {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Asks server `i` to stop gracefully, as an operator does in a rolling restart, and
+    /// returns at once ([`Self::wait_stopped`] waits for the exit): [`Signal::Term`] shuts
+    /// it down, [`Signal::Usr2`] puts it in lame-duck mode (no new clients, those it has
+    /// closed over `lame_duck_duration`, then the same shutdown). Either way nats-server
+    /// 2.9 first steps down every Raft group it leads, naming a current follower to take
+    /// over (`stepdownRaftNodes`, `transferRaftLeaders` in `server/raft.go`). From now on
+    /// it is not in [`Self::alive`].
+    pub fn stop(&mut self, i: usize, signal: Signal) -> Result<()> {
+        let node = &mut self.nodes[i];
+        let child = node
+            .child
+            .as_ref()
+            .with_context(|| format!("{} is not running", node.name))?;
+        send_signal(child.id(), signal)
+            .with_context(|| format!("send {signal:?} to {}", node.name))?;
+        node.stopping = true;
+        Ok(())
+    }
+
+    /// Waits for server `i`, asked to [`Self::stop`], to exit; one still running after
+    /// [`STOP_LIMIT`] is killed, and the error carries its log tail. Its store survives for
+    /// [`Self::restart`].
+    pub async fn wait_stopped(&mut self, i: usize) -> Result<()> {
+        let deadline = Instant::now() + STOP_LIMIT;
+        while let Some(child) = self.nodes[i].child.as_mut() {
+            if child.try_wait()?.is_some() {
+                self.nodes[i].child = None;
+                break;
+            }
+            if Instant::now() > deadline {
+                self.kill(i);
+                bail!(
+                    "{} did not exit within {STOP_LIMIT:?} of being asked to stop\n{}",
+                    self.nodes[i].name,
+                    self.log_tail(i, 15)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
     }
 
     /// Starts server `i` again on the same ports and store.

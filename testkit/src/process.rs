@@ -157,6 +157,8 @@ pub enum Signal {
     Stop,
     /// SIGCONT: a stopped process thaws.
     Cont,
+    /// SIGUSR2: nats-server's lame-duck mode (`nats-server --signal ldm`).
+    Usr2,
 }
 
 impl Signal {
@@ -167,6 +169,7 @@ impl Signal {
             Signal::Quit => libc::SIGQUIT,
             Signal::Stop => libc::SIGSTOP,
             Signal::Cont => libc::SIGCONT,
+            Signal::Usr2 => libc::SIGUSR2,
         }
     }
 }

@@ -1,8 +1,9 @@
 //! Against a three-server NATS cluster with a three-replica stream (issue 16, topology 3):
-//! the relay is given all three URLs, a server dies mid-drain, and still no row is lost,
-//! no phantom appears, duplicates are dropped by `Nats-Msg-Id` and each key keeps its id
-//! order. Each test prints the stall it saw: the longest time in which no row left the
-//! outbox after the kill, and how long the cluster took to name a live stream leader.
+//! the relay is given all three URLs, a server dies or is stopped mid-drain, and still no
+//! row is lost, no phantom appears, duplicates are dropped by `Nats-Msg-Id` and each key
+//! keeps its id order. Each test prints the stall it saw: the longest time in which no row
+//! left the outbox after the kill, how long the cluster took to name a live stream leader,
+//! and the difference (the relay's share).
 //!
 //! The tests run alone, each with the machine to itself (`common::alone`: they share two
 //! cores; the stall they measure would otherwise be the other tests' load).
@@ -12,7 +13,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
-use testkit::NatsCluster;
+use testkit::{NatsCluster, Signal};
 
 /// Rows seeded per test, over [`KEYS`] keys.
 const ROWS: i64 = 20_000;
@@ -27,6 +28,17 @@ const CLIENT_NAME: &str = "outbox-relay";
 enum Victim {
     StreamLeader,
     RelaysServer,
+}
+
+/// How the victim goes down.
+#[derive(Debug, Clone, Copy)]
+enum Down {
+    /// SIGKILL: a crash.
+    Killed,
+    /// SIGTERM: a graceful stop, as in a rolling restart.
+    Stopped,
+    /// SIGUSR2: lame-duck mode (`nats-server --signal ldm`), then the server exits.
+    LameDuck,
 }
 
 /// What a drain through a kill saw.
@@ -50,14 +62,28 @@ struct Crash {
 #[tokio::test(flavor = "multi_thread")]
 async fn stream_leader_killed_mid_drain_loses_no_row_and_keeps_key_order() {
     let _alone = alone();
-    let crash = drain_through_a_crash(Victim::StreamLeader).await;
+    let crash = drain_through_a_crash(Victim::StreamLeader, Down::Killed).await;
+    assert!(crash.was_leader && !crash.was_relays_server);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_leader_stopped_gracefully_mid_drain_loses_no_row_and_keeps_key_order() {
+    let _alone = alone();
+    let crash = drain_through_a_crash(Victim::StreamLeader, Down::Stopped).await;
+    assert!(crash.was_leader && !crash.was_relays_server);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_leader_in_lame_duck_mode_mid_drain_loses_no_row_and_keeps_key_order() {
+    let _alone = alone();
+    let crash = drain_through_a_crash(Victim::StreamLeader, Down::LameDuck).await;
     assert!(crash.was_leader && !crash.was_relays_server);
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn server_the_relay_is_connected_to_killed_mid_drain_loses_no_row_and_keeps_key_order() {
     let _alone = alone();
-    let crash = drain_through_a_crash(Victim::RelaysServer).await;
+    let crash = drain_through_a_crash(Victim::RelaysServer, Down::Killed).await;
     assert!(crash.was_relays_server && !crash.was_leader);
     // The stream kept its leader: the relay moves to another server and goes on, whether
     // or not the dead server led JetStream's meta group (the breaker's probe asks the
@@ -69,10 +95,10 @@ async fn server_the_relay_is_connected_to_killed_mid_drain_loses_no_row_and_keep
     );
 }
 
-/// Seeds [`ROWS`] rows, runs the relay against the cluster, kills `victim` once rows flow,
-/// waits for the outbox to empty, stops the relay, brings the killed server back and audits
-/// what the stream stored.
-async fn drain_through_a_crash(victim: Victim) -> Crash {
+/// Seeds [`ROWS`] rows, runs the relay against the cluster, takes `victim` down (`down`)
+/// once rows flow, waits for the outbox to empty, stops the relay, brings the server back
+/// and audits what the stream stored.
+async fn drain_through_a_crash(victim: Victim, down: Down) -> Crash {
     let mut cluster = NatsCluster::start(3).expect("start a NATS cluster of three");
     cluster
         .create_stream(STREAM, &["events.>"], 3)
@@ -121,7 +147,11 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
     let pending_at_kill = pending(&client).await;
     assert!(pending_at_kill > 0, "the kill must come mid-stream");
     let killed_at = Instant::now();
-    cluster.kill(killed);
+    match down {
+        Down::Killed => cluster.kill(killed),
+        Down::Stopped => cluster.stop(killed, Signal::Term).expect("SIGTERM"),
+        Down::LameDuck => cluster.stop(killed, Signal::Usr2).expect("SIGUSR2"),
+    }
     let new_leader = async {
         // Only to tell the cluster's share of the stall from the relay's.
         wait_until(
@@ -132,9 +162,18 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         .await;
         killed_at.elapsed()
     };
-    let (stall, election) = tokio::join!(wait_for_drain(&client, &mut relay, &log), new_leader);
+    let (stall, election) = tokio::join!(
+        wait_for_drain(&client, &mut relay, &log, killed_at),
+        new_leader
+    );
     let drain_after_kill = killed_at.elapsed();
     terminate_cleanly(&mut relay);
+    if !matches!(down, Down::Killed) {
+        cluster
+            .wait_stopped(killed)
+            .await
+            .expect("the stopped server exits");
+    }
 
     // The relay's part is over: the audit reads what the stream stored with every server
     // back (with one down, creating the reading consumer timed out for 30 s in two CI
@@ -162,13 +201,15 @@ async fn drain_through_a_crash(victim: Victim) -> Crash {
         was_meta_leader: meta_leader == Some(killed),
     };
     eprintln!(
-        "{victim:?}: killed n{} (meta leader: {}) with {} rows pending; a live stream leader \
-         after {:?}; longest stall {:?}; outbox empty {:?} after the kill",
+        "{victim:?} {down:?}: n{} (meta leader: {}) with {} rows pending; a live stream leader \
+         after {:?}; longest stall {:?} ({:+.3} s beyond the leader); outbox empty {:?} after \
+         the signal",
         crash.killed,
         crash.was_meta_leader,
         crash.pending_at_kill,
         crash.election,
         crash.stall,
+        crash.stall.as_secs_f64() - crash.election.as_secs_f64(),
         crash.drain_after_kill
     );
     crash
@@ -190,14 +231,15 @@ async fn pending(client: &tokio_postgres::Client) -> i64 {
 }
 
 /// Waits (at most [`DRAIN_LIMIT`]) for the outbox to empty while the relay keeps running;
-/// returns the longest time in which no row left it.
+/// returns the longest time in which no row left it, counted from `since` (the kill) on.
 async fn wait_for_drain(
     client: &tokio_postgres::Client,
     relay: &mut Child,
     log: &std::path::Path,
+    since: Instant,
 ) -> Duration {
     let mut last = pending(client).await;
-    let mut last_progress = Instant::now();
+    let mut last_progress = since;
     let mut stall = Duration::ZERO;
     wait_until(
         Detailed(

@@ -987,3 +987,127 @@ async fn a_dead_lettered_row_is_published_once_to_the_dead_letter_topic() {
     .await;
     assert_eq!(dead_rows, 1);
 }
+
+/// A publish whose ack never comes because the stream's leader stepped down with it is
+/// sent again as soon as JetStream announces a new leader, not after
+/// `sink.publish_timeout` (10 minutes here). The relay's sink is driven directly against
+/// a plain server on which the test plays the stream: it drops the first copy of each
+/// message, announces an election (`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`)
+/// and acknowledges the copies sent again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publish_a_stepped_down_leader_dropped_is_sent_again_when_a_leader_is_elected() {
+    use futures_util::StreamExt;
+    use outbox_relay::sink::{Message, Sink};
+
+    let _shared = shared();
+    let nats = testkit::NatsServer::start().expect("start nats-server");
+    let client = nats.client().await.expect("connect");
+    let mut stream = client.subscribe("fake.>").await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let config = outbox_relay::config::from_str(
+        &format!(
+            "[postgres]\nurl = \"postgres://relay@127.0.0.1/app\"\n[sink]\nkind = \"nats\"\n\
+             publish_timeout = \"10min\"\n[sink.nats]\nurl = \"{}\"\n\
+             [[tables]]\nname = \"public.outbox\"\n",
+            nats.url()
+        ),
+        |_| None,
+        Vec::<(String, String)>::new(),
+    )
+    .expect("config");
+    let sink = Sink::connect(&config.sink).await.expect("connect the sink");
+    let messages: Vec<Message> = (1..=3)
+        .map(|i| Message {
+            id: format!("public.outbox:{i}"),
+            topic: format!("fake.{i}").into(),
+            key: Some(format!("k{i}").into()),
+            payload: Some("x".into()),
+            headers: Vec::new(),
+            timestamp_ms: None,
+        })
+        .collect();
+    let batch: Vec<&Message> = messages.iter().collect();
+    let leader = async {
+        for _ in &messages {
+            stream.next().await.expect("a first copy"); // dropped
+        }
+        client
+            .publish("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.FAKE", "{}".into())
+            .await
+            .expect("announce a leader");
+        let mut again = Vec::new();
+        for seq in 1..=messages.len() {
+            let copy = stream.next().await.expect("a copy sent again");
+            let ack = format!(r#"{{"stream":"FAKE","seq":{seq}}}"#);
+            client
+                .publish(copy.reply.clone().expect("a reply subject"), ack.into())
+                .await
+                .expect("acknowledge");
+            let id = copy.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id"));
+            again.push(id.map(|v| v.to_string()).unwrap_or_default());
+        }
+        again
+    };
+    let (results, mut again) = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures_util::future::join(sink.publish_batch(&batch), leader),
+    )
+    .await
+    .expect("the batch acknowledged once the copies sent again are");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    again.sort();
+    let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(again, ids, "each unacknowledged message is sent again once");
+}
+
+/// "No responders" for a publish is a stream between leaders, or no stream at all: the
+/// sink asks JetStream which, and a leader elected meanwhile answers first. Here the
+/// question gets no answer (the relay's user may not ask it, as when JetStream's meta leader
+/// is changing too) while the test announces elections until the batch is back: the
+/// election decides, the broker's fault, retried.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_responders_during_a_leader_election_is_transient_without_the_streams_answer() {
+    use outbox_relay::sink::{Message, Sink};
+
+    let _shared = shared();
+    let (nats, url) = testkit::NatsServer::start_with_denied_publish(&["$JS.API.STREAM.NAMES"])
+        .expect("start nats-server");
+    let client = nats.client().await.expect("connect");
+    let config = outbox_relay::config::from_str(
+        &format!(
+            "[postgres]\nurl = \"postgres://relay@127.0.0.1/app\"\n[sink]\nkind = \"nats\"\n\
+             publish_timeout = \"10min\"\n[sink.nats]\nurl = \"{url}\"\n\
+             [[tables]]\nname = \"public.outbox\"\n"
+        ),
+        |_| None,
+        Vec::<(String, String)>::new(),
+    )
+    .expect("config");
+    let sink = Sink::connect(&config.sink).await.expect("connect the sink");
+    let message = Message {
+        id: "public.outbox:1".to_owned(),
+        topic: "between.leaders".into(),
+        key: Some("k".into()),
+        payload: Some("x".into()),
+        headers: Vec::new(),
+        timestamp_ms: None,
+    };
+    let batch = [&message];
+    let publish = sink.publish_batch(&batch);
+    tokio::pin!(publish);
+    let results = loop {
+        tokio::select! {
+            results = &mut publish => break results,
+            _ = tokio::time::sleep(Duration::from_millis(50)) => client
+                .publish("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.S", "{}".into())
+                .await
+                .expect("announce a leader"),
+        }
+    };
+    let error = results[0].as_ref().expect_err("nothing stored it");
+    assert!(
+        error.message().contains("elected a leader"),
+        "the election, not the unanswered question, decides: {}",
+        error.message()
+    );
+}

@@ -10,7 +10,9 @@
 //!   "no responders", which a stream leader election also produces, for every subject. So
 //!   the relay asks the server which stream captures the subject (`$JS.API.STREAM.NAMES`
 //!   with a subject filter, answers cached for [`CAPTURE_TTL`]): only a positive "none" makes
-//!   the row bad; a stream that exists, or no answer, keeps the failure transient.
+//!   the row bad; a stream that exists, no answer, or a stream leader elected before the
+//!   answer comes (JetStream's meta leader, who answers, may be changing too) keeps the
+//!   failure transient.
 //! - *Publish permission denied for the subject.* The server drops the message and reports
 //!   `Permissions Violation for Publish to "<subject>"` as an asynchronous error, so the
 //!   PubAck never comes. The relay records those subjects from the connection's events; a
@@ -19,14 +21,30 @@
 //!
 //! Authorization refused at connect is fatal. Everything else (timeouts, a lost
 //! connection, server errors) is the broker's: transient.
+//!
+//! # A stream leader change
+//!
+//! A stream's leader that steps down (a graceful stop, lame-duck mode, a step-down
+//! request) or dies drops the publishes it had received but not yet stored: no ack ever
+//! comes for them. The relay follows JetStream's advisory that a stream elected a leader
+//! (`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`); a publish still waiting for its
+//! ack when one arrives is sent again, to the new leader, instead of waiting out
+//! `sink.publish_timeout`. A copy the old leader did store comes back as a duplicate
+//! (same `Nats-Msg-Id`), acknowledged and not stored twice; a key has at most one message
+//! in flight, so sending it again cannot reorder the key.
 
 use std::collections::HashMap;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::context::{ContextBuilder, PublishErrorKind};
+use async_nats::jetstream::context::{ContextBuilder, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::publish::PublishAck;
 use async_nats::{header, HeaderMap, ServerAddr, Subject};
+use futures_util::StreamExt;
+use tokio::sync::watch;
 
 use super::{scrub, within, Message, SinkError, SinkService};
 
@@ -48,6 +66,11 @@ pub(crate) const DENIED_TTL: Duration = Duration::from_secs(30);
 /// for its answer: a healthy server answers in milliseconds, and the relay's probe asks
 /// again every 2 s anyway.
 const REPLY_LIMIT: Duration = Duration::from_secs(2);
+/// JetStream's advisories that a replicated stream elected a leader, one subject a stream.
+const LEADER_ELECTED: &str = "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.>";
+
+/// A sent publish's acknowledgement to come.
+type Ack = Pin<Box<dyn Future<Output = Result<PublishAck, PublishError>> + Send>>;
 
 /// Why [`NatsSink::stream_captures`] got no answer to "which stream captures this
 /// subject?". The cause of the transient [`SinkError`] of a publish nobody answered, when
@@ -77,6 +100,8 @@ pub struct NatsSink {
     /// The stream that acknowledged the latest batch: what [`SinkService::healthcheck`]
     /// asks about once there is one.
     last_stream: Mutex<Option<String>>,
+    /// Counts the stream leader elections announced since connect ([`follow_elections`]).
+    elections: watch::Receiver<u64>,
 }
 
 impl NatsSink {
@@ -98,6 +123,7 @@ impl NatsSink {
             .await
             .map_err(|e| connect_error(config, e, &secrets))?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
+        let elections = follow_elections(&client).await;
         Ok(NatsSink {
             client,
             js,
@@ -106,7 +132,25 @@ impl NatsSink {
             denied,
             connected,
             last_stream: Mutex::new(None),
+            elections,
         })
+    }
+
+    /// Sends `message` to JetStream; the ack is awaited separately.
+    async fn send(&self, subjects: &mut Subjects, message: &Message) -> Result<Ack, PublishError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &message.headers {
+            headers.insert(&**name, value.as_str());
+        }
+        headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
+        let publish = PublishMessage::build()
+            .payload(message.payload.clone().unwrap_or_default())
+            .headers(headers);
+        let ack = self
+            .js
+            .send_publish(subjects.of(&message.topic), publish)
+            .await?;
+        Ok(ack.into_future())
     }
 
     /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
@@ -164,11 +208,13 @@ impl NatsSink {
     }
 
     /// The error of a publish or an ack that failed, carrying `e` (or, when the stream
-    /// lookup it prompted failed, the lookup's error).
+    /// lookup it prompted failed, the lookup's error); `elections` counts the stream leader
+    /// elections seen since the publish was sent.
     async fn classify(
         &self,
         subject: &str,
         e: async_nats::jetstream::context::PublishError,
+        elections: &watch::Receiver<u64>,
     ) -> SinkError {
         let text = scrub(&e.to_string(), &self.secrets);
         let code = std::error::Error::source(&e)
@@ -178,8 +224,21 @@ impl NatsSink {
             ErrorClass::BadRow => SinkError::bad_row(text),
             ErrorClass::Fatal => SinkError::fatal(text),
             ErrorClass::Transient if e.kind() == PublishErrorKind::StreamNotFound => {
-                // "No responders": no stream, or a stream between leaders. Ask which.
-                match self.stream_captures(subject).await {
+                // "No responders": no stream, or a stream between leaders. A leader elected
+                // since says which; else ask (whoever answers that may be changing too).
+                let mut elected = elections.clone();
+                let captured = tokio::select! {
+                    biased;
+                    Ok(()) = elected.changed() => {
+                        return SinkError::transient(format!(
+                            "no responders for {subject:?} while a JetStream stream elected a \
+                             leader"
+                        ))
+                        .caused_by(e)
+                    }
+                    captured = self.stream_captures(subject) => captured,
+                };
+                match captured {
                     Ok(false) => SinkError::bad_row(format!(
                         "no JetStream stream captures subject {subject:?}: add the subject to \
                          a stream, or fix the table's topic template \
@@ -286,45 +345,73 @@ impl SinkService for NatsSink {
         Ok(())
     }
 
+    /// Sends the whole batch, then collects the acks: one round trip, not one per row. A
+    /// stream leader elected meanwhile gets what is still unacknowledged again (see the
+    /// module doc, *A stream leader change*).
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
-        let mut acks = Vec::with_capacity(messages.len());
+        let mut acks: Vec<Option<Ack>> = Vec::with_capacity(messages.len());
         let mut subjects = Subjects::default();
-        // Queue the whole batch first, then collect the acks: one round trip, not one per row.
+        let mut elections = self.elections.clone();
+        elections.borrow_and_update();
         for message in messages {
             if self.recently_denied(&message.topic) {
                 acks.push(None);
                 results.push(Err(denied_error(&message.topic)));
                 continue;
             }
-            let mut headers = HeaderMap::new();
-            for (name, value) in &message.headers {
-                headers.insert(&**name, value.as_str());
-            }
-            headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
-            let publish = PublishMessage::build()
-                .payload(message.payload.clone().unwrap_or_default())
-                .headers(headers);
-            match self
-                .js
-                .send_publish(subjects.of(&message.topic), publish)
-                .await
-            {
-                Ok(ack) => acks.push(Some(ack)),
+            match self.send(&mut subjects, message).await {
+                Ok(ack) => {
+                    acks.push(Some(ack));
+                    results.push(Ok(()));
+                }
                 Err(e) => {
                     acks.push(None);
-                    results.push(Err(self.classify(&message.topic, e).await));
-                    continue;
+                    results.push(Err(self.classify(&message.topic, e, &elections).await));
                 }
             }
-            results.push(Ok(()));
         }
         let mut acked_by = None;
-        for (i, ack) in acks.into_iter().enumerate() {
-            if let Some(ack) = ack {
-                match ack.await {
-                    Ok(ack) => acked_by = Some(ack.stream),
-                    Err(e) => results[i] = Err(self.classify(&messages[i].topic, e).await),
+        let mut i = 0;
+        while i < acks.len() {
+            let Some(ack) = acks[i].as_mut() else {
+                i += 1;
+                continue;
+            };
+            tokio::select! {
+                biased;
+                outcome = ack => {
+                    acks[i] = None;
+                    match outcome {
+                        Ok(ack) => acked_by = Some(ack.stream),
+                        Err(e) => {
+                            let topic = &messages[i].topic;
+                            results[i] = Err(self.classify(topic, e, &elections).await);
+                        }
+                    }
+                    i += 1;
+                }
+                // (Never again once the advisories' follower has stopped.)
+                Ok(()) = elections.changed() => {
+                    let mut again = 0;
+                    for j in i..acks.len() {
+                        if acks[j].is_none() {
+                            continue;
+                        }
+                        acks[j] = match self.send(&mut subjects, messages[j]).await {
+                            Ok(ack) => Some(ack),
+                            Err(e) => {
+                                let topic = &messages[j].topic;
+                                results[j] = Err(self.classify(topic, e, &elections).await);
+                                None
+                            }
+                        };
+                        again += 1;
+                    }
+                    tracing::debug!(
+                        again,
+                        "A JetStream stream elected a leader: unacknowledged messages sent again"
+                    );
                 }
             }
         }
@@ -345,7 +432,8 @@ impl SinkService for NatsSink {
     /// answer means publishes can be stored again. Before that, `$JS.API.INFO` (in a
     /// cluster, the JetStream meta leader answers: it is elected separately, and can be
     /// down while the stream's leader serves, which kept the circuit open for seconds
-    /// after a server holding both died).
+    /// after a server holding both died). A stream leader elected while the probe waits for
+    /// its answer gets the question again.
     async fn healthcheck(&self) -> Result<(), SinkError> {
         if self.client.connection_state() != async_nats::connection::State::Connected {
             return Err(SinkError::transient("not connected to NATS"));
@@ -359,20 +447,35 @@ impl SinkService for NatsSink {
             Some(stream) => format!("stream {stream}"),
             None => "JetStream".to_owned(),
         };
-        let request = self.client.request(subject, bytes::Bytes::new());
-        let reply = match tokio::time::timeout(REPLY_LIMIT, request).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => {
-                return Err(SinkError::transient(format!(
-                    "{asked} did not answer: {}",
-                    scrub(&e.to_string(), &self.secrets)
-                ))
-                .caused_by(e))
-            }
-            Err(_) => {
-                return Err(SinkError::transient(format!(
-                    "{asked} did not answer within {REPLY_LIMIT:?}"
-                )))
+        // Asked between two leaders, the question gets no answer: asked again as soon as a
+        // stream elects one, which answers at once.
+        let mut elections = self.elections.clone();
+        elections.borrow_and_update();
+        let ask = || Box::pin(self.client.request(subject.clone(), bytes::Bytes::new()));
+        let mut request = ask();
+        let mut deadline = tokio::time::Instant::now() + REPLY_LIMIT;
+        let reply = loop {
+            tokio::select! {
+                biased;
+                reply = &mut request => match reply {
+                    Ok(reply) => break reply,
+                    Err(e) => {
+                        return Err(SinkError::transient(format!(
+                            "{asked} did not answer: {}",
+                            scrub(&e.to_string(), &self.secrets)
+                        ))
+                        .caused_by(e))
+                    }
+                },
+                Ok(()) = elections.changed() => {
+                    request = ask();
+                    deadline = tokio::time::Instant::now() + REPLY_LIMIT;
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    return Err(SinkError::transient(format!(
+                        "{asked} did not answer within {REPLY_LIMIT:?}"
+                    )))
+                }
             }
         };
         // An error reply (the stream gone, no leader known) is not a serving stream.
@@ -440,6 +543,35 @@ async fn connect_options(
         options = options.require_tls(true);
     }
     Ok(options)
+}
+
+/// Counts JetStream's stream leader elections, from their advisories ([`LEADER_ELECTED`]),
+/// until every receiver is gone. A user who may not subscribe to them gets none (the
+/// server refuses asynchronously): the count stays 0, and a publish the old leader dropped
+/// waits out its timeout.
+async fn follow_elections(client: &async_nats::Client) -> watch::Receiver<u64> {
+    let (count, elections) = watch::channel(0);
+    match client.subscribe(LEADER_ELECTED).await {
+        Ok(mut advisories) => {
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = count.closed() => break,
+                        advisory = advisories.next() => match advisory {
+                            Some(advisory) => {
+                                let subject = &advisory.subject;
+                                tracing::debug!(%subject, "A JetStream stream elected a leader");
+                                count.send_modify(|n| *n += 1);
+                            }
+                            None => break,
+                        },
+                    }
+                }
+            });
+        }
+        Err(e) => tracing::debug!(error = %e, "Not following JetStream's leader elections"),
+    }
+    elections
 }
 
 /// Follows the connection's events: up or down into `connected`, subjects the server
