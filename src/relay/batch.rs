@@ -181,14 +181,20 @@ pub(super) struct Ended {
     pub(super) result: Result<Batch, BatchError>,
 }
 
+impl Ended {
+    fn new(table: usize, ticket: Ticket, result: Result<Batch, BatchError>) -> Ended {
+        Ended {
+            table,
+            ticket,
+            result,
+        }
+    }
+}
+
 /// Runs batches for worker `lane` from table `t` (looked at with `ticket`) on: one, or
 /// several on one session when each claims the next with its `COMMIT` ([`Shared::follow_on`]).
 pub(super) async fn relay_batch(shared: &Shared, lane: usize, t: usize, ticket: Ticket) -> Ended {
-    let ended = |result| Ended {
-        table: t,
-        ticket,
-        result,
-    };
+    let ended = |result| Ended::new(t, ticket, result);
     // A rate-limited table's tokens first, in a statement of their own (`source::rate`).
     let table = &shared.tables[t];
     let Some(bucket) = shared.bucket(table) else {
@@ -241,20 +247,8 @@ async fn relay_batches(
     };
     let session = match session {
         Ok(Some(session)) => session,
-        Ok(None) => {
-            return Ended {
-                table: t,
-                ticket,
-                result: Ok(Batch::Stopped),
-            }
-        }
-        Err(e) => {
-            return Ended {
-                table: t,
-                ticket,
-                result: Err(e.into()),
-            }
-        }
+        Ok(None) => return Ended::new(t, ticket, Ok(Batch::Stopped)),
+        Err(e) => return Ended::new(t, ticket, Err(e.into())),
     };
     // The first batch waited this long for its session; those that follow on, nothing.
     let mut session_wait = asked.elapsed();
@@ -302,11 +296,7 @@ async fn relay_batches(
         _ => None,
     };
     Source::release(session, error);
-    Ended {
-        table: t,
-        ticket,
-        result,
-    }
+    Ended::new(t, ticket, result)
 }
 
 impl Shared {

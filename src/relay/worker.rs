@@ -84,9 +84,8 @@ impl Worker {
                     }
                     let pause = backoff.next_pause();
                     tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Batch failed; backing off");
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(pause) => {}
+                    if !sleep_unless_stopped(&stop, pause).await {
+                        return;
                     }
                 }
                 Round::Worked => {
@@ -95,15 +94,13 @@ impl Worker {
                 }
                 Round::Throttled(wait) => {
                     backoff.reset();
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(wait) => {}
+                    if !sleep_unless_stopped(&stop, wait).await {
+                        return;
                     }
                 }
                 Round::Contended => {
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = tokio::time::sleep(surplus) => {}
+                    if !sleep_unless_stopped(&stop, surplus).await {
+                        return;
                     }
                     if !shared.drain {
                         surplus = (surplus * 2).min(poll * 8);
@@ -112,28 +109,37 @@ impl Worker {
                 Round::Idle => {
                     backoff.reset();
                     surplus = poll;
-                    if shared.drain && shared.nothing_publishable().await {
-                        shared.state.set_drained(true);
-                        shared.shutdown.request_stop();
+                    if !self.rest(notified).await {
                         return;
-                    }
-                    // Until a NOTIFY, or the soonest table due for a look (`wake`).
-                    let pause = if shared.drain {
-                        shared.relay.poll_interval
-                    } else {
-                        shared
-                            .wakes
-                            .next_check()
-                            .saturating_duration_since(std::time::Instant::now())
-                            .clamp(Duration::from_millis(1), super::wake::IDLE_RECHECK)
-                    };
-                    tokio::select! {
-                        _ = stop.cancelled() => return,
-                        _ = &mut notified => {}
-                        _ = tokio::time::sleep(pause) => {}
                     }
                 }
             }
+        }
+    }
+
+    /// After a round that found nothing: ends a drain with nothing publishable left (and
+    /// returns `false`), else waits until a NOTIFY (`notified`), the soonest table due for
+    /// a look (`wake`; a poll interval in `drain`), or `stop` (`false`).
+    async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
+        let shared = &self.shared;
+        if shared.drain && shared.nothing_publishable().await {
+            shared.state.set_drained(true);
+            shared.shutdown.request_stop();
+            return false;
+        }
+        let pause = if shared.drain {
+            shared.relay.poll_interval
+        } else {
+            shared
+                .wakes
+                .next_check()
+                .saturating_duration_since(std::time::Instant::now())
+                .clamp(Duration::from_millis(1), super::wake::IDLE_RECHECK)
+        };
+        tokio::select! {
+            _ = shared.shutdown.stop_token().cancelled() => false,
+            _ = notified => true,
+            _ = tokio::time::sleep(pause) => true,
         }
     }
 
@@ -220,5 +226,13 @@ impl Worker {
         } else {
             Round::Idle
         }
+    }
+}
+
+/// Sleeps for `pause`; `false` when `stop` fired first.
+async fn sleep_unless_stopped(stop: &tokio_util::sync::CancellationToken, pause: Duration) -> bool {
+    tokio::select! {
+        _ = stop.cancelled() => false,
+        _ = tokio::time::sleep(pause) => true,
     }
 }

@@ -90,6 +90,79 @@ impl From<String> for Stop {
     }
 }
 
+/// What the connection's messages are: notifications among them.
+type Messages = Option<Result<AsyncMessage, tokio_postgres::Error>>;
+
+/// Waits for `check`'s answer within `answer_within`, passing on the notifications that
+/// arrive meanwhile: the answer comes through the connection, which only the message
+/// stream polls, so both are driven. `false` when `stop` fired first.
+async fn answered<T>(
+    check: impl std::future::Future<Output = Result<T, tokio_postgres::Error>>,
+    answer_within: Duration,
+    messages: &mut (impl futures_util::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>>
+              + Unpin),
+    wake: &dyn Wake,
+    stop: &CancellationToken,
+) -> Result<bool, Stop> {
+    let check = tokio::time::timeout(answer_within, check);
+    tokio::pin!(check);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ok(false),
+            answer = &mut check => return match answer {
+                Ok(Ok(_)) => Ok(true),
+                Ok(Err(e)) => Err(Stop::Failed(describe(&e))),
+                Err(_) => Err(Stop::Failed(format!(
+                    "no answer to a check within {answer_within:?}"
+                ))),
+            },
+            message = messages.next() => match message {
+                Some(Ok(AsyncMessage::Notification(n))) => wake.rows_committed(n.payload()),
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
+                None => return Err(Stop::Failed("connection closed".to_owned())),
+            },
+        }
+    }
+}
+
+/// Takes `message` and every message already received after it, and wakes each table
+/// they name once. Debounce: a burst of commits arrives as a burst of notifications; every
+/// one already received wakes its table once, not once each.
+fn take_burst(
+    mut message: Messages,
+    messages: &mut (impl futures_util::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>>
+              + Unpin),
+    wake: &dyn Wake,
+) -> Result<(), Stop> {
+    let mut committed = 0usize;
+    let mut tables: Vec<String> = Vec::new();
+    loop {
+        match message {
+            Some(Ok(AsyncMessage::Notification(n))) => {
+                committed += 1;
+                if !tables.iter().any(|t| t == n.payload()) {
+                    tables.push(n.payload().to_owned());
+                }
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
+            None => return Err(Stop::Failed("connection closed".to_owned())),
+        }
+        match messages.next().now_or_never() {
+            Some(next) => message = next,
+            None => break,
+        }
+    }
+    if committed > 0 {
+        tracing::trace!(notifications = committed, "Outbox rows committed");
+        for table in &tables {
+            wake.rows_committed(table);
+        }
+    }
+    Ok(())
+}
+
 /// One connection's life: returns `Ok` when stopped, `Err` when the connection failed.
 async fn listen_once(
     pg: &PostgresConfig,
@@ -124,64 +197,13 @@ async fn listen_once(
                 wake.listening(true);
             }
             _ = tokio::time::sleep_until(next_check), if subscribed => {
-                // The query's answer comes through `connection`, which only the message
-                // stream polls: drive both until the answer or the deadline.
-                let check = tokio::time::timeout(answer_within, client.simple_query("SELECT 1"));
-                tokio::pin!(check);
-                loop {
-                    tokio::select! {
-                        _ = stop.cancelled() => return Ok(()),
-                        answer = &mut check => match answer {
-                            Ok(Ok(_)) => break,
-                            Ok(Err(e)) => return Err(Stop::Failed(describe(&e))),
-                            Err(_) => {
-                                return Err(Stop::Failed(format!(
-                                    "no answer to a check within {answer_within:?}"
-                                )))
-                            }
-                        },
-                        message = messages.next() => match message {
-                            Some(Ok(AsyncMessage::Notification(n))) => {
-                                wake.rows_committed(n.payload());
-                            }
-                            Some(Ok(_)) => {}
-                            Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
-                            None => return Err(Stop::Failed("connection closed".to_owned())),
-                        },
-                    }
+                let check = client.simple_query("SELECT 1");
+                if !answered(check, answer_within, &mut messages, wake, stop).await? {
+                    return Ok(());
                 }
                 next_check = tokio::time::Instant::now() + LISTEN_CHECK;
             }
-            message = messages.next() => {
-                // Debounce: a burst of commits arrives as a burst of notifications; every
-                // one already received wakes its table once, not once each.
-                let mut message = message;
-                let mut committed = 0usize;
-                let mut tables: Vec<String> = Vec::new();
-                loop {
-                    match message {
-                        Some(Ok(AsyncMessage::Notification(n))) => {
-                            committed += 1;
-                            if !tables.iter().any(|t| t == n.payload()) {
-                                tables.push(n.payload().to_owned());
-                            }
-                        }
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
-                        None => return Err(Stop::Failed("connection closed".to_owned())),
-                    }
-                    match messages.next().now_or_never() {
-                        Some(next) => message = next,
-                        None => break,
-                    }
-                }
-                if committed > 0 {
-                    tracing::trace!(notifications = committed, "Outbox rows committed");
-                    for table in &tables {
-                        wake.rows_committed(table);
-                    }
-                }
-            }
+            message = messages.next() => take_burst(message, &mut messages, wake)?,
         }
     }
 }
