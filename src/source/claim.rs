@@ -556,10 +556,14 @@ async fn take_buckets(
         picks += 1;
         let room = plan.room();
         let want = depth.buckets_for(room);
-        // Enough rows of each bucket to fill the batch from a few of them (other
-        // claimers may hold most of the buckets asked for: with an eighth of the room
-        // a bucket, a claim on 50 keys after a database restart took batches of 12-40
-        // rows of 100), not so many that a pick of many buckets reads many batches. Up
+        // Twice a bucket's share of the room, and at least a quarter of the room, so that
+        // a few buckets fill the batch (other claimers may hold most of the buckets asked
+        // for: with an eighth of the room a bucket, a claim on 50 keys after a database
+        // restart took batches of 12-40 rows of 100), not so many that a pick of many
+        // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
+        // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
+        // costs a held-row probe then: benchmark K, 13,600 blocks a pick; a quarter:
+        // 9,900, and the other keys' rows flowed 20-25 % faster). Up
         // to the rows it may lock (a quarter more than the room): a bucket whose keys
         // are partly held elsewhere still fills the batch in one pick (benchmark L, one
         // bucket a pick: 128 of 396 claims needed a second pick with at most the room
@@ -567,7 +571,7 @@ async fn take_buckets(
         let per_bucket = room
             .div_ceil(want)
             .saturating_mul(2)
-            .max(room / 2)
+            .max(room / 4)
             .min(room + room / 4)
             .max(1)
             + reread;
