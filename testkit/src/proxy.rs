@@ -285,11 +285,15 @@ async fn pump(
                     }
                 }
             }
-            if to.write_all(&chunk).await.is_err() {
-                return;
-            }
+            // Answered before the answer is written, not after: once written, the client
+            // may read it and send its next request, and the other pump read that, before
+            // this task runs again; the request then counted as no new round trip (seen
+            // once in CI: a claim and its commit counted 1 instead of 2).
             if let Turns::Down(answered) = turns {
                 answered.store(true, Ordering::SeqCst);
+            }
+            if to.write_all(&chunk).await.is_err() {
+                return;
             }
         }
     };
