@@ -1034,4 +1034,68 @@ mod tests {
         let outcomes = [RowOutcome::Published, RowOutcome::Failed(fatal.clone())];
         assert_eq!(settle(&rows(2), &outcomes, wait), Err(fatal));
     }
+
+    /// A row at its last attempt that could not become a message (here its topic column
+    /// is NULL) is dead-lettered all the same, under the row's own message id: the id
+    /// column when the table maps one apart from the order column, as for a row that did
+    /// become a message (it used to be `<table>:<order column>` always).
+    #[test]
+    fn a_row_that_cannot_become_a_message_is_dead_lettered_under_its_message_id() {
+        let config = crate::config::from_str(
+            "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"stdout\"\n\
+             [[tables]]\nname = \"public.outbox\"\ntopic = \"events.{type}\"\n\
+             dead_letter_topic = \"dead\"\n\
+             [tables.columns]\nid = \"event_id\"\norder = \"seq\"\n",
+            |_| None,
+            Vec::new(),
+        )
+        .unwrap();
+        let table = &config.tables[0];
+        let template = table.dead_letter_topic.as_ref().unwrap();
+        let mut rows = vec![ClaimedRow {
+            id: 7,
+            message_id: Some("evt-7".to_owned()),
+            key: Some(Arc::from("k")),
+            payload: Some(b"{}".to_vec()),
+            attempts: 2,
+            ..ClaimedRow::default()
+        }];
+        let refused = || SinkError::bad_row("topic column type is NULL");
+        let settlement = settle(&rows, &[RowOutcome::Failed(refused())], wait).unwrap();
+        let dead = letters(
+            table,
+            template,
+            3,
+            &mut rows,
+            vec![Err(refused())],
+            &settlement,
+        );
+        assert_eq!(dead.len(), 1, "the row is at its last attempt");
+        let (_, id, letter) = &dead[0];
+        let letter = letter.as_ref().unwrap();
+        assert_eq!(*id, 7);
+        assert_eq!(letter.id, "public.outbox:evt-7");
+        assert_eq!(&*letter.topic, "dead");
+        assert_eq!(letter.payload.as_deref(), Some(&b"{}"[..]));
+        let header = |name: &str| {
+            letter
+                .headers
+                .iter()
+                .find(|(n, _)| &**n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(header("outbox-error"), Some("topic column type is NULL"));
+        assert_eq!(header("outbox-attempts"), Some("3"));
+        // Below its last attempt, a row is not dead-lettered.
+        rows[0].attempts = 0;
+        assert!(letters(
+            table,
+            template,
+            3,
+            &mut rows,
+            vec![Err(refused())],
+            &settlement
+        )
+        .is_empty());
+    }
 }
