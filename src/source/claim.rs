@@ -263,7 +263,7 @@ impl ClaimedRow {
 /// past the heads other workers hold.
 const WINDOW_FACTOR: usize = 4;
 /// The first window's rows at most: four for each bucket.
-const SCOUT: i64 = 4 * BUCKETS as i64;
+const SCOUT: i64 = super::sql::WINDOW_ROWS;
 /// Lock rounds per claim: each round locks the heads planned from what is left.
 const MAX_ROUNDS: usize = 8;
 

@@ -1,8 +1,8 @@
 //! A claim's statements: the unordered claim, the first window, the bucket reads and the
 //! row locks (see `source::claim`).
 
-use super::budgeted;
 use super::parts::Parts;
+use super::{budgeted, WINDOW_ROWS};
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Claim {
@@ -79,6 +79,7 @@ pub(super) fn statements(p: &Parts) -> Claim {
             id,
             size,
         ),
+        // Its read's limit written in, its floor and stragglers hidden: see [`WINDOW_ROWS`].
         // One statement, so one snapshot: a window read in two statements could see a
         // row's key released in one and not the other, and take a later row for its head.
         // The two parts are materialized and sorted together: as a UNION ALL under a
@@ -93,12 +94,16 @@ pub(super) fn statements(p: &Parts) -> Claim {
              main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
              {osize} AS size, {obucket} AS bucket \
              FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
-             ORDER BY o.{id} LIMIT $1) \
+             ORDER BY o.{id} LIMIT {WINDOW_ROWS}) \
              SELECT id, key, size, bucket FROM low UNION ALL \
              SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
             osize = p.size_of("o."),
-            stragglers = p.stragglers_part("o.", "$3::bigint[]"),
-            retrying = p.retry_part("o.", "$2", "$3::bigint[]"),
+            stragglers = p.stragglers_part("o.", "(SELECT $3::bigint[])::bigint[]"),
+            retrying = p.retry_part(
+                "o.",
+                "(SELECT $2::bigint)",
+                "(SELECT $3::bigint[])::bigint[]"
+            ),
         ),
         // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
         // are got: the lock function runs once per bucket tried), then each bucket's
