@@ -13,7 +13,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
-use testkit::{NatsCluster, Signal};
+use testkit::NatsCluster;
 
 /// Rows seeded per test, over [`KEYS`] keys.
 const ROWS: i64 = 20_000;
