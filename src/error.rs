@@ -1,5 +1,5 @@
 //! The one question every error answers: what should the relay do about it? Each module
-//! maps its own errors onto [`ErrorClass`]: PostgreSQL's in [`crate::source::class`],
+//! maps its own errors onto [`ErrorClass`]: PostgreSQL's in `source::class`,
 //! each sink's beside its client.
 
 /// How the relay reacts to a failure.

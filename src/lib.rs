@@ -50,6 +50,10 @@
 // `pub(crate)` by default: an item is `pub` only if the binary, the integration tests or
 // testkit use it (the public surface). A `pub` nothing outside can reach is flagged.
 #![warn(unreachable_pub)]
+// The documentation is for the engineers who own this code, not for a crate's users: the
+// public items' docs link to the private ones that do the work, and `cargo doc
+// --document-private-items` renders both.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub mod admin;
 pub mod check;

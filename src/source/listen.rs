@@ -28,7 +28,7 @@ use crate::retry::Backoff;
 pub(crate) const CHANNEL: &str = "outbox_relay";
 
 /// How often a subscribed LISTEN connection proves it still answers: as often as a table
-/// NOTIFY covers is looked at anyway ([`crate::relay::wake::IDLE_RECHECK`]), so a silent
+/// NOTIFY covers is looked at anyway (`relay::wake::IDLE_RECHECK`), so a silent
 /// listener costs no more than that.
 pub(crate) const LISTEN_CHECK: Duration = Duration::from_secs(5);
 

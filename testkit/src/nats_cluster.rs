@@ -309,7 +309,7 @@ impl NatsCluster {
     }
 
     /// Every message stored in `stream`, in stream order, read from a live server. Retried
-    /// for [`ELECTION_LIMIT`]: right after a server died, creating the reading consumer can
+    /// for `ELECTION_LIMIT`: right after a server died, creating the reading consumer can
     /// time out until the cluster has settled who leads what.
     pub async fn read_stream(&self, stream: &str) -> Result<Vec<StoredMessage>> {
         let deadline = Instant::now() + ELECTION_LIMIT;
@@ -377,7 +377,7 @@ impl NatsCluster {
     }
 
     /// Waits for server `i`, asked to [`Self::stop`], to exit; one still running after
-    /// [`STOP_LIMIT`] is killed, and the error carries its log tail. Its store survives for
+    /// `STOP_LIMIT` is killed, and the error carries its log tail. Its store survives for
     /// [`Self::restart`].
     pub async fn wait_stopped(&mut self, i: usize) -> Result<()> {
         let deadline = Instant::now() + STOP_LIMIT;

@@ -6,7 +6,7 @@
 //! partitions the others lead.
 //!
 //! Where it comes from. librdkafka emits its statistics every `statistics.interval.ms`
-//! (the relay's default: [`STATISTICS_INTERVAL_MS`]) to [`HealthContext::stats_raw`]: each
+//! (the relay's default: 500 ms, in `config::kafka`'s defaults) to [`HealthContext::stats_raw`]: each
 //! broker's connection state and each partition's leader, as the producer itself sees
 //! them. A broker counts as down only after every sample over [`DOWN_AFTER`] said it was
 //! not connected (or no longer listed it while partitions still name it as their leader) (a connection being set up takes milliseconds, so a healthy broker is
