@@ -79,34 +79,82 @@ pub(crate) enum HeadersError {
 /// Headers keep the object's order; a name given twice keeps its last value.
 pub(crate) fn parse_headers(text: &str) -> Result<Vec<(Arc<str>, String)>, HeadersError> {
     let mut de = serde_json::Deserializer::from_str(text);
-    let headers = de
-        .deserialize_any(HeadersVisitor)
-        .and_then(|headers| de.end().map(|()| headers));
-    match headers {
-        Ok(Ok(headers)) => Ok(headers),
-        Ok(Err(wrong)) => Err(HeadersError::NotStrings(wrong)),
+    let column = de
+        .deserialize_any(ValueVisitor { column: true })
+        .and_then(|value| de.end().map(|()| value));
+    match column {
+        Ok(Value::Headers(Ok(headers))) => Ok(headers),
+        Ok(Value::Headers(Err(wrong))) => Err(HeadersError::NotStrings(wrong)),
+        Ok(Value::String(_)) => Err(HeadersError::NotStrings(", not a string".to_owned())),
+        Ok(Value::Other(kind)) => Err(HeadersError::NotStrings(format!(", not {kind}"))),
         Err(e) => Err(HeadersError::NotJson(e)),
     }
 }
 
-/// Reads the object's entries into a list; a well-formed value of the wrong shape is
-/// `Ok(Err(what's wrong))`, so only malformed JSON is a JSON error.
-struct HeadersVisitor;
+/// The headers column read in one pass, or one of its values: a well-formed value of the
+/// wrong shape is a `Value` saying what is wrong, so only malformed JSON is a JSON error.
+enum Value {
+    /// The column itself, an object (or null): its entries, in order, or what is wrong
+    /// with them (the first value that is not a string).
+    Headers(Result<Vec<(Arc<str>, String)>, String>),
+    /// A string (taken).
+    String(String),
+    /// Anything else: its kind (skipped).
+    Other(&'static str),
+}
 
-type Parsed = Result<Vec<(Arc<str>, String)>, String>;
+/// Reads the column (`column`: an object is read as headers, null is no headers) or one
+/// of its values (an object or null is just another wrong kind).
+struct ValueVisitor {
+    column: bool,
+}
 
-impl<'de> Visitor<'de> for HeadersVisitor {
-    type Value = Parsed;
+impl<'de> Visitor<'de> for ValueVisitor {
+    type Value = Value;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        f.write_str("a JSON object of strings, or null")
+        f.write_str(match self.column {
+            true => "a JSON object of strings, or null",
+            false => "a header value",
+        })
     }
 
-    fn visit_unit<E: de::Error>(self) -> Result<Parsed, E> {
-        Ok(Ok(Vec::new()))
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
     }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Parsed, A::Error> {
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(match self.column {
+            true => Value::Headers(Ok(Vec::new())),
+            false => Value::Other("null"),
+        })
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Value, E> {
+        Ok(Value::Other("a boolean"))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Value, E> {
+        Ok(Value::Other("a number"))
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Value, E> {
+        Ok(Value::Other("a number"))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Value, E> {
+        Ok(Value::Other("a number"))
+    }
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+        Ok(Value::Other("an array"))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        if !self.column {
+            while map
+                .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
+                .is_some()
+            {}
+            return Ok(Value::Other("an object"));
+        }
         let mut headers: Vec<(Arc<str>, String)> = Vec::with_capacity(map.size_hint().unwrap_or(4));
         let mut wrong = None;
         while let Some(name) = map.next_key::<Name>()? {
@@ -124,27 +172,14 @@ impl<'de> Visitor<'de> for HeadersVisitor {
                 _ => {}
             }
         }
-        Ok(wrong.map_or(Ok(headers), Err))
+        Ok(Value::Headers(wrong.map_or(Ok(headers), Err)))
     }
+}
 
-    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Parsed, E> {
-        Ok(Err(", not a boolean".to_owned()))
-    }
-    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Parsed, E> {
-        Ok(Err(", not a number".to_owned()))
-    }
-    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Parsed, E> {
-        Ok(Err(", not a number".to_owned()))
-    }
-    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Parsed, E> {
-        Ok(Err(", not a number".to_owned()))
-    }
-    fn visit_str<E: de::Error>(self, _: &str) -> Result<Parsed, E> {
-        Ok(Err(", not a string".to_owned()))
-    }
-    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Parsed, A::Error> {
-        while seq.next_element::<de::IgnoredAny>()?.is_some() {}
-        Ok(Err(", not an array".to_owned()))
+/// A header's value.
+impl<'de> de::Deserialize<'de> for Value {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(ValueVisitor { column: false })
     }
 }
 
@@ -164,57 +199,6 @@ impl<'de> de::Deserialize<'de> for Name {
             }
         }
         d.deserialize_str(NameVisitor)
-    }
-}
-
-/// A header value: a string (taken), or the kind of whatever else it is (skipped).
-enum Value {
-    String(String),
-    Other(&'static str),
-}
-
-impl<'de> de::Deserialize<'de> for Value {
-    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Value, D::Error> {
-        struct ValueVisitor;
-        impl<'de> Visitor<'de> for ValueVisitor {
-            type Value = Value;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a header value")
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
-                Ok(Value::String(v.to_owned()))
-            }
-            fn visit_string<E: de::Error>(self, v: String) -> Result<Value, E> {
-                Ok(Value::String(v))
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
-                Ok(Value::Other("null"))
-            }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Value, E> {
-                Ok(Value::Other("a boolean"))
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Value, E> {
-                Ok(Value::Other("a number"))
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Value, E> {
-                Ok(Value::Other("a number"))
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Value, E> {
-                Ok(Value::Other("a number"))
-            }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-                while seq.next_element::<de::IgnoredAny>()?.is_some() {}
-                Ok(Value::Other("an array"))
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-                while map
-                    .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
-                    .is_some()
-                {}
-                Ok(Value::Other("an object"))
-            }
-        }
-        d.deserialize_any(ValueVisitor)
     }
 }
 
@@ -249,6 +233,18 @@ mod tests {
         assert_eq!(
             e(r#""a""#),
             "headers must be a JSON object of strings, not a string"
+        );
+        assert_eq!(
+            e("true"),
+            "headers must be a JSON object of strings, not a boolean"
+        );
+        assert_eq!(
+            e("1.5"),
+            "headers must be a JSON object of strings, not a number"
+        );
+        assert_eq!(
+            e(r#"{"a":null}"#),
+            r#"headers must be a JSON object of strings; "a" is null"#
         );
         assert!(e("{").starts_with("headers column is not JSON: "));
         assert!(e(r#"{"a":"1"} x"#).starts_with("headers column is not JSON: "));
