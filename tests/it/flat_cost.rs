@@ -413,16 +413,7 @@ async fn a_claims_first_window_keeps_its_generic_plan() {
     let client = env.client().await;
     seed(&client, 100_000, 2_000, 0).await;
     client.batch_execute("ANALYZE public.outbox").await.unwrap();
-    let config = outbox_relay::config::load(&env.config).unwrap();
-    let source = outbox_relay::source::Source::open(
-        &config.postgres,
-        outbox_relay::source::SessionLimits::relay(&config.postgres, config.sink.publish_timeout),
-    )
-    .await
-    .unwrap();
-    let tables = outbox_relay::source::table::prepare(&source, &config)
-        .await
-        .unwrap();
+    let (_source, tables) = env.tables().await;
     let window = &tables[0].sql.window;
     // Prepared once and run again, as the relay's sessions do (`source::session`).
     let session = env.client().await;

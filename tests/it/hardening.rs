@@ -544,16 +544,7 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
         )
         .await
         .unwrap();
-    let config = outbox_relay::config::load(&env.config).unwrap();
-    let source = outbox_relay::source::Source::open(
-        &config.postgres,
-        outbox_relay::source::SessionLimits::relay(&config.postgres, config.sink.publish_timeout),
-    )
-    .await
-    .unwrap();
-    let tables = outbox_relay::source::table::prepare(&source, &config)
-        .await
-        .unwrap();
+    let (_source, tables) = env.tables().await;
     let sql = &tables[0].sql;
     // The order values of a first window's rows (column 0), or of a bucket read's
     // (its own four columns come last, after the locked row's).

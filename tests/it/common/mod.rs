@@ -169,6 +169,28 @@ impl Env {
         self.pg.connect("app").await.expect("connect")
     }
 
+    /// The relay's tables as `run` prepares them (statements included), on a source of
+    /// its own, for tests that drive the claim's statements directly.
+    pub async fn tables(
+        &self,
+    ) -> (
+        outbox_relay::source::Source,
+        Vec<outbox_relay::source::table::TablePlan>,
+    ) {
+        let config = outbox_relay::config::load(&self.config).unwrap();
+        let limits = outbox_relay::source::SessionLimits::relay(
+            &config.postgres,
+            config.sink.publish_timeout,
+        );
+        let source = outbox_relay::source::Source::open(&config.postgres, limits)
+            .await
+            .unwrap();
+        let tables = outbox_relay::source::table::prepare(&source, &config)
+            .await
+            .unwrap();
+        (source, tables)
+    }
+
     pub async fn stored(&self) -> Vec<StoredMessage> {
         self.nats.read_stream(STREAM).await.expect("read stream")
     }
