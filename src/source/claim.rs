@@ -192,7 +192,7 @@ use std::sync::{Arc, Mutex};
 use tokio_postgres::Row;
 
 pub use super::floor::FloorView;
-use super::sql::{RowLayout, TableSql};
+use super::sql::{RowLayout, TableSql, WINDOW_FACTOR};
 pub use super::sql::{BUCKETS, FIRST_WINDOW};
 use super::{SourceError, Tx};
 use crate::config::Ordering;
@@ -259,11 +259,6 @@ impl ClaimedRow {
     }
 }
 
-/// Rows read per window, as a multiple of the batch size: large enough to find free keys
-/// past the heads other workers hold.
-const WINDOW_FACTOR: usize = 4;
-/// The first window's rows at most: four for each bucket.
-const SCOUT: i64 = super::sql::WINDOW_ROWS;
 /// Lock rounds per claim: each round locks the heads planned from what is left.
 const MAX_ROUNDS: usize = 8;
 
@@ -406,7 +401,7 @@ async fn claim_by_key(
     // its rows from the buckets it gets. Every claim reads it, idle claimers' included
     // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
     // claim, most of them by claimers that then found every bucket taken).
-    let window_size = ((limit * WINDOW_FACTOR) as i64).min(SCOUT);
+    let window_size = ((limit * WINDOW_FACTOR) as i64).min(sql.window_rows);
     let read = tx
         .query(&sql.window, &[&window_size, &floor.value, &stragglers])
         .await?;

@@ -34,7 +34,12 @@ pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>,
             .in_transaction(async |tx| schema::has_notify_trigger(tx.client(), table).await)
             .await?;
         plans.push(TablePlan {
-            sql: TableSql::new(table, &shape, config.relay.ordering),
+            sql: TableSql::new(
+                table,
+                &shape,
+                config.relay.ordering,
+                config.relay.batch_size,
+            ),
             config: table.clone(),
             floor: FloorCell::default(),
             depth: BucketDepth::default(),

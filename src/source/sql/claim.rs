@@ -1,8 +1,8 @@
 //! A claim's statements: the unordered claim, the first window, the bucket reads and the
 //! row locks (see `source::claim`).
 
+use super::budgeted;
 use super::parts::Parts;
-use super::{budgeted, WINDOW_ROWS};
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Claim {
@@ -13,7 +13,7 @@ pub(super) struct Claim {
     pub(crate) lock_rows: String,
 }
 
-pub(super) fn statements(p: &Parts) -> Claim {
+pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     let Parts {
         t,
         id,
@@ -79,7 +79,8 @@ pub(super) fn statements(p: &Parts) -> Claim {
             id,
             size,
         ),
-        // Its read's limit written in, its floor and stragglers hidden: see [`WINDOW_ROWS`].
+        // Its read's limit written in, its floor and stragglers hidden: see
+        // [`super::TableSql::window_rows`].
         // One statement, so one snapshot: a window read in two statements could see a
         // row's key released in one and not the other, and take a later row for its head.
         // The two parts are materialized and sorted together: as a UNION ALL under a
@@ -94,7 +95,7 @@ pub(super) fn statements(p: &Parts) -> Claim {
              main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
              {osize} AS size, {obucket} AS bucket \
              FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
-             ORDER BY o.{id} LIMIT {WINDOW_ROWS}) \
+             ORDER BY o.{id} LIMIT {window_rows}) \
              SELECT id, key, size, bucket FROM low UNION ALL \
              SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
             osize = p.size_of("o."),

@@ -27,14 +27,12 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// 2,376 looks in a drain by 8 relays.)
 pub(crate) const LOOK_LIMIT: usize = 1001;
 
-/// A claim's first window reads at most this many rows, four for each bucket; written into
-/// [`TableSql::window`]'s read rather than bound, with its floor and stragglers hidden from
-/// the planner as `(SELECT $n)`, for the reason [`LOOK_LIMIT`] gives: bound as `LIMIT $1`,
-/// the generic plan estimated a tenth of the table for it, so PostgreSQL planned every
-/// first window anew (benchmark K, all brokers up: 49 plans for 48 windows, 40 ms of
-/// planning against 62 ms of running). A claim that wants fewer rows cuts the answer
-/// with the outer `LIMIT $1`, which only the final sort of at most this many rows sees.
+/// A claim's first window reads at most this many rows, four for each bucket, and at most
+/// [`WINDOW_FACTOR`] times the batch size ([`TableSql::window_rows`]).
 pub(crate) const WINDOW_ROWS: i64 = 4 * BUCKETS as i64;
+/// Rows a claim's first window reads, as a multiple of the rows it claims: large enough to
+/// find free keys past the heads other workers hold.
+pub(crate) const WINDOW_FACTOR: usize = 4;
 
 /// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
 /// of migration 0004 computes it (see [`bucket_of`]).
@@ -62,12 +60,22 @@ pub struct TableSql {
     /// (the retry index).
     pub(crate) claim_unordered_low: String,
     /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
-    /// buckets of the oldest pending, due rows, at most `$1` (at most [`WINDOW_ROWS`] in
-    /// any case), without locking, leaving out
+    /// buckets of the oldest pending, due rows, at most `$1` (and at most
+    /// [`TableSql::window_rows`]), without locking, leaving out
     /// rows held back by an earlier held row of their key (dead, or waiting for its next
     /// attempt). Rows are read from the floor `$2` on, and below it only the stragglers
     /// `$3` and rows with a failure history (see [`super::floor`]).
     pub window: String,
+    /// The rows [`TableSql::window`] reads at most, whatever its `$1`: [`WINDOW_FACTOR`]
+    /// batches, at most [`WINDOW_ROWS`]. Written into the statement rather than bound, with
+    /// its floor and stragglers hidden from the planner as `(SELECT $n)`, for the reason
+    /// [`LOOK_LIMIT`] gives: bound as `LIMIT $1`, the generic plan estimated a tenth of the
+    /// table for it, so PostgreSQL planned every first window anew (benchmark K, all
+    /// brokers up: 49 plans for 48 windows, 40 ms of planning against 62 ms of running). A
+    /// claim that wants fewer rows (a partial batch) cuts the answer with the outer `LIMIT
+    /// $1`, which only the final sort sees. From the batch size, not a constant, so a table
+    /// claimed a few rows at a time reads a few rows a window, as when the limit was bound.
+    pub(crate) window_rows: i64,
     /// `ordering = "key"`, a claim's buckets, past a deep first window ending at `$1`
     /// ([`FIRST_WINDOW`] when the claim read none): takes the advisory locks (table tag
     /// `$6`) of the first `$7` buckets in `$3` (in that order) that no other transaction
@@ -212,9 +220,15 @@ impl TableSql {
     /// ([`floor`]), a batch's end ([`settle`]), the operator's and the probe's ([`admin`])
     /// and retention's ([`retention`]), all from one set of names and fragments
     /// ([`parts`]).
-    pub(crate) fn new(table: &TableConfig, shape: &TableShape, ordering: Ordering) -> TableSql {
+    pub(crate) fn new(
+        table: &TableConfig,
+        shape: &TableShape,
+        ordering: Ordering,
+        batch_size: usize,
+    ) -> TableSql {
         let p = parts::Parts::new(table, shape, ordering);
-        let claim = claim::statements(&p);
+        let window_rows = (batch_size.saturating_mul(WINDOW_FACTOR) as i64).clamp(1, WINDOW_ROWS);
+        let claim = claim::statements(&p, window_rows);
         let floor = floor::statements(&p);
         let settle = settle::statements(&p);
         let admin = admin::statements(&p);
@@ -223,6 +237,7 @@ impl TableSql {
             claim_unordered: claim.claim_unordered,
             claim_unordered_low: claim.claim_unordered_low,
             window: claim.window,
+            window_rows,
             pick_lock: claim.pick_lock,
             advance: floor.advance,
             sweep: floor.sweep,
