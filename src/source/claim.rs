@@ -401,7 +401,7 @@ async fn claim_by_key(
     // its rows from the buckets it gets. Every claim reads it, idle claimers' included
     // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
     // claim, most of them by claimers that then found every bucket taken).
-    let window_size = ((limit * WINDOW_FACTOR) as i64).min(sql.window_rows);
+    let window_size = super::sql::window_rows(limit).min(sql.window_rows);
     let read = tx
         .query(&sql.window, &[&window_size, &floor.value, &stragglers])
         .await?;

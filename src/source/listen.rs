@@ -93,6 +93,17 @@ impl From<String> for Stop {
 /// What the connection's messages are: notifications among them.
 type Messages = Option<Result<AsyncMessage, tokio_postgres::Error>>;
 
+/// A message of the connection: its notification if it is one; the connection's error or
+/// end as the [`Stop`] it means.
+fn notification(message: Messages) -> Result<Option<tokio_postgres::Notification>, Stop> {
+    match message {
+        Some(Ok(AsyncMessage::Notification(n))) => Ok(Some(n)),
+        Some(Ok(_)) => Ok(None),
+        Some(Err(e)) => Err(Stop::Failed(describe(&e))),
+        None => Err(Stop::Failed("connection closed".to_owned())),
+    }
+}
+
 /// Waits for `check`'s answer within `answer_within`, passing on the notifications that
 /// arrive meanwhile: the answer comes through the connection, which only the message
 /// stream polls, so both are driven. `false` when `stop` fired first.
@@ -116,12 +127,11 @@ async fn answered<T>(
                     "no answer to a check within {answer_within:?}"
                 ))),
             },
-            message = messages.next() => match message {
-                Some(Ok(AsyncMessage::Notification(n))) => wake.rows_committed(n.payload()),
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
-                None => return Err(Stop::Failed("connection closed".to_owned())),
-            },
+            message = messages.next() => {
+                if let Some(n) = notification(message)? {
+                    wake.rows_committed(n.payload());
+                }
+            }
         }
     }
 }
@@ -138,16 +148,11 @@ fn take_burst(
     let mut committed = 0usize;
     let mut tables: Vec<String> = Vec::new();
     loop {
-        match message {
-            Some(Ok(AsyncMessage::Notification(n))) => {
-                committed += 1;
-                if !tables.iter().any(|t| t == n.payload()) {
-                    tables.push(n.payload().to_owned());
-                }
+        if let Some(n) = notification(message)? {
+            committed += 1;
+            if !tables.iter().any(|t| t == n.payload()) {
+                tables.push(n.payload().to_owned());
             }
-            Some(Ok(_)) => {}
-            Some(Err(e)) => return Err(Stop::Failed(describe(&e))),
-            None => return Err(Stop::Failed("connection closed".to_owned())),
         }
         match messages.next().now_or_never() {
             Some(next) => message = next,

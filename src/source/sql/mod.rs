@@ -34,6 +34,13 @@ pub(crate) const WINDOW_ROWS: i64 = 4 * BUCKETS as i64;
 /// find free keys past the heads other workers hold.
 pub(crate) const WINDOW_FACTOR: usize = 4;
 
+/// The rows a first window reads for a claim of `rows` rows: [`WINDOW_FACTOR`] times as
+/// many, at most [`WINDOW_ROWS`]. Per table for a whole batch ([`TableSql::window_rows`]),
+/// per claim for what it may take.
+pub(crate) fn window_rows(rows: usize) -> i64 {
+    (rows.saturating_mul(WINDOW_FACTOR) as i64).min(WINDOW_ROWS)
+}
+
 /// Key buckets: a key's bucket is `hashtext(key) & (BUCKETS - 1)`, as the bucket index
 /// of migration 0004 computes it (see [`bucket_of`]).
 pub const BUCKETS: i32 = 64;
@@ -227,8 +234,8 @@ impl TableSql {
         batch_size: usize,
     ) -> TableSql {
         let p = parts::Parts::new(table, shape, ordering);
-        let window_rows = (batch_size.saturating_mul(WINDOW_FACTOR) as i64).clamp(1, WINDOW_ROWS);
-        let claim = claim::statements(&p, window_rows);
+        let most = window_rows(batch_size);
+        let claim = claim::statements(&p, most);
         let floor = floor::statements(&p);
         let settle = settle::statements(&p);
         let admin = admin::statements(&p);
@@ -237,7 +244,7 @@ impl TableSql {
             claim_unordered: claim.claim_unordered,
             claim_unordered_low: claim.claim_unordered_low,
             window: claim.window,
-            window_rows,
+            window_rows: most,
             pick_lock: claim.pick_lock,
             advance: floor.advance,
             sweep: floor.sweep,
