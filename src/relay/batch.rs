@@ -380,7 +380,9 @@ async fn run_phases<'s>(
     // not count: on a slow link some worker is always inside one, and a drain that waited
     // for all of them to be idle at once never ended.)
     let _active = shared.state.enter_batch();
-    table.floor.note_claimed(rows.iter().map(|r| r.id).max());
+    table
+        .floor
+        .note_claimed(rows.iter().map(|r| r.id).max(), rows.len());
     let started = Instant::now();
     tracing::Span::current().record("rows", rows.len());
     let meters = shared.meters(table);

@@ -446,3 +446,67 @@ async fn a_claims_first_window_keeps_its_generic_plan() {
         "12 first windows: five custom plans, then the generic one kept"
     );
 }
+
+/// Contract section 8 (Replicas): relays sharing a table keep one floor each, and each look
+/// walks the entries of the rows published lately, so the looks' cost to the database
+/// must follow the work, not the number of relays. Four drains share a table held to
+/// 4,000 rows/s (`max_rate`, all relays together): each claims about 25 rows a tick, so it
+/// looks every 200 ms (and when a sweep step is due), not every 25 ms. Counted by
+/// `pg_stat_statements`; looking every tick, the four made about 100 looks a second.
+#[tokio::test(flavor = "multi_thread")]
+async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
+    const ROWS: i64 = 12_000;
+    const RELAYS: usize = 4;
+    let pg =
+        testkit::Postgres::start_with(false, "shared_preload_libraries = 'pg_stat_statements'\n")
+            .unwrap();
+    let nats = testkit::NatsServer::start().unwrap();
+    let env = Env::on(pg, nats, relay().workers(2).batch_size(200)).await;
+    env.table_option("max_rate = 4000");
+    let client = env.client().await;
+    client
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    seed(&client, ROWS, 400, 0).await;
+    let inserted = ids(&client).await;
+    client
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let children: Vec<Child> = (0..RELAYS)
+        .map(|_| {
+            env.command(&["drain", "--timeout", "120s"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut child in children {
+        let (code, _) = wait_exit(&mut child, Duration::from_secs(130));
+        assert_eq!(code, Some(0));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
+
+    let looks = count(
+        &client,
+        "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
+         WHERE query LIKE 'WITH c AS MATERIALIZED%'",
+    )
+    .await;
+    // Per relay: one look per 500 rows it claimed, five a second (200 ms apart), up to two
+    // a second for sweep steps (a table this small is swept in two), and the first; half
+    // as many again as a margin.
+    let bound = 1.5 * (ROWS as f64 / 500.0 + RELAYS as f64 * (secs * 7.0 + 1.0));
+    eprintln!(
+        "{RELAYS} drains of {ROWS} rows in {secs:.1} s: {looks} floor looks (bound {bound:.0})"
+    );
+    assert!(
+        (looks as f64) <= bound,
+        "{looks} floor looks in {secs:.1} s by {RELAYS} relays (bound {bound:.0})"
+    );
+}
