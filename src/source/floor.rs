@@ -69,7 +69,8 @@
 //! proportion to its size. So while a table is active, its keeper looks every tick only
 //! while its process claims at least [`LOOK_ROWS`] rows a tick; otherwise once its process
 //! has claimed that many since the last look, and at least every [`MAX_TICK`] (or when a
-//! sweep step is due). Relays sharing a table look about as often together as one relay
+//! sweep step is due; and every tick until its first floor is adopted, since until then
+//! its claims walk the table from its start). Relays sharing a table look about as often together as one relay
 //! alone. A process that claims a small share of the table keeps a floor up to
 //! [`MAX_TICK`] behind, and its claims walk the entries of that much more; those are
 //! mostly dead to every transaction by then and skipped in the index without a heap visit.
@@ -595,9 +596,12 @@ pub(crate) async fn keep(
                 _ = done.cancelled() => return,
                 _ = tokio::time::sleep(TICK) => {}
             }
+            // Until its first floor is adopted, a process's claims walk the table from
+            // its start: the keeper looks every tick then.
             let now = Instant::now();
             let claimed = cell.claimed_rows() - looked.1;
-            if claimed < LOOK_ROWS
+            if floor.value() > i64::MIN
+                && claimed < LOOK_ROWS
                 && now.duration_since(looked.0) < MAX_TICK
                 && !floor.sweep_ready(now)
             {

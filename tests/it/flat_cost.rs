@@ -476,19 +476,12 @@ async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
         .unwrap();
 
     let started = Instant::now();
-    let children: Vec<Child> = (0..RELAYS)
-        .map(|_| {
-            env.command(&["drain", "--timeout", "120s"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut child in children {
-        let (code, _) = wait_exit(&mut child, Duration::from_secs(130));
-        assert_eq!(code, Some(0));
-    }
+    all_exit_0(
+        RELAYS,
+        |_| env.command(&["drain", "--timeout", "120s"]),
+        Duration::from_secs(130),
+        String::new,
+    );
     let secs = started.elapsed().as_secs_f64();
     audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
 

@@ -95,23 +95,19 @@ async fn same_key_rows_arrive_in_id_order_across_workers_and_processes() {
     // Three processes of six workers each, all on the same table at once; one of them
     // prepares every statement afresh (postgres.prepared_statements = false, as behind an
     // old PgBouncer), the others keep them prepared.
-    let children: Vec<Child> = (0..3)
-        .map(|i| {
-            env.command(&["drain", "--timeout", "60s"])
-                .env(
-                    "OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS",
-                    if i == 0 { "false" } else { "true" },
-                )
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut child in children {
-        let (code, _) = wait_exit(&mut child, Duration::from_secs(120));
-        assert_eq!(code, Some(0));
-    }
+    all_exit_0(
+        3,
+        |i| {
+            let mut drain = env.command(&["drain", "--timeout", "60s"]);
+            drain.env(
+                "OUTBOX_RELAY__POSTGRES__PREPARED_STATEMENTS",
+                if i == 0 { "false" } else { "true" },
+            );
+            drain
+        },
+        Duration::from_secs(120),
+        String::new,
+    );
 
     // Row locks keep the processes apart: no row is sent twice.
     assert_each_sent_once(&inserted, &sends_so_far(&env.nats, &sent).await);

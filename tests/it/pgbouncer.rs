@@ -2,7 +2,7 @@
 //! `ignore_startup_parameters`; 1.18 keeps no prepared statement across transactions):
 //! the relay's session settings travel per transaction, and every promise still holds.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
@@ -153,19 +153,12 @@ async fn three_drains_through_pgbouncer_deliver_every_row_once_in_key_order() {
     seed(&client, 6_000, 20, 11).await;
     let inserted = ids(&client).await;
 
-    let children: Vec<Child> = (0..3)
-        .map(|_| {
-            through(&bouncer, env.command(&["drain", "--timeout", "120s"]))
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    for mut child in children {
-        let (code, _) = wait_exit(&mut child, Duration::from_secs(130));
-        assert_eq!(code, Some(0), "{}", bouncer.log());
-    }
+    all_exit_0(
+        3,
+        |_| through(&bouncer, env.command(&["drain", "--timeout", "120s"])),
+        Duration::from_secs(130),
+        || bouncer.log(),
+    );
     let audit = audit(&inserted, &env.stored().await);
     audit.assert_nothing_lost_in_order();
     assert_eq!(pending(&client).await, 0);

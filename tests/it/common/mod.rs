@@ -433,6 +433,29 @@ pub fn wait_exit(child: &mut Child, limit: Duration) -> (Option<i32>, Duration) 
     }
 }
 
+/// Starts `n` processes at once, `command(i)` for each `i` (output discarded), and waits
+/// for every one to exit 0 within `limit`; `context` is added to a failure.
+pub fn all_exit_0(
+    n: usize,
+    command: impl Fn(usize) -> Command,
+    limit: Duration,
+    context: impl Fn() -> String,
+) {
+    let children: Vec<Child> = (0..n)
+        .map(|i| {
+            command(i)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, mut child) in children.into_iter().enumerate() {
+        let (code, _) = wait_exit(&mut child, limit);
+        assert_eq!(code, Some(0), "process {i} of {n}: {}", context());
+    }
+}
+
 /// Polls `probe` until it yields a value, at most `limit`: the value, `None` when `limit`
 /// passed first. The one poll loop of the tests; [`wait_for`] and [`wait_until`] fail the
 /// test instead of returning `None`.
