@@ -30,10 +30,11 @@
 //!
 //! # Raising the floor: a fence
 //!
-//! At every look (see *The pace*) the keeper looks at the table in one snapshot: the first fresh pending row
-//! from the floor on that is not held back (a *candidate* `c` for the floor; when there is
-//! none, one past the highest id this process had claimed before the look began: that row
-//! was committed before the look too, which is all the argument below needs), the fresh
+//! At each look (see *The pace*) the keeper reads the table in one snapshot: the first
+//! fresh pending row from the floor on that is not held back (a *candidate* `c` for the
+//! floor; when there is none, one past the highest id this process had claimed before the
+//! look began: that row was committed before the look too, which is all the argument below
+//! needs), the fresh
 //! rows before it (all held back), which stragglers are still fresh and pending, and the
 //! snapshot's `xmin` and `xmax`. A row below `c` that this snapshot could not see belongs to
 //! a transaction still running, which may commit later: the floor must not pass it yet. So
@@ -70,8 +71,8 @@
 //! while its process claims at least [`LOOK_ROWS`] rows a tick; otherwise once its process
 //! has claimed that many since the last look, and at least every [`MAX_TICK`] (or when a
 //! sweep step is due; and every tick until its first floor is adopted, since until then
-//! its claims walk the table from its start). Relays sharing a table look about as often together as one relay
-//! alone. A process that claims a small share of the table keeps a floor up to
+//! its claims walk the table from its start). Relays sharing a table look about as often
+//! together as one relay alone. A process that claims a small share of the table keeps a floor up to
 //! [`MAX_TICK`] behind, and its claims walk the entries of that much more; those are
 //! mostly dead to every transaction by then and skipped in the index without a heap visit.
 //!
@@ -478,17 +479,17 @@ impl Floor {
         self.stragglers.retain(|(id, _)| *id < value);
     }
 
-    /// The range of ids the next sweep step covers, if one is due at `now`.
     /// Whether a sweep step is due at `now` (a look runs it).
     fn sweep_ready(&self, now: Instant) -> bool {
         self.base.is_some() && now >= self.sweep.next_at
     }
 
+    /// The range of ids the next sweep step covers, if one is due at `now`.
     pub(crate) fn sweep_due(&mut self, now: Instant) -> Option<(i64, i64)> {
-        let base = self.base?;
-        if now < self.sweep.next_at {
+        if !self.sweep_ready(now) {
             return None;
         }
+        let base = self.base?;
         let (lo, hi) = match self.sweep.pos {
             // A cycle starts with everything below where this process began.
             None => (i64::MIN, base.min(self.value)),

@@ -23,22 +23,18 @@ async fn pending(client: &tokio_postgres::Client) -> i64 {
     count(client, "SELECT count(*) FROM public.outbox").await
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_leak() {
-    let env = Env::new(relay()).await;
-    let bouncer = PgBouncer::start(&env.pg).unwrap();
-    // As a deployment behind PgBouncer 1.18 must: no statement stays prepared.
+/// A source of the relay's config pointed at `url` (PgBouncer, or a proxy in front of it),
+/// with `extra` lines in `[postgres]`. Its statements are unnamed (`prepared_statements =
+/// false`), as a deployment behind PgBouncer 1.18 must run: with statements cached, a
+/// transaction given another server connection by PgBouncer met "prepared statement does
+/// not exist" (a test of this file failed that way now and then).
+async fn pooled_source(env: &Env, url: &str, extra: &str) -> outbox_relay::source::Source {
+    let settings = format!("pool_size = 16\nprepared_statements = false\n{extra}");
     let text = std::fs::read_to_string(&env.config)
         .unwrap()
-        .replace(
-            &as_relay_role(&env.db_url),
-            &bouncer.url("outbox_relay", "app"),
-        )
-        .replace(
-            "pool_size = 16",
-            "pool_size = 16\nprepared_statements = false",
-        );
-    assert!(text.contains("prepared_statements = false"));
+        .replace(&as_relay_role(&env.db_url), url)
+        .replace("pool_size = 16", &settings);
+    assert!(text.contains(&settings), "no pool_size line to add to");
     let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
     let limits =
         outbox_relay::source::SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
@@ -50,6 +46,14 @@ async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_lea
         outbox_relay::source::SessionMode::Pooled,
         "the refused start-up options were noticed"
     );
+    source
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_leak() {
+    let env = Env::new(relay()).await;
+    let bouncer = PgBouncer::start(&env.pg).unwrap();
+    let source = pooled_source(&env, &bouncer.url("outbox_relay", "app"), "").await;
     let shown = source
         .in_transaction(async |tx| {
             let mut shown = Vec::new();
@@ -88,7 +92,7 @@ async fn session_deadlines_hold_per_transaction_through_pgbouncer_and_do_not_lea
 /// statement met. Counted through `testkit::Proxy` in front of PgBouncer.
 #[tokio::test(flavor = "multi_thread")]
 async fn behind_pgbouncer_the_settings_go_with_the_first_statement_and_a_refused_one_is_reported() {
-    use outbox_relay::source::{SessionLimits, SessionMode, Source};
+    use outbox_relay::source::Source;
     let env = Env::new(relay()).await;
     let bouncer = PgBouncer::start(&env.pg).unwrap();
     let proxy = testkit::Proxy::start(([127, 0, 0, 1], bouncer.port()).into()).unwrap();
@@ -96,18 +100,6 @@ async fn behind_pgbouncer_the_settings_go_with_the_first_statement_and_a_refused
         &format!(":{}/", bouncer.port()),
         &format!(":{}/", proxy.port()),
     );
-    let source_with = async |extra: &str| {
-        let text = std::fs::read_to_string(&env.config)
-            .unwrap()
-            .replace(&as_relay_role(&env.db_url), &through_proxy)
-            .replace("pool_size = 16", &format!("pool_size = 16\n{extra}"));
-        assert!(text.contains(extra));
-        let config = outbox_relay::config::from_str(&text, |_| None, Vec::new()).unwrap();
-        let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-        let source = Source::open(&config.postgres, limits).await.unwrap();
-        assert_eq!(source.mode(), SessionMode::Pooled);
-        source
-    };
     let show = async |source: &Source| {
         source
             .in_transaction(async |tx| {
@@ -116,11 +108,10 @@ async fn behind_pgbouncer_the_settings_go_with_the_first_statement_and_a_refused
             })
             .await
     };
-    // PgBouncer 1.18 keeps no prepared statement across transactions: as a deployment
-    // behind it must, the sources run unnamed statements. (With statements cached, the
-    // last `show` below failed now and then with "prepared statement does not exist" when
-    // PgBouncer gave its transaction the server connection the refused source had used.)
-    let source = source_with("prepared_statements = false").await;
+    // Unnamed statements (see `pooled_source`): with statements cached, the last `show`
+    // below failed now and then, when PgBouncer gave its transaction the server connection
+    // the refused source had used.
+    let source = pooled_source(&env, &through_proxy, "").await;
     // The statement's first use learns its parameter types: not counted.
     assert_eq!(show(&source).await.unwrap(), "30s");
     proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
@@ -135,7 +126,7 @@ async fn behind_pgbouncer_the_settings_go_with_the_first_statement_and_a_refused
     );
 
     // 30 days is more than PostgreSQL's statement_timeout can hold: SET LOCAL fails.
-    let refused = source_with("prepared_statements = false\nstatement_timeout = \"30d\"").await;
+    let refused = pooled_source(&env, &through_proxy, "statement_timeout = \"30d\"").await;
     let error = show(&refused).await.unwrap_err().to_string();
     assert!(
         error.contains("statement_timeout") && !error.contains("aborted"),
