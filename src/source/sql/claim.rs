@@ -2,7 +2,7 @@
 //! row locks (see `source::claim`).
 
 use super::budgeted;
-use super::parts::Parts;
+use super::parts::{Parts, Read};
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Claim {
@@ -24,11 +24,14 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         columns,
         pending,
         due,
-        window_filter,
-        bucket_filter,
         obucket,
         ..
     } = p;
+    // Below the floor and from it on (see `Parts::claim_filter`), for each read.
+    let window_low = p.claim_filter(Read::Window, None);
+    let window_filter = p.claim_filter(Read::Window, Some("$2::bigint"));
+    let bucket_low = p.claim_filter(Read::Buckets, None);
+    let bucket_filter = p.claim_filter(Read::Buckets, Some("$4::bigint"));
     // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
     // are got: the lock function runs once per bucket tried), then each bucket's
     // rows through the bucket index (a nested loop over the buckets got, one index
@@ -46,12 +49,12 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // statistics (checked with EXPLAIN both ways).
     let pick_read = format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
-         WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), \
+         WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
          low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
          {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-         AND {bucket_filter} \
+         AND {bucket_low} \
          UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-         WHERE {retrying} AND {bucket_filter}), \
+         WHERE {retrying} AND {bucket_low}), \
          main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket \
          FROM pick, LATERAL (SELECT o.{id}::bigint AS id, \
          o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
@@ -60,6 +63,7 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
          ORDER BY o.{id} LIMIT $2) w), \
          seen AS (SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
          UNION ALL SELECT id, key, size, bucket FROM main)",
+        held_keys = p.held_keys(Read::Buckets),
         osize = p.size_of("o."),
         stragglers = p.stragglers_part("o.", "$5::bigint[]"),
         retrying = p.retry_part("o.", "$4", "$5::bigint[]"),
@@ -87,17 +91,19 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         // Merge Append, the same scans ran 3-4x slower in the relay (measured, 300,000
         // rows, key order).
         window: format!(
-            "WITH low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+            "WITH {held_keys}, \
+             low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
              {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-             AND {window_filter} \
+             AND {window_low} \
              UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-             WHERE {retrying} AND {window_filter}), \
+             WHERE {retrying} AND {window_low}), \
              main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
              {osize} AS size, {obucket} AS bucket \
              FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
              ORDER BY o.{id} LIMIT {window_rows}) \
              SELECT id, key, size, bucket FROM low UNION ALL \
              SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
+            held_keys = p.held_keys(Read::Window),
             osize = p.size_of("o."),
             stragglers = p.stragglers_part("o.", "(SELECT $3::bigint[])::bigint[]"),
             retrying = p.retry_part(

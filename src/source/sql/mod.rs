@@ -27,6 +27,13 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// 2,376 looks in a drain by 8 relays.)
 pub(crate) const LOOK_LIMIT: usize = 1001;
 
+/// Held rows a claim's statement lists at most, with their keys, so that the rows it reads
+/// are told held back or not by a hash table instead of an index probe each (see
+/// `parts::Parts::claim_filter`). Bounded so that listing them stays cheap and the list
+/// fits the hash table PostgreSQL keeps in `work_mem` (its estimate is this many rows);
+/// beyond it the rows of keys not listed are probed one by one, as before.
+pub(crate) const HELD_LISTED: usize = 1000;
+
 /// A claim's first window reads at most this many rows, four for each bucket, and at most
 /// [`WINDOW_FACTOR`] times the batch size ([`TableSql::window_rows`]).
 pub(crate) const WINDOW_ROWS: i64 = 4 * BUCKETS as i64;

@@ -3,7 +3,15 @@
 use crate::config::{Ident, Ordering, TableConfig};
 
 use super::super::schema::{PayloadType, TableShape};
-use super::{bucket_of, RowLayout, FIRST_WINDOW};
+use super::{bucket_of, RowLayout, FIRST_WINDOW, HELD_LISTED};
+
+/// Which of a claim's reads a filter is for: its first window, or its bucket reads,
+/// where a row with a failure history holds back its key too (see `held_in_window`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Read {
+    Window,
+    Buckets,
+}
 
 /// One table's names and shared fragments, each explained where it is made.
 pub(super) struct Parts {
@@ -22,8 +30,7 @@ pub(super) struct Parts {
     pub(crate) held: String,
     pub(crate) not_behind_dead: String,
     pub(crate) waiting: String,
-    pub(crate) window_filter: String,
-    pub(crate) bucket_filter: String,
+    held_in_window: String,
     pub(crate) obucket: String,
     pub(crate) retrying: String,
     pub(crate) fresh: String,
@@ -61,11 +68,11 @@ impl Parts {
         let due = format!("({next} IS NULL OR {next} <= now())");
         // A *held* row holds back the later rows of its key: dead (until re-queued or
         // deleted), or waiting for its next attempt. The held index covers exactly these
-        // rows (migrations/0002_held_index.concurrent.sql), so both probes below are index
-        // lookups. The first, uncorrelated test runs once per statement (an InitPlan): with
-        // no held row in the table, the common case, no row pays for the per-key probe
-        // (measured on a 2,000-row window: 1.3 ms with the probe alone, 0.8 ms with the
-        // test in front).
+        // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
+        // reads are index lookups, and only the reads' last resort: see
+        // `Parts::claim_filter` (with no held row in the table, the common case, no row
+        // pays for the per-key probe: measured on a 2,000-row window, 1.3 ms with the
+        // probe alone, 0.8 ms with the uncorrelated test in front).
         let held =
             format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
         // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
@@ -88,19 +95,6 @@ impl Parts {
              AND d.{id} < o.{id}))"
         );
         let waiting = format!("{pending} AND {next} > now()");
-        let window_filter = format!(
-            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
-             AND (o.{next} IS NULL OR o.{next} <= now()) \
-             AND (o.{key} IS NULL OR {})",
-            not_held_back_by(&t, &key, &id, &held)
-        );
-        // The same for a bucket read, with the rule of reads past a first window.
-        let bucket_filter = format!(
-            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
-             AND (o.{next} IS NULL OR o.{next} <= now()) \
-             AND (o.{key} IS NULL OR {})",
-            not_held_back_by(&t, &key, &id, &held_in_window)
-        );
         let obucket = bucket_of("o.", &key, &id);
         // The floor's bookkeeping (super::floor): rows with a failure history are found
         // below the floor through the retry index; the others are *fresh*.
@@ -156,8 +150,7 @@ impl Parts {
             held,
             not_behind_dead,
             waiting,
-            window_filter,
-            bucket_filter,
+            held_in_window,
             obucket,
             retrying,
             fresh,
@@ -170,6 +163,79 @@ impl Parts {
             layout,
             payload_type: shape.payload,
             payload_column: c.payload.quoted(),
+        }
+    }
+
+    /// The `held_keys` CTE a claim's statement defines for [`Parts::claim_filter`]: the
+    /// key and order value of the held rows of `read`'s rule, at most [`HELD_LISTED`]
+    /// and one (complete when there are no more than [`HELD_LISTED`]). `MATERIALIZED`,
+    /// so each statement reads the held index once, and only if a row it reads needs it.
+    pub(crate) fn held_keys(&self, read: Read) -> String {
+        let Parts { t, id, key, .. } = self;
+        format!(
+            "held_keys AS MATERIALIZED (SELECT d.{key} AS k, d.{id} AS i FROM {t} d \
+             WHERE {} AND d.{key} IS NOT NULL LIMIT {})",
+            self.held_for(read),
+            HELD_LISTED + 1
+        )
+    }
+
+    /// What a claim's read keeps: pending, due rows that no held row of their key (by
+    /// `read`'s rule) holds back. `from`: the floor, for a read from the floor on, whose
+    /// statement defines [`Parts::held_keys`] for the same `read`; `None` for the reads
+    /// below the floor (the stragglers and the rows with a failure history: few rows,
+    /// and all of held keys when there are many).
+    ///
+    /// Whether a row is held back is one question, asked in the cheapest form that answers
+    /// it exactly, each form true only when the probe at the end would be:
+    ///
+    /// 1. no held row in the table at all (uncorrelated, once per statement): the common
+    ///    case, where no row pays for anything else;
+    /// 2. `held_keys` is complete and the row's key is not in it: no held row of its key;
+    /// 3. unless the key has a held row below `from`, so below this row (held back), the
+    ///    probe itself: an index lookup on the held index.
+    ///
+    /// 2 and 3 are `NOT IN` over the CTE, which PostgreSQL answers with a hash table
+    /// built once per statement ("hashed SubPlan", in generic plans too; checked by
+    /// `a_claims_reads_tell_held_keys_by_a_hash_table`), where the probe costs a descent
+    /// of the held index and a heap visit for every row read. With a third of the keys
+    /// held (a Kafka broker down, benchmark K) every row a claim read paid the probe, and
+    /// the held-back rows above the floor were most of what a first window read.
+    pub(crate) fn claim_filter(&self, read: Read, from: Option<&str>) -> String {
+        let Parts {
+            t,
+            id,
+            key,
+            published_at,
+            dead_at,
+            next,
+            ..
+        } = self;
+        let held = self.held_for(read);
+        let probe = format!(
+            "NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
+             AND d.{id} < o.{id})"
+        );
+        let exact = match from {
+            None => probe,
+            Some(from) => format!(
+                "((SELECT count(*) FROM held_keys) <= {HELD_LISTED} \
+                 AND o.{key} NOT IN (SELECT k FROM held_keys)) \
+                 OR (o.{key} NOT IN (SELECT k FROM held_keys WHERE i < {from}) AND {probe})"
+            ),
+        };
+        format!(
+            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
+             AND (o.{next} IS NULL OR o.{next} <= now()) \
+             AND (o.{key} IS NULL OR NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
+             OR {exact})"
+        )
+    }
+
+    fn held_for(&self, read: Read) -> &str {
+        match read {
+            Read::Window => &self.held,
+            Read::Buckets => &self.held_in_window,
         }
     }
 
@@ -252,16 +318,6 @@ fn size_of(payload: PayloadType, column: &str, prefix: &str) -> String {
         PayloadType::Bytea => format!("COALESCE(octet_length({prefix}{column}), 0)::int8"),
         PayloadType::Text => format!("COALESCE(octet_length({prefix}{column}::text), 0)::int8"),
     }
-}
-
-/// Rows of `o` that no row of their key selected by `held` (a condition on `d`) holds
-/// back.
-fn not_held_back_by(t: &str, key: &str, id: &str, held: &str) -> String {
-    format!(
-        "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
-         OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
-         AND d.{id} < o.{id}))"
-    )
 }
 
 /// Skipped outright, a one-time filter, when there are no stragglers.
