@@ -512,7 +512,8 @@ async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
 /// window reading mostly held-back rows above the floor. Checked on the relay's own
 /// statements, in the generic plan PostgreSQL keeps for them: with every held row below
 /// the floor, no row read is probed, and the rows returned are those a probe per row
-/// returns (and, with no floor, the probes that are left give the same answer).
+/// returns (and, with no floor, the probes that are left give the same answer); the same
+/// for the floor's look walking the held-back rows above the floor.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claims_reads_tell_held_keys_by_a_hash_table() {
     const KEYS: i64 = 300;
@@ -583,6 +584,29 @@ async fn a_claims_reads_tell_held_keys_by_a_hash_table() {
         held_probes(&session, &pick).await,
         0,
         "no row a pick reads from the floor on is probed"
+    );
+
+    // The other keys' rows up to 3,000 published: from 301 on, the floor's look walks the
+    // held-back rows to its candidate, 3,001 (key k1), listing them.
+    client
+        .batch_execute(
+            "DELETE FROM public.outbox WHERE id BETWEEN 301 AND 3000 AND id % 300 % 3 <> 0",
+        )
+        .await
+        .unwrap();
+    session
+        .batch_execute(&format!(
+            "PREPARE look(int8, int8[], bool) AS {}",
+            sql.advance
+        ))
+        .await
+        .unwrap();
+    let look = rows(&session, "EXECUTE look(301, '{}', false)").await;
+    assert_eq!(look[0][3].as_deref(), Some("3001"), "the look's candidate");
+    assert_eq!(
+        held_probes(&session, "look(301, '{}', false)").await,
+        0,
+        "no row the floor's look walks from the floor on is probed"
     );
 }
 

@@ -1,8 +1,9 @@
 //! The claim floor's statements: its look, the release of withheld keys and the sweep
 //! (see `source::floor`).
 
-use super::parts::Parts;
+use super::parts::{Parts, Read};
 use super::LOOK_LIMIT;
+use crate::config::Ordering;
 
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Floor {
@@ -28,9 +29,10 @@ pub(super) fn statements(p: &Parts) -> Floor {
         // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
         // The candidate is the first fresh row not held back; the rows before it are
         // all held back (read only up to it, at most `$2`).
+        // Held back or not: see `Parts::not_held_back` (without key order, nothing is).
         advance: format!(
-            "WITH c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
-             WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND NOT {held_back_row} \
+            "WITH {held_keys}, c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
+             WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND {not_held_back} \
              ORDER BY o.{id} LIMIT 1), \
              h AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key FROM {t} o \
              WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
@@ -48,7 +50,12 @@ pub(super) fn statements(p: &Parts) -> Floor {
              FROM (SELECT o.{key}::text AS k, min(o.{id})::bigint AS f FROM {t} o \
              WHERE (SELECT $3::bool) AND {fresh} AND o.{id} >= (SELECT $1::bigint) \
              AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
-             GROUP BY o.{key}) g) s"
+             GROUP BY o.{key}) g) s",
+            held_keys = p.held_keys(Read::FloorLook),
+            not_held_back = match p.ordering {
+                Ordering::Key => p.not_held_back(Read::FloorLook, Some("$1::bigint")),
+                Ordering::None => "true".to_owned(),
+            },
         ),
         // `key::text`: the keys come as text whatever the column's type. For a text or
         // varchar key the cast is no cast at all, and the held index answers.

@@ -113,7 +113,7 @@ pub struct TableSql {
     /// are still pending without one, and the keys of those held-back rows (as text); when
     /// `$3`, also every held-back row's key before the candidate, each with its first id
     /// (two arrays, without the cap: for the floor's withheld keys).
-    pub(crate) advance: String,
+    pub advance: String,
     /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
     /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back and
     /// its key.

@@ -5,12 +5,15 @@ use crate::config::{Ident, Ordering, TableConfig};
 use super::super::schema::{PayloadType, TableShape};
 use super::{bucket_of, RowLayout, FIRST_WINDOW, HELD_LISTED};
 
-/// Which of a claim's reads a filter is for: its first window, or its bucket reads,
-/// where a row with a failure history holds back its key too (see `held_in_window`).
+/// Which read a hold-back test is for, and so which rows hold back their key's later
+/// rows: a claim's first window (dead or waiting rows, `held`), its bucket reads (past a
+/// first window, any row with a failure history too: `held_in_window`), or the floor's
+/// look (dead rows and rows with a failure history, the held index's own predicate).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Read {
     Window,
     Buckets,
+    FloorLook,
 }
 
 /// One table's names and shared fragments, each explained where it is made.
@@ -31,6 +34,7 @@ pub(super) struct Parts {
     pub(crate) not_behind_dead: String,
     pub(crate) waiting: String,
     held_in_window: String,
+    held_with_history: String,
     pub(crate) obucket: String,
     pub(crate) retrying: String,
     pub(crate) fresh: String,
@@ -119,11 +123,13 @@ impl Parts {
         let low_retrying = retry_part(&id, &next, "", "$1", "$2::bigint[]");
         // Whether a fresh row is held back by an earlier held row of its key (dead, or with
         // a failure history): the held index answers it.
+        let held_with_history = format!(
+            "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL)"
+        );
         let held_back_row = match ordering {
             Ordering::Key => format!(
                 "(o.{key} IS NOT NULL AND EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} \
-                 AND d.{id} < o.{id} AND d.{published_at} IS NULL \
-                 AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL)))"
+                 AND d.{id} < o.{id} AND {held_with_history}))"
             ),
             Ordering::None => "false".to_owned(),
         };
@@ -151,6 +157,7 @@ impl Parts {
             not_behind_dead,
             waiting,
             held_in_window,
+            held_with_history,
             obucket,
             retrying,
             fresh,
@@ -180,14 +187,28 @@ impl Parts {
         )
     }
 
-    /// What a claim's read keeps: pending, due rows that no held row of their key (by
-    /// `read`'s rule) holds back. `from`: the floor, for a read from the floor on, whose
-    /// statement defines [`Parts::held_keys`] for the same `read`; `None` for the reads
-    /// below the floor (the stragglers and the rows with a failure history: few rows,
-    /// and all of held keys when there are many).
+    /// What a claim's read keeps: pending, due rows that [`Parts::not_held_back`].
+    pub(crate) fn claim_filter(&self, read: Read, from: Option<&str>) -> String {
+        let Parts {
+            published_at,
+            dead_at,
+            next,
+            ..
+        } = self;
+        format!(
+            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
+             AND (o.{next} IS NULL OR o.{next} <= now()) AND {}",
+            self.not_held_back(read, from)
+        )
+    }
+
+    /// Whether no held row of `o`'s key (by `read`'s rule) comes before `o`. `from`: the
+    /// floor, for a read from the floor on, whose statement defines [`Parts::held_keys`]
+    /// for the same `read`; `None` for the reads below the floor (the stragglers and the
+    /// rows with a failure history: few rows, and all of held keys when there are many).
     ///
-    /// Whether a row is held back is one question, asked in the cheapest form that answers
-    /// it exactly, each form true only when the probe at the end would be:
+    /// It is one question, asked in the cheapest form that answers it exactly, each form
+    /// true only when the probe at the end would be:
     ///
     /// 1. no held row in the table at all (uncorrelated, once per statement): the common
     ///    case, where no row pays for anything else;
@@ -199,18 +220,11 @@ impl Parts {
     /// built once per statement ("hashed SubPlan", in generic plans too; checked by
     /// `a_claims_reads_tell_held_keys_by_a_hash_table`), where the probe costs a descent
     /// of the held index and a heap visit for every row read. With a third of the keys
-    /// held (a Kafka broker down, benchmark K) every row a claim read paid the probe, and
-    /// the held-back rows above the floor were most of what a first window read.
-    pub(crate) fn claim_filter(&self, read: Read, from: Option<&str>) -> String {
-        let Parts {
-            t,
-            id,
-            key,
-            published_at,
-            dead_at,
-            next,
-            ..
-        } = self;
+    /// held (a Kafka broker down, benchmark K) every row a claim or a floor look read paid
+    /// the probe, and the held-back rows above the floor were most of what a first window
+    /// and a look read.
+    pub(crate) fn not_held_back(&self, read: Read, from: Option<&str>) -> String {
+        let Parts { t, id, key, .. } = self;
         let held = self.held_for(read);
         let probe = format!(
             "NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
@@ -224,18 +238,14 @@ impl Parts {
                  OR (o.{key} NOT IN (SELECT k FROM held_keys WHERE i < {from}) AND {probe})"
             ),
         };
-        format!(
-            "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
-             AND (o.{next} IS NULL OR o.{next} <= now()) \
-             AND (o.{key} IS NULL OR NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) \
-             OR {exact})"
-        )
+        format!("(o.{key} IS NULL OR NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) OR {exact})")
     }
 
     fn held_for(&self, read: Read) -> &str {
         match read {
             Read::Window => &self.held,
             Read::Buckets => &self.held_in_window,
+            Read::FloorLook => &self.held_with_history,
         }
     }
 
