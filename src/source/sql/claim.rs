@@ -47,6 +47,16 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // s of a 100,000-row drain's 8 s of statement time (auto_explain, benchmark L).
     // With the row comparison the bucket index is chosen with or without
     // statistics (checked with EXPLAIN both ways).
+    //
+    // The per-bucket limit is hidden from the planner, `(SELECT $2)`, as in the generic
+    // plan a session keeps after five runs. Seen as a value, in the custom plans of a
+    // session's first five picks, a limit near the planner's estimate of a bucket's rows
+    // (it estimates about a tenth of the rows a deep bucket holds) made it read each
+    // bucket whole, a bitmap scan, and sort it: measured with pgbench on 100,000 rows, a
+    // pick of four buckets cost 10.0-10.6 ms in custom plans against 3.7 in the generic
+    // one (EXPLAIN ANALYZE: 1,800 rows read a bucket to keep 160; hidden, 7 ms against
+    // 18-20). Eight relays of four workers open 48 sessions, so a quarter of their picks
+    // were such first picks.
     let pick_read = format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
@@ -60,7 +70,7 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
          o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
          WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
          AND ({obucket}, o.{id}) >= (pick.b, (SELECT $4::bigint)) AND {bucket_filter} \
-         ORDER BY o.{id} LIMIT $2) w), \
+         ORDER BY o.{id} LIMIT (SELECT $2::int8)) w), \
          seen AS (SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
          UNION ALL SELECT id, key, size, bucket FROM main)",
         held_keys = p.held_keys(Read::Buckets),
