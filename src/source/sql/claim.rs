@@ -53,9 +53,9 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // session's first five picks, a limit near the planner's estimate of a bucket's rows
     // (it estimates about a tenth of the rows a deep bucket holds) made it read each
     // bucket whole, a bitmap scan, and sort it: measured with pgbench on 100,000 rows, a
-    // pick of four buckets cost 10.0-10.6 ms in custom plans against 3.7 in the generic
-    // one (EXPLAIN ANALYZE: 1,800 rows read a bucket to keep 160; hidden, 7 ms against
-    // 18-20). Eight relays of four workers open 48 sessions, so a quarter of their picks
+    // pick of four buckets cost 10.0-10.9 ms in custom plans against 3.3-3.7 in the
+    // generic one, and 4.2-4.7 hidden (EXPLAIN ANALYZE: 1,800 rows read a bucket to keep
+    // 160). Eight relays of four workers open 48 sessions, so a quarter of their picks
     // were such first picks.
     let pick_read = format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
