@@ -407,11 +407,7 @@ async fn an_idle_relay_of_many_tables_costs_few_transactions_and_wakes_at_once()
 /// without stragglers.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_claims_first_window_keeps_its_generic_plan() {
-    let env = Env::new(relay()).await;
-    let client = env.client().await;
-    seed(&client, 100_000, 2_000, 0).await;
-    client.batch_execute("ANALYZE public.outbox").await.unwrap();
-    let (_source, tables) = env.tables().await;
+    let (env, _source, tables) = analyzed_table(100_000, 2_000).await;
     let window = &tables[0].sql.window;
     // Prepared once and run again, as the relay's sessions do (`source::session`).
     let session = env.client().await;
@@ -655,11 +651,7 @@ async fn plan_nodes(session: &tokio_postgres::Client, statement: &str) -> Vec<se
 /// statement, four buckets of a 100,000-row table, 160 rows each.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_new_sessions_first_picks_read_no_more_of_a_bucket_than_they_keep() {
-    let env = Env::new(relay()).await;
-    let client = env.client().await;
-    seed(&client, 100_000, 2_000, 0).await;
-    client.batch_execute("ANALYZE public.outbox").await.unwrap();
-    let (_source, tables) = env.tables().await;
+    let (env, _source, tables) = analyzed_table(100_000, 2_000).await;
     let session = env.client().await;
     session
         .batch_execute(&format!(
@@ -707,4 +699,21 @@ async fn rows(session: &tokio_postgres::Client, statement: &str) -> Vec<Vec<Opti
             _ => None,
         })
         .collect()
+}
+
+/// A table of `rows` rows over `keys` keys, analyzed, and the relay's statements for it.
+async fn analyzed_table(
+    rows: i64,
+    keys: i64,
+) -> (
+    Env,
+    outbox_relay::source::Source,
+    Vec<outbox_relay::source::table::TablePlan>,
+) {
+    let env = Env::new(relay()).await;
+    let client = env.client().await;
+    seed(&client, rows, keys, 0).await;
+    client.batch_execute("ANALYZE public.outbox").await.unwrap();
+    let (source, tables) = env.tables().await;
+    (env, source, tables)
 }
