@@ -557,7 +557,7 @@ async fn take_buckets(
         // restart took batches of 12-40 rows of 100), not so many that a pick of many
         // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
         // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
-        // cost a held-row probe then, before `sql::parts::Parts::claim_filter` told the
+        // cost a held-row probe then, before `sql::parts::Parts::not_held_back` told the
         // held keys' rows by a hash table: benchmark K, 13,600 blocks a pick; a quarter:
         // 9,900, and the other keys' rows flowed 20-25 % faster). Up
         // to the rows it may lock (a quarter more than the room): a bucket whose keys

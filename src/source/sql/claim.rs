@@ -27,7 +27,7 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         obucket,
         ..
     } = p;
-    // Below the floor and from it on (see `Parts::claim_filter`), for each read.
+    // Below the floor and from it on (see `Parts::not_held_back`), for each read.
     let window_low = p.claim_filter(Read::Window, None);
     let window_filter = p.claim_filter(Read::Window, Some("$2::bigint"));
     let bucket_low = p.claim_filter(Read::Buckets, None);

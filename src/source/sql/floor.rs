@@ -25,13 +25,21 @@ pub(super) fn statements(p: &Parts) -> Floor {
         held_back_row,
         ..
     } = p;
+    let (held_keys, not_held_back) = match p.ordering {
+        Ordering::Key => (
+            format!("{}, ", p.held_keys(Read::FloorLook)),
+            p.not_held_back(Read::FloorLook, Some("$1::bigint")),
+        ),
+        Ordering::None => (String::new(), "true".to_owned()),
+    };
     Floor {
         // One statement, so one snapshot: pg_current_snapshot() is the statement's own.
         // The candidate is the first fresh row not held back; the rows before it are
         // all held back (read only up to it, at most `$2`).
-        // Held back or not: see `Parts::not_held_back` (without key order, nothing is).
+        // Held back or not: see `Parts::not_held_back` (without key order, nothing is, and
+        // the statement lists no held keys).
         advance: format!(
-            "WITH {held_keys}, c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
+            "WITH {held_keys}c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
              WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND {not_held_back} \
              ORDER BY o.{id} LIMIT 1), \
              h AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key FROM {t} o \
@@ -51,11 +59,6 @@ pub(super) fn statements(p: &Parts) -> Floor {
              WHERE (SELECT $3::bool) AND {fresh} AND o.{id} >= (SELECT $1::bigint) \
              AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
              GROUP BY o.{key}) g) s",
-            held_keys = p.held_keys(Read::FloorLook),
-            not_held_back = match p.ordering {
-                Ordering::Key => p.not_held_back(Read::FloorLook, Some("$1::bigint")),
-                Ordering::None => "true".to_owned(),
-            },
         ),
         // `key::text`: the keys come as text whatever the column's type. For a text or
         // varchar key the cast is no cast at all, and the held index answers.

@@ -29,7 +29,7 @@ pub(crate) const LOOK_LIMIT: usize = 1001;
 
 /// Held rows a claim's statement lists at most, with their keys, so that the rows it reads
 /// are told held back or not by a hash table instead of an index probe each (see
-/// `parts::Parts::claim_filter`). Bounded so that listing them stays cheap and the list
+/// `parts::Parts::not_held_back`). Bounded so that listing them stays cheap and the list
 /// fits the hash table PostgreSQL keeps in `work_mem` (its estimate is this many rows);
 /// beyond it the rows of keys not listed are probed one by one, as before.
 pub(crate) const HELD_LISTED: usize = 1000;

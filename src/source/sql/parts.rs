@@ -74,7 +74,7 @@ impl Parts {
         // deleted), or waiting for its next attempt. The held index covers exactly these
         // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
         // reads are index lookups, and only the reads' last resort: see
-        // `Parts::claim_filter` (with no held row in the table, the common case, no row
+        // `Parts::not_held_back` (with no held row in the table, the common case, no row
         // pays for the per-key probe: measured on a 2,000-row window, 1.3 ms with the
         // probe alone, 0.8 ms with the uncorrelated test in front).
         let held =
@@ -173,7 +173,7 @@ impl Parts {
         }
     }
 
-    /// The `held_keys` CTE a claim's statement defines for [`Parts::claim_filter`]: the
+    /// The `held_keys` CTE a statement defines for [`Parts::not_held_back`]: the
     /// key and order value of the held rows of `read`'s rule, at most [`HELD_LISTED`]
     /// and one (complete when there are no more than [`HELD_LISTED`]). `MATERIALIZED`,
     /// so each statement reads the held index once, and only if a row it reads needs it.
