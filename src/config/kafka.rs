@@ -336,10 +336,11 @@ pub(crate) fn is_secret(name: &str) -> bool {
 
 /// Properties the relay sets on the producer unless the operator sets them: the first two
 /// are what the delivery promise needs ([`refused_properties`] refuses other values), the
-/// partitioner puts a key where a Java producer would, and the last two let the relay see
+/// partitioner puts a key where a Java producer would, and the last three let the relay see
 /// which partitions can take records now: statistics twice a second, and a connection to
-/// every broker, so a broker that went down is retried and seen coming back (see
-/// `sink::kafka::health`).
+/// every broker, tried again at least every second while it is down (librdkafka's own
+/// backoff grows to 10 s), so a broker that went down is seen coming back within about a
+/// second and its partitions' held keys follow (see `sink::kafka::health`).
 pub(crate) const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("enable.idempotence", "true"),
     ("acks", "all"),
@@ -347,6 +348,7 @@ pub(crate) const PRODUCER_DEFAULTS: &[(&str, &str)] = &[
     ("client.id", "outbox-relay"),
     ("statistics.interval.ms", "500"),
     ("enable.sparse.connections", "false"),
+    ("reconnect.backoff.max.ms", "1000"),
 ];
 
 /// Joins dotted property names back together. Unquoted, `compression.type = "lz4"` is in

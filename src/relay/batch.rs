@@ -127,11 +127,6 @@ pub(crate) struct Failures {
     pub(crate) waits_us: Vec<i64>,
 }
 
-/// How long a row whose destination could not take it ([`RowOutcome::Unavailable`]) waits
-/// before it is claimed again, holding its key back meanwhile: about as long as the sink
-/// takes to notice its destination is back.
-pub(crate) const UNAVAILABLE_WAIT: Duration = Duration::from_secs(1);
-
 /// Decides what to write back for `rows` given their `outcomes` (index-aligned).
 /// `retry_wait(n)` is the wait before the next attempt of a row that has failed `n` times
 /// before. A fatal outcome (retrying cannot help) is returned as the error: nothing is
@@ -160,12 +155,10 @@ pub(crate) fn settle(
                     .get_or_insert_with(|| SinkError::transient("publish timed out"));
             }
             // Not the broker's failure to answer: no backoff, the other keys go on.
-            RowOutcome::Unavailable(reason) => {
+            RowOutcome::Unavailable(not_now) => {
                 s.postponed.ids.push(row.id);
-                s.postponed.errors.push(reason.clone());
-                s.postponed
-                    .waits_us
-                    .push(UNAVAILABLE_WAIT.as_micros() as i64);
+                s.postponed.errors.push(not_now.reason.clone());
+                s.postponed.waits_us.push(not_now.wait.as_micros() as i64);
             }
             RowOutcome::HeldBack => {}
         }
@@ -1011,8 +1004,9 @@ mod tests {
 
     #[test]
     fn an_unavailable_destination_postpones_the_row_without_an_attempt_or_a_backoff() {
+        let not_now = crate::sink::NotNow::new("partition 1 has no leader", Duration::from_secs(5));
         let outcomes = [
-            RowOutcome::Unavailable("held back: partition 1 has no leader".into()),
+            RowOutcome::Unavailable(not_now),
             RowOutcome::HeldBack,
             RowOutcome::Published,
         ];
@@ -1025,7 +1019,7 @@ mod tests {
             Failures {
                 ids: vec![1],
                 errors: vec!["held back: partition 1 has no leader".into()],
-                waits_us: vec![UNAVAILABLE_WAIT.as_micros() as i64],
+                waits_us: vec![5_000_000],
             }
         );
     }

@@ -10,6 +10,7 @@ mod batch;
 mod breaker;
 mod drain;
 mod error;
+mod held;
 mod message;
 mod order;
 mod pause;
@@ -299,8 +300,8 @@ async fn relay(
 }
 
 /// Tasks that outlive the workers, stopped by `done` after them and awaited by
-/// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause
-/// and connection followers, drain's progress line on a terminal, the systemd watchdog,
+/// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause,
+/// connection and availability followers, drain's progress line on a terminal, the systemd watchdog,
 /// and the STOPPING notification.
 fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
     let (tasks, done) = (&endpoints.tasks, &endpoints.done);
@@ -331,6 +332,12 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("connection follower", async move {
             s.breaker.follow_connection(&s.ops, connection, d).await
+        });
+    }
+    if let Some(available_again) = shared.sink.available_again() {
+        let (s, d) = (shared.clone(), done.clone());
+        tasks.spawn("availability follower", async move {
+            s.follow_availability(available_again, d).await
         });
     }
     if progress {

@@ -21,7 +21,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::sink::{Message, Sink, SinkError};
+use crate::sink::{Message, NotNow, Sink, SinkError};
 
 /// What became of one row of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,9 +34,9 @@ pub(crate) enum RowOutcome {
     HeldBack,
     /// Failed for the given reason. Stays pending; a bad row counts an attempt.
     Failed(SinkError),
-    /// Not sent: its destination cannot take it now (the reason). Stays pending and holds
-    /// its key back for a short while, no attempt counted.
-    Unavailable(String),
+    /// Not sent: its destination cannot take it now (why, and for how long the row waits).
+    /// Stays pending and holds its key back meanwhile, no attempt counted.
+    Unavailable(NotNow),
 }
 
 impl RowOutcome {
@@ -47,7 +47,7 @@ impl RowOutcome {
             RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
             RowOutcome::HeldBack => Err("not counted: an earlier row of its key failed"),
             RowOutcome::Failed(e) => Err(e.message()),
-            RowOutcome::Unavailable(reason) => Err(reason),
+            RowOutcome::Unavailable(n) => Err(&n.reason),
         }
     }
 }
@@ -232,7 +232,9 @@ mod tests {
             memory.set_available("a", false);
             let sink = Sink::Memory(memory.clone());
             let outcomes = run(&sink, &[Some("a"), Some("b"), Some("a"), None]).await;
-            assert!(matches!(&outcomes[0], RowOutcome::Unavailable(r) if r.contains("\"a\"")));
+            assert!(
+                matches!(&outcomes[0], RowOutcome::Unavailable(r) if r.reason.contains("\"a\""))
+            );
             assert_eq!(outcomes[1], RowOutcome::Published);
             assert_eq!(outcomes[2], RowOutcome::HeldBack);
             assert_eq!(outcomes[3], RowOutcome::Published);

@@ -1,5 +1,5 @@
 //! The tasks that outlive the workers (the HTTP server, the probe, each table's floor
-//! keeper and retention, the pause and connection followers, drain's progress line, the
+//! keeper and retention, the pause, connection and availability followers, drain's progress line, the
 //! systemd watchdog): spawned by name on one [`TaskTracker`], all stopped by one `done`
 //! token, and awaited when the run ends, within a deadline. The ones still running then
 //! are named (a WARN, and the run's [`super::Report`]) and left behind: the process exits

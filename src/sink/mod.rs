@@ -149,6 +149,44 @@ impl PartialEq for SinkError {
 
 impl Eq for SinkError {}
 
+/// A message whose destination cannot take it now ([`SinkService::unavailable`]): why,
+/// and how long its row waits before it is claimed again, unless the destination is back
+/// first ([`SinkService::available_again`]).
+///
+/// The wait grows with the outage, `down_for` clamped to [`HOLD_MIN`]..[`HOLD_MAX`]: a
+/// held key's head is tried again after about as long as its destination has been down,
+/// so over an outage of `T` it is tried about `log2(T)` times, then every [`HOLD_MAX`].
+/// With a fixed second, every held key's head was claimed, checked and written again
+/// every second however long the outage: benchmark K (2,000 keys, a third of them on the
+/// down broker's partitions) kept about half the held heads due at any moment, each
+/// claim re-reading them below the floor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NotNow {
+    /// For the row's `last_error`: starts with [`HELD_BACK`].
+    pub(crate) reason: String,
+    pub(crate) wait: Duration,
+}
+
+/// How every held-back row's `last_error` starts: the release after an outage finds them
+/// by it (`relay::held`).
+pub(crate) const HELD_BACK: &str = "held back: ";
+/// The shortest wait of a held-back row: about as long as a sink takes to notice its
+/// destination is back.
+pub(crate) const HOLD_MIN: Duration = Duration::from_secs(1);
+/// The longest: how late a held key may follow when its destination is back and no relay
+/// process saw it come back (one that did releases the rows at once).
+pub(crate) const HOLD_MAX: Duration = Duration::from_secs(30);
+
+impl NotNow {
+    /// `why` the destination cannot take a message, down for `down_for` so far.
+    pub(crate) fn new(why: impl fmt::Display, down_for: Duration) -> NotNow {
+        NotNow {
+            reason: format!("{HELD_BACK}{why}"),
+            wait: down_for.clamp(HOLD_MIN, HOLD_MAX),
+        }
+    }
+}
+
 /// What every sink does. Each sink implements it in its own folder; [`Sink`] dispatches
 /// to the one configured, in one place (the `dispatch!` macro).
 pub(crate) trait SinkService {
@@ -173,7 +211,14 @@ pub(crate) trait SinkService {
     /// Why `message` cannot be sent now for its destination's sake (a Kafka partition
     /// whose leader is unreachable), so the relay holds its key back without sending it
     /// and without counting an attempt. Default: every destination can take it.
-    fn unavailable(&self, _message: &Message) -> Option<String> {
+    fn unavailable(&self, _message: &Message) -> Option<NotNow> {
+        None
+    }
+
+    /// Counts the times a destination [`SinkService::unavailable`] named became available
+    /// again: the relay then makes the rows held back for one due at once, instead of
+    /// leaving them to their wait. Default `None`: the sink never holds a row back.
+    fn available_again(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
 
@@ -254,8 +299,13 @@ impl Sink {
     }
 
     /// See [`SinkService::unavailable`].
-    pub(crate) fn unavailable(&self, message: &Message) -> Option<String> {
+    pub(crate) fn unavailable(&self, message: &Message) -> Option<NotNow> {
         dispatch!(self, s => s.unavailable(message))
+    }
+
+    /// See [`SinkService::available_again`].
+    pub(crate) fn available_again(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        dispatch!(self, s => s.available_again())
     }
 
     /// See [`SinkService::publish_batch`].
@@ -300,4 +350,20 @@ pub(crate) fn scrub(text: &str, secrets: &[String]) -> String {
         .iter()
         .filter(|s| !s.is_empty())
         .fold(text.to_owned(), |t, s| t.replace(s.as_str(), "<redacted>"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_held_back_row_waits_as_long_as_its_destination_has_been_down_within_bounds() {
+        let wait = |secs| NotNow::new("down", Duration::from_secs(secs)).wait;
+        assert_eq!(wait(0), HOLD_MIN);
+        assert_eq!(wait(4), Duration::from_secs(4));
+        assert_eq!(wait(3600), HOLD_MAX);
+        assert!(NotNow::new("down", Duration::ZERO)
+            .reason
+            .starts_with(HELD_BACK));
+    }
 }

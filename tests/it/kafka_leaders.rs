@@ -224,6 +224,15 @@ async fn kafka_one_broker_down_holds_back_its_partitions_keys_while_the_others_f
     /// the hold-back, claims took the oldest rows, mostly the stuck keys', and each batch
     /// waited out the publish timeout (3 s): no row moved for up to 19 s at a time.
     const OTHERS_WITHIN: Duration = Duration::from_secs(20);
+    /// How long the broker stays down at least.
+    const LONG_OUTAGE: Duration = Duration::from_secs(12);
+    /// The held keys' rows all go within this of the broker's return: the producer
+    /// reconnects within `reconnect.backoff.max.ms` (the relay's default: 1 s), its next
+    /// statistics (every 0.5 s) say so, and the relay releases the held rows at once
+    /// (measured: 1.3-1.9 s). Left to their wait, they went 5-6 s after it here (the
+    /// heads' last waits happen to end soon after 12 s; `ordering::a_held_keys_head_*`
+    /// tells the release apart exactly, with the memory sink).
+    const FOLLOW_WITHIN: Duration = Duration::from_secs(6);
     let publish_timeout = Duration::from_secs(3);
     let mock = cluster();
     let m = kafka_outbox(
@@ -290,6 +299,24 @@ async fn kafka_one_broker_down_holds_back_its_partitions_keys_while_the_others_f
             .any(|r| r.contains(&format!("led by broker {DOWN}"))),
         "the held rows say why: {reasons:?}"
     );
+    // The outage lasts: a held key's head is tried again after about as long as the
+    // outage has lasted, so by now the held rows wait several seconds (with a fixed second
+    // each head was claimed and written again every second, however long the outage).
+    tokio::time::sleep_until((down_at + LONG_OUTAGE).into()).await;
+    let longest_wait: f64 = m
+        .client
+        .query_one(
+            "SELECT coalesce(max(extract(epoch FROM next_attempt_at - now())), 0)::float8 \
+             FROM public.outbox",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        longest_wait > 3.0,
+        "held rows wait as long as the outage has lasted: the longest wait left is {longest_wait:.1}s"
+    );
     mock.broker_up(DOWN).unwrap();
     let downtime = down_at.elapsed();
     let up_at = Instant::now();
@@ -297,6 +324,11 @@ async fn kafka_one_broker_down_holds_back_its_partitions_keys_while_the_others_f
     let report = relay.await.unwrap();
     let (elapsed, after_up) = (started.elapsed(), up_at.elapsed());
     assert!(report.drained, "{report:?}");
+    // Released when the producer sees the broker back, not when their wait ends.
+    assert!(
+        after_up < FOLLOW_WITHIN,
+        "the held keys followed {after_up:?} after the broker came back"
+    );
     let records = read_all(&mock);
     assert_all_delivered_in_key_order(&m, &records, ROWS).await;
     // The relay's idea of where a key goes is where librdkafka put it.

@@ -355,6 +355,76 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
     );
 }
 
+/// A key whose destination stays unavailable has its head tried again after about as long
+/// as the outage has lasted (at about 0, 1, 2, 4 and 8 s), not every second; when the
+/// destination is back the relay makes the held rows due at once instead of leaving them
+/// to their wait (here the head's last wait, 8 s, would end about 5 s after the return),
+/// and the key's rows follow in order. In process, with the memory sink steered by the
+/// test.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_keys_head_is_tried_less_often_as_the_outage_lasts_and_its_rows_follow_once_it_is_back(
+) {
+    use outbox_relay::relay::{self, Mode};
+    use outbox_relay::sink::memory::MemorySink;
+    use outbox_relay::sink::Sink;
+
+    const OUTAGE: Duration = Duration::from_secs(11);
+    /// With a fixed second, the head was tried about once a second: 11-12 times.
+    const MOST_TRIES: u64 = 6;
+    const FOLLOW_WITHIN: Duration = Duration::from_secs(3);
+    let env = Env::new(relay().workers(4).batch_size(50)).await;
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let client = env.client().await;
+    // 100 rows for each of k0..k9.
+    seed(&client, 1_000, 10, 0).await;
+    let sink = MemorySink::new(true);
+    sink.set_available("k3", false);
+    let down_at = Instant::now();
+    let shutdown = outbox_relay::shutdown::Shutdown::new();
+    let run = {
+        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
+        })
+    };
+    let left = "SELECT count(*) FROM public.outbox";
+    let others_left = "SELECT count(*) FROM public.outbox WHERE key <> 'k3'";
+    wait_until("every other key's rows published", OUTAGE, async || {
+        count(&client, others_left).await == 0
+    })
+    .await;
+    assert_eq!(count(&client, left).await, 100, "k3's rows wait");
+    tokio::time::sleep_until((down_at + OUTAGE).into()).await;
+    let tries = sink.turned_away("k3");
+    assert!(
+        (2..=MOST_TRIES).contains(&tries),
+        "k3's head was tried {tries} times in an outage of {OUTAGE:?}"
+    );
+
+    sink.set_available("k3", true);
+    let back = Instant::now();
+    wait_until("k3's rows published", Duration::from_secs(30), async || {
+        count(&client, left).await == 0
+    })
+    .await;
+    let followed = back.elapsed();
+    shutdown.request_stop();
+    run.await.unwrap().unwrap();
+    assert!(
+        followed < FOLLOW_WITHIN,
+        "k3's rows followed {followed:?} after its destination was back"
+    );
+    let k3: Vec<i64> = sink
+        .published()
+        .iter()
+        .filter(|m| m.key.as_deref() == Some("k3"))
+        .map(|m| m.id.rsplit(':').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(k3.len(), 100, "each of k3's rows once");
+    assert!(k3.is_sorted(), "k3's rows in id order: {k3:?}");
+    eprintln!("k3's head tried {tries} times in {OUTAGE:?}; its rows followed {followed:?} after");
+}
+
 /// A claim whose lane would leave the window's first batches to lower lanes, made while
 /// no lower lane claims (one worker took an idle table's look), takes the oldest rows
 /// itself: claimed here directly, each lane alone, on 1,000 rows over 10 keys (every key

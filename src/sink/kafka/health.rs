@@ -18,7 +18,9 @@
 //! while records are queued for it; a broker whose keys are held back has none, so the
 //! producer would stop trying to reach it and never see it come back. With a connection
 //! to each broker it retries on its own (`reconnect.backoff.ms` up to
-//! `reconnect.backoff.max.ms`) and the statistics say when the broker is back.
+//! `reconnect.backoff.max.ms`, 1 s by the relay's default where librdkafka's grows to 10
+//! s) and the statistics say when the broker is back: [`Health::available_again`] counts
+//! it, and the relay makes the rows held back for it due at once (`relay::held`).
 //!
 //! Where a key goes. The relay's partitioner is `murmur2_random` (a Java producer's
 //! choice): `murmur2(key) & 0x7fffffff % partitions` ([`partition_of`]). When the operator
@@ -32,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use rdkafka::ClientContext;
 use serde::Deserialize;
+use tokio::sync::watch;
 
 /// How long every sample must say a broker is not connected before its partitions count
 /// as unavailable.
@@ -39,9 +42,21 @@ pub(crate) const DOWN_AFTER: Duration = Duration::from_secs(1);
 
 /// The producer's view of the cluster, shared between librdkafka's statistics callback
 /// (writer) and the sink (reader).
-#[derive(Default)]
 pub(crate) struct Health {
     state: RwLock<State>,
+    /// Counts the partitions that became available again ([`SinkService::available_again`]).
+    ///
+    /// [`SinkService::available_again`]: crate::sink::SinkService::available_again
+    available_again: watch::Sender<u64>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            state: RwLock::default(),
+            available_again: watch::channel(0).0,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -52,8 +67,9 @@ struct State {
     down: HashSet<i32>,
     /// Topic -> each partition's leader (`-1`: none), by partition id.
     leaders: HashMap<String, Vec<i32>>,
-    /// Unavailable partitions as last logged, to log each change once.
-    logged: HashSet<(String, i32)>,
+    /// Unavailable partitions as last logged (to log each change once), each with the
+    /// sample that first found it so.
+    logged: HashMap<(String, i32), Instant>,
 }
 
 /// Why a record cannot go now, for the row's `last_error` and the log.
@@ -70,13 +86,13 @@ impl std::fmt::Display for Unavailable {
         match self.leader {
             Some(b) => write!(
                 f,
-                "held back: partition {} of topic {:?} is led by broker {b}, which the \
-                 producer cannot reach",
+                "partition {} of topic {:?} is led by broker {b}, which the producer \
+                 cannot reach",
                 self.partition, self.topic
             ),
             None => write!(
                 f,
-                "held back: partition {} of topic {:?} has no leader",
+                "partition {} of topic {:?} has no leader",
                 self.partition, self.topic
             ),
         }
@@ -91,6 +107,23 @@ impl Health {
         let leaders = state.leaders.get(topic)?;
         let partition = partition_of(key, leaders.len())?;
         state.check(topic, partition, leaders[partition as usize])
+    }
+
+    /// How long partition `u` has been unavailable, from the first sample that said so
+    /// (zero before a sample has).
+    pub(crate) fn down_for(&self, u: &Unavailable, now: Instant) -> Duration {
+        let state = self.state.read().unwrap();
+        state
+            .logged
+            .get(&(u.topic.clone(), u.partition))
+            .map_or(Duration::ZERO, |since| {
+                now.saturating_duration_since(*since)
+            })
+    }
+
+    /// See [`Health::available_again`](field@Health::available_again).
+    pub(crate) fn available_again(&self) -> watch::Receiver<u64> {
+        self.available_again.subscribe()
     }
 
     /// A partition of `topic` that can take a record now, at random, when some of its
@@ -157,7 +190,9 @@ impl Health {
                     .insert(name, leaders.into_iter().map(|(_, l)| l).collect());
             }
         }
-        state.log_changes();
+        if state.log_changes(now) {
+            self.available_again.send_modify(|n| *n += 1);
+        }
     }
 }
 
@@ -179,8 +214,9 @@ impl State {
         }
     }
 
-    /// One WARN line when a partition becomes unavailable, one INFO line when it is back.
-    fn log_changes(&mut self) {
+    /// One WARN line when a partition becomes unavailable, one INFO line when it is back;
+    /// whether one is back.
+    fn log_changes(&mut self, sample: Instant) -> bool {
         let now: HashSet<(String, i32)> = self
             .leaders
             .iter()
@@ -191,21 +227,31 @@ impl State {
                 })
             })
             .collect();
-        for (topic, partition) in now.difference(&self.logged) {
+        for (topic, partition) in now.iter().filter(|p| !self.logged.contains_key(*p)) {
             let leader = self.leaders[topic][*partition as usize];
             tracing::warn!(
                 topic, partition, leader,
                 "Kafka partition unavailable: its keys are held back (their rows stay pending, in order) while the other partitions flow"
             );
         }
-        for (topic, partition) in self.logged.difference(&now) {
+        let mut back = false;
+        for (topic, partition) in self.logged.keys().filter(|p| !now.contains(*p)) {
             tracing::info!(
                 topic,
                 partition,
                 "Kafka partition available again: its held keys follow in order"
             );
+            back = true;
         }
-        self.logged = now;
+        let logged = std::mem::take(&mut self.logged);
+        self.logged = now
+            .into_iter()
+            .map(|p| {
+                let since = logged.get(&p).copied().unwrap_or(sample);
+                (p, since)
+            })
+            .collect();
+        back
     }
 }
 
@@ -344,6 +390,26 @@ mod tests {
             .map(|i: u32| format!("k{i}").into_bytes())
             .find(|k| partition_of(k, 2) == Some(p))
             .unwrap()
+    }
+
+    #[test]
+    fn a_partitions_outage_is_timed_from_the_sample_that_found_it_and_its_end_is_counted() {
+        let health = Health::default();
+        let mut back = health.available_again();
+        let t0 = Instant::now();
+        health.observe(sample("DOWN", 2), t0);
+        health.observe(sample("DOWN", 2), t0 + DOWN_AFTER);
+        let held = health.unavailable("t", &key_on(1)).unwrap();
+        assert_eq!(health.down_for(&held, t0 + DOWN_AFTER), Duration::ZERO);
+        // Later samples that find it still down do not restart the clock.
+        health.observe(sample("DOWN", 2), t0 + DOWN_AFTER * 3);
+        assert_eq!(health.down_for(&held, t0 + DOWN_AFTER * 5), DOWN_AFTER * 4);
+        assert!(!back.has_changed().unwrap(), "nothing is back yet");
+        health.observe(sample("UP", 2), t0 + DOWN_AFTER * 6);
+        assert!(back.has_changed().unwrap(), "partition 1 is back");
+        assert_eq!(*back.borrow_and_update(), 1);
+        health.observe(sample("UP", 2), t0 + DOWN_AFTER * 7);
+        assert!(!back.has_changed().unwrap(), "counted once");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
-use super::{scrub, Message, SinkError, SinkService};
+use super::{scrub, Message, NotNow, SinkError, SinkService};
 
 mod errors;
 mod health;
@@ -299,14 +299,17 @@ impl SinkService for KafkaSink {
     }
 
     /// A keyed record whose partition has no reachable leader now (see [`health`]).
-    fn unavailable(&self, message: &Message) -> Option<String> {
+    fn unavailable(&self, message: &Message) -> Option<NotNow> {
         let key = message.key.as_ref()?;
         if !self.knows_partitions {
             return None;
         }
-        self.health
-            .unavailable(&message.topic, key.as_bytes())
-            .map(|u| u.to_string())
+        let u = self.health.unavailable(&message.topic, key.as_bytes())?;
+        Some(NotNow::new(&u, self.health.down_for(&u, Instant::now())))
+    }
+
+    fn available_again(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.health.available_again())
     }
 
     /// Rejects records Kafka would refuse for themselves, before anything of the batch is

@@ -1,15 +1,17 @@
 //! An in-memory sink for tests: records what it acknowledged and fails the messages a
 //! test tells it to, so the relay's handling of failures can be checked exactly.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::{Message, SinkError, SinkService};
+use tokio::sync::watch;
+
+use super::{Message, NotNow, SinkError, SinkService};
 
 /// Records what it acknowledged; fails or rejects the messages it is told to. A clone
 /// shares all of it: a test keeps one to steer the sink the relay holds.
-#[derive(Default, Clone)]
+#[derive(Clone)]
 pub struct MemorySink {
     published: Arc<Mutex<Vec<Message>>>,
     /// Message id -> the error its publish returns (each time).
@@ -18,11 +20,31 @@ pub struct MemorySink {
     topic_failures: Arc<Mutex<HashMap<String, SinkError>>>,
     /// Message id -> the error `check` returns.
     rejections: Arc<Mutex<HashMap<String, SinkError>>>,
-    /// Keys whose destination cannot take a message now (`unavailable`).
-    unavailable: Arc<Mutex<HashSet<String>>>,
+    /// Keys whose destination cannot take a message now (`unavailable`), each since when.
+    unavailable: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Counts the keys made available again (`available_again`).
+    available_again: Arc<watch::Sender<u64>>,
+    /// Key -> how many of its messages `unavailable` turned away.
+    turned_away: Arc<Mutex<HashMap<String, u64>>>,
     keeps_order: bool,
     /// Acknowledge without recording (benchmarks: the database's limit, no broker).
     discard: bool,
+}
+
+impl Default for MemorySink {
+    fn default() -> Self {
+        MemorySink {
+            published: Arc::default(),
+            failures: Arc::default(),
+            topic_failures: Arc::default(),
+            rejections: Arc::default(),
+            unavailable: Arc::default(),
+            available_again: Arc::new(watch::channel(0).0),
+            turned_away: Arc::default(),
+            keeps_order: false,
+            discard: false,
+        }
+    }
 }
 
 impl MemorySink {
@@ -72,10 +94,25 @@ impl MemorySink {
     pub fn set_available(&self, key: &str, available: bool) {
         let mut unavailable = self.unavailable.lock().unwrap();
         if available {
-            unavailable.remove(key);
+            if unavailable.remove(key).is_some() {
+                self.available_again.send_modify(|n| *n += 1);
+            }
         } else {
-            unavailable.insert(key.to_owned());
+            unavailable
+                .entry(key.to_owned())
+                .or_insert_with(Instant::now);
         }
+    }
+
+    /// How many of `key`'s messages were turned away because its destination was
+    /// unavailable: each is one claim of the key's head that found it still down.
+    pub fn turned_away(&self, key: &str) -> u64 {
+        self.turned_away
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// Everything acknowledged so far, in acknowledgement order.
@@ -98,13 +135,23 @@ impl SinkService for MemorySink {
         }
     }
 
-    fn unavailable(&self, message: &Message) -> Option<String> {
+    fn unavailable(&self, message: &Message) -> Option<NotNow> {
         let key = message.key.as_ref()?;
-        self.unavailable
+        let since = *self.unavailable.lock().unwrap().get(&**key)?;
+        *self
+            .turned_away
             .lock()
             .unwrap()
-            .contains(&**key)
-            .then(|| format!("held back: the destination of key {key:?} is unavailable"))
+            .entry(key.to_string())
+            .or_default() += 1;
+        Some(NotNow::new(
+            format_args!("the destination of key {key:?} is unavailable"),
+            since.elapsed(),
+        ))
+    }
+
+    fn available_again(&self) -> Option<watch::Receiver<u64>> {
+        Some(self.available_again.subscribe())
     }
 
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {

@@ -133,9 +133,14 @@ pub struct TableSql {
     /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
     /// now. Returns each row's order value and whether it is now dead.
     pub(crate) record_failures: String,
-    /// A row at its last attempt that could not reach its dead-letter topic: waits like a
-    /// retry (`$1` ids, `$2` errors, `$3` microseconds), its attempt not counted.
+    /// Rows that wait without an attempt counted (`$1` ids, `$2` errors, `$3`
+    /// microseconds): held back for an unavailable destination, or at their last attempt
+    /// and unable to reach their dead-letter topic.
     pub(crate) postpone: String,
+    /// The rows held back for an unavailable destination that still wait are due now
+    /// (their destination is back): those whose `last_error` starts with `$1`, the
+    /// sink's mark of a held-back row.
+    pub(crate) release_held_back: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
     pub(crate) publishable_exists: String,
@@ -261,6 +266,7 @@ impl TableSql {
             mark: settle.mark,
             record_failures: settle.record_failures,
             postpone: settle.postpone,
+            release_held_back: settle.release_held_back,
             publishable_exists: admin.publishable_exists,
             waiting: admin.waiting,
             status: admin.status,

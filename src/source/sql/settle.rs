@@ -9,6 +9,7 @@ pub(super) struct Settle {
     pub(crate) mark: String,
     pub(crate) record_failures: String,
     pub(crate) postpone: String,
+    pub(crate) release_held_back: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Settle {
@@ -39,6 +40,13 @@ pub(super) fn statements(p: &Parts) -> Settle {
              {next} = clock_timestamp() + f.wait * interval '1 microsecond' \
              FROM unnest($1::bigint[], $2::text[], $3::int8[]) AS f(id, err, wait) \
              WHERE o.{id} = f.id"
+        ),
+        // Through the retry index (its predicate is implied): at most the held keys'
+        // heads and the rows waiting for a retry are read.
+        release_held_back: format!(
+            "UPDATE {t} SET {next} = now() WHERE {published_at} IS NULL \
+             AND {dead_at} IS NULL AND {next} > now() \
+             AND starts_with({last_error}, $1::text)"
         ),
     }
 }

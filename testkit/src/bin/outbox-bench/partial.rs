@@ -10,8 +10,10 @@
 //!   ratio to the rate of all rows with every broker up (goal: >= 0.8), both over the
 //!   middle 80% of those rows (10% to 90% delivered: the relay's start-up and the first
 //!   records that wait out the publish timeout before the outage is seen are left out,
-//!   and reported as the time to the first 10%); then how long the held rows took once the
-//!   broker was back.
+//!   and reported as the time to the first 10%); then, the other partitions' rows gone,
+//!   what the outage costs the database while it lasts ([`OUTAGE_SECS`] more: the held
+//!   rows written again a second, and transactions a second); then how long the held rows
+//!   took once the broker was back.
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +33,9 @@ const BROKERS: i32 = 3;
 const PARTITIONS: i32 = 6;
 /// The broker K takes down.
 const DOWN: i32 = 1;
+/// How long the broker stays down once the other partitions' rows are gone, to measure
+/// what the outage costs meanwhile.
+const OUTAGE_SECS: u64 = 20;
 
 type Mock = MockCluster<'static, DefaultProducerContext>;
 
@@ -50,6 +55,10 @@ pub(crate) struct Partial {
     pub(crate) one_down: Flow,
     /// Rows held back while the broker was down.
     pub(crate) held: i64,
+    /// Over [`OUTAGE_SECS`] of the outage with only held rows left: rows updated a second
+    /// (the held keys' heads written again) and transactions a second.
+    pub(crate) outage_updates: f64,
+    pub(crate) outage_transactions: f64,
     /// From the broker's return to the table empty.
     pub(crate) held_drained_in: Duration,
 }
@@ -102,9 +111,10 @@ impl Bench {
         self.seed_rows(0, K_ROWS).await?;
         mock.broker_down(DOWN)?;
         let (one_down, shutdown, relay) = self.flow(&config, K_ROWS - held, held).await?;
+        let client = self.pg.connect("app").await?;
+        let (outage_updates, outage_transactions) = outage_cost(&client).await?;
         mock.broker_up(DOWN)?;
         let up = Instant::now();
-        let client = self.pg.connect("app").await?;
         while left(&client).await? > 0 {
             if up.elapsed() > Duration::from_secs(120) {
                 bail!("K: the held rows did not drain within 2 minutes of the broker's return");
@@ -118,6 +128,8 @@ impl Bench {
             all_up,
             one_down,
             held,
+            outage_updates,
+            outage_transactions,
             held_drained_in,
         })
     }
@@ -175,6 +187,40 @@ impl Bench {
     }
 }
 
+/// Rows updated in the outbox and transactions committed in the database, a second, over
+/// the next [`OUTAGE_SECS`] (the statistics PostgreSQL's backends report, at least every
+/// second).
+async fn outage_cost(client: &tokio_postgres::Client) -> Result<(f64, f64)> {
+    let read = async || -> Result<(i64, i64)> {
+        client
+            .execute("SELECT pg_stat_clear_snapshot()", &[])
+            .await?;
+        let row = client
+            .query_one(
+                "SELECT (SELECT n_tup_upd FROM pg_stat_user_tables \
+                 WHERE relid = 'public.outbox'::regclass), \
+                 (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database())",
+                &[],
+            )
+            .await?;
+        Ok((row.get(0), row.get(1)))
+    };
+    let (updates, transactions) = read().await?;
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(OUTAGE_SECS)).await;
+    let (updates_after, transactions_after) = read().await?;
+    let secs = started.elapsed().as_secs_f64();
+    let cost = (
+        (updates_after - updates) as f64 / secs,
+        (transactions_after - transactions) as f64 / secs,
+    );
+    eprintln!(
+        "    {OUTAGE_SECS} s more of the outage: {:.0} rows updated/s, {:.0} transactions/s",
+        cost.0, cost.1
+    );
+    Ok(cost)
+}
+
 async fn left(client: &tokio_postgres::Client) -> Result<i64> {
     Ok(client
         .query_one("SELECT count(*) FROM public.outbox", &[])
@@ -198,8 +244,12 @@ pub(crate) fn print(p: &Partial) {
         );
     }
     println!(
-        "\n{} rows held back while it was down; once it was back they drained in {:.2}s.",
+        "\n{} rows held back while it was down. With only they left, for {OUTAGE_SECS} s more \
+         of the outage: {:.0} rows updated a second (held keys' heads tried again), {:.0} \
+         transactions a second. Once it was back they drained in {:.2}s.",
         p.held,
+        p.outage_updates,
+        p.outage_transactions,
         p.held_drained_in.as_secs_f64()
     );
 }

@@ -1,0 +1,84 @@
+//! Rows held back for an unavailable destination (a Kafka partition whose leader is
+//! down: [`crate::sink::SinkService::unavailable`]) wait as long as their destination has
+//! been down, up to [`crate::sink::HOLD_MAX`] ([`crate::sink::NotNow`]); when the sink
+//! says a destination is available again ([`crate::sink::SinkService::available_again`]),
+//! this follower makes every table's held-back rows due at once and wakes the workers, so
+//! the held keys follow as soon as the sink sees the destination back, not when their wait
+//! ends.
+//!
+//! It releases every row held back for any destination, not only those of the one that
+//! is back: a row whose destination is still down is held back again by the claim that
+//! takes it, with a wait as long as that outage. Every relay process follows its own
+//! sink, so rows that another process held back with a view of the cluster older than
+//! this one's are released again when that process sees the destination back.
+
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use super::Shared;
+use crate::sink::HELD_BACK;
+
+/// How often a release that failed (the database unreachable) is tried again, and how many
+/// times: past that, the rows come due by their own wait.
+const RELEASE_RETRY: Duration = Duration::from_secs(1);
+const RELEASE_TRIES: u32 = 5;
+
+impl Shared {
+    /// Until `done`: at each change of `available_again`, releases every table's rows held
+    /// back for an unavailable destination.
+    pub(super) async fn follow_availability(
+        &self,
+        mut available_again: watch::Receiver<u64>,
+        done: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = done.cancelled() => return,
+                changed = available_again.changed() => if changed.is_err() { return },
+            }
+            for t in 0..self.tables.len() {
+                for tried in 1..=RELEASE_TRIES {
+                    match self.release_held_back(t).await {
+                        Ok(()) => break,
+                        Err(e) if tried == RELEASE_TRIES => {
+                            tracing::warn!(
+                                table = %self.tables[t].config.name, error = %e,
+                                "Could not release the rows held back for a destination that is back; they come due by their own wait"
+                            );
+                            break;
+                        }
+                        Err(e) => tracing::debug!(
+                            table = %self.tables[t].config.name, error = %e,
+                            "Could not release the rows held back for a destination that is back; trying again"
+                        ),
+                    }
+                    tokio::select! {
+                        _ = done.cancelled() => return,
+                        _ = tokio::time::sleep(RELEASE_RETRY) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Makes table `t`'s rows held back for an unavailable destination due now, and wakes
+    /// the workers when there were some.
+    async fn release_held_back(&self, t: usize) -> Result<(), crate::source::SourceError> {
+        let table = &self.tables[t];
+        let sql = &table.sql.release_held_back;
+        let released = self
+            .source
+            .in_transaction(async |tx| tx.execute(sql, &[&HELD_BACK]).await)
+            .await?;
+        if released > 0 {
+            tracing::info!(
+                table = %table.config.name, rows = released,
+                "A destination is available again: the rows held back for it are due now"
+            );
+            self.wakes.raise(t, true);
+        }
+        Ok(())
+    }
+}
