@@ -10,7 +10,9 @@
 //! is back: a row whose destination is still down is held back again by the claim that
 //! takes it, with a wait as long as that outage. Every relay process follows its own
 //! sink, so rows that another process held back with a view of the cluster older than
-//! this one's are released again when that process sees the destination back.
+//! this one's are released again when that process sees the destination back. A process
+//! also releases them once when it starts: it never saw the outage end if it began after
+//! (a relay restarted, a replica added), and its sink decides afresh.
 
 use std::time::Duration;
 
@@ -26,13 +28,15 @@ const RELEASE_RETRY: Duration = Duration::from_secs(1);
 const RELEASE_TRIES: u32 = 5;
 
 impl Shared {
-    /// Until `done`: at each change of `available_again`, releases every table's rows held
-    /// back for an unavailable destination.
+    /// Until `done`: at once, then at each change of `available_again`, releases every
+    /// table's rows held back for an unavailable destination.
     pub(super) async fn follow_availability(
         &self,
         mut available_again: watch::Receiver<u64>,
         done: CancellationToken,
     ) {
+        available_again.mark_changed();
+        let mut starting = true;
         loop {
             tokio::select! {
                 _ = done.cancelled() => return,
@@ -40,7 +44,7 @@ impl Shared {
             }
             for t in 0..self.tables.len() {
                 for tried in 1..=RELEASE_TRIES {
-                    match self.release_held_back(t).await {
+                    match self.release_held_back(t, starting).await {
                         Ok(()) => break,
                         Err(e) if tried == RELEASE_TRIES => {
                             tracing::warn!(
@@ -60,12 +64,17 @@ impl Shared {
                     }
                 }
             }
+            starting = false;
         }
     }
 
     /// Makes table `t`'s rows held back for an unavailable destination due now, and wakes
-    /// the workers when there were some.
-    async fn release_held_back(&self, t: usize) -> Result<(), crate::source::SourceError> {
+    /// the workers when there were some (`starting`: the process's first release).
+    async fn release_held_back(
+        &self,
+        t: usize,
+        starting: bool,
+    ) -> Result<(), crate::source::SourceError> {
         let table = &self.tables[t];
         let sql = &table.sql.release_held_back;
         let released = self
@@ -73,10 +82,17 @@ impl Shared {
             .in_transaction(async |tx| tx.execute(sql, &[&HELD_BACK]).await)
             .await?;
         if released > 0 {
-            tracing::info!(
-                table = %table.config.name, rows = released,
-                "A destination is available again: the rows held back for it are due now"
-            );
+            let name = &table.config.name;
+            match starting {
+                true => tracing::info!(
+                    table = %name, rows = released,
+                    "Rows held back for an unavailable destination are due now: this relay's sink decides afresh"
+                ),
+                false => tracing::info!(
+                    table = %name, rows = released,
+                    "A destination is available again: the rows held back for it are due now"
+                ),
+            }
             self.wakes.raise(t, true);
         }
         Ok(())

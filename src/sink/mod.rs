@@ -173,8 +173,9 @@ pub(crate) const HELD_BACK: &str = "held back: ";
 /// The shortest wait of a held-back row: about as long as a sink takes to notice its
 /// destination is back.
 pub(crate) const HOLD_MIN: Duration = Duration::from_secs(1);
-/// The longest: how late a held key may follow when its destination is back and no relay
-/// process saw it come back (one that did releases the rows at once).
+/// The longest: how late a held key may follow when its destination is back and no
+/// running relay process saw it come back (one that did, or one that starts, releases
+/// the rows at once).
 pub(crate) const HOLD_MAX: Duration = Duration::from_secs(30);
 
 impl NotNow {

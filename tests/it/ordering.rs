@@ -425,6 +425,62 @@ async fn a_held_keys_head_is_tried_less_often_as_the_outage_lasts_and_its_rows_f
     eprintln!("k3's head tried {tries} times in {OUTAGE:?}; its rows followed {followed:?} after");
 }
 
+/// Rows an earlier relay held back for an unavailable destination (here for an hour, as
+/// a wait past what the relay gives, so the test cannot pass by their wait ending) are due
+/// as soon as a relay starts: it never saw the destination come back, and its sink
+/// decides afresh. In process, with the memory sink, every destination available.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_held_back_by_an_earlier_relay_are_tried_again_when_a_relay_starts() {
+    use outbox_relay::relay::{self, Mode};
+    use outbox_relay::sink::memory::MemorySink;
+    use outbox_relay::sink::Sink;
+
+    let env = Env::new(relay()).await;
+    let config = outbox_relay::config::load(&env.config).unwrap();
+    let client = env.client().await;
+    seed(&client, 100, 10, 0).await;
+    // Each key's first row held back, as a relay does when the key's partition is down;
+    // a row that failed for its own sake waits for its retry as before.
+    client
+        .batch_execute(
+            "UPDATE public.outbox SET next_attempt_at = now() + interval '1 hour', \
+             last_error = 'held back: partition 3 of topic \"events.0\" has no leader' \
+             WHERE id <= 9; \
+             UPDATE public.outbox SET next_attempt_at = now() + interval '1 hour', \
+             attempts = 1, last_error = 'invalid subject' WHERE id = 10",
+        )
+        .await
+        .unwrap();
+    let sink = MemorySink::new(true);
+    let shutdown = outbox_relay::shutdown::Shutdown::new();
+    let run = {
+        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
+        })
+    };
+    wait_until(
+        "every row but key k0's published",
+        Duration::from_secs(20),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 10,
+    )
+    .await;
+    shutdown.request_stop();
+    run.await.unwrap().unwrap();
+    let left: Vec<i64> = client
+        .query("SELECT id FROM public.outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        left,
+        (1..=10).map(|n| n * 10).collect::<Vec<i64>>(),
+        "k0's rows wait behind the row that failed for its own sake, the others went"
+    );
+}
+
 /// A claim whose lane would leave the window's first batches to lower lanes, made while
 /// no lower lane claims (one worker took an idle table's look), takes the oldest rows
 /// itself: claimed here directly, each lane alone, on 1,000 rows over 10 keys (every key
