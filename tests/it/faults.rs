@@ -443,9 +443,8 @@ async fn a_silent_listen_connection_is_replaced_and_wake_ups_stay_prompt() {
 /// there once. In process, with the memory sink steered by the test.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_other_keys() {
-    use outbox_relay::relay::{self, Mode};
     use outbox_relay::sink::memory::MemorySink;
-    use outbox_relay::sink::{Sink, SinkError};
+    use outbox_relay::sink::SinkError;
 
     let env = Env::new(
         relay()
@@ -473,13 +472,7 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
         "dead.events.a",
         SinkError::transient("dead-letter broker down"),
     );
-    let shutdown = outbox_relay::shutdown::Shutdown::new();
-    let run = {
-        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
-        })
-    };
+    let (shutdown, run) = run_in_process(&config, &sink);
     // Other keys flow meanwhile, batch after batch.
     for round in 0..5 {
         client

@@ -274,9 +274,8 @@ async fn replicas_keep_key_order_and_lose_nothing_while_one_is_killed_and_anothe
 /// order. In process, with the memory sink steered by the test.
 #[tokio::test(flavor = "multi_thread")]
 async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose_nothing() {
-    use outbox_relay::relay::{self, Mode};
     use outbox_relay::sink::memory::MemorySink;
-    use outbox_relay::sink::{Sink, SinkError};
+    use outbox_relay::sink::SinkError;
     use std::collections::{BTreeMap, HashSet};
 
     const ROWS: i64 = 50_000;
@@ -293,13 +292,7 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
     let client = env.client().await;
     seed(&client, ROWS, KEYS, 0).await;
     let sink = MemorySink::new(true);
-    let shutdown = outbox_relay::shutdown::Shutdown::new();
-    let run = {
-        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
-        })
-    };
+    let (shutdown, run) = run_in_process(&config, &sink);
     // A third of the keys unavailable at a time, a different third every 300 ms.
     let mut held_rounds = 0;
     let started = Instant::now();
@@ -364,9 +357,7 @@ async fn keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose
 #[tokio::test(flavor = "multi_thread")]
 async fn a_held_keys_head_is_tried_less_often_as_the_outage_lasts_and_its_rows_follow_once_it_is_back(
 ) {
-    use outbox_relay::relay::{self, Mode};
     use outbox_relay::sink::memory::MemorySink;
-    use outbox_relay::sink::Sink;
 
     const OUTAGE: Duration = Duration::from_secs(11);
     /// With a fixed second, the head was tried about once a second: 11-12 times.
@@ -380,13 +371,7 @@ async fn a_held_keys_head_is_tried_less_often_as_the_outage_lasts_and_its_rows_f
     let sink = MemorySink::new(true);
     sink.set_available("k3", false);
     let down_at = Instant::now();
-    let shutdown = outbox_relay::shutdown::Shutdown::new();
-    let run = {
-        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
-        })
-    };
+    let (shutdown, run) = run_in_process(&config, &sink);
     let left = "SELECT count(*) FROM public.outbox";
     let others_left = "SELECT count(*) FROM public.outbox WHERE key <> 'k3'";
     wait_until("every other key's rows published", OUTAGE, async || {
@@ -431,9 +416,7 @@ async fn a_held_keys_head_is_tried_less_often_as_the_outage_lasts_and_its_rows_f
 /// decides afresh. In process, with the memory sink, every destination available.
 #[tokio::test(flavor = "multi_thread")]
 async fn rows_held_back_by_an_earlier_relay_are_tried_again_when_a_relay_starts() {
-    use outbox_relay::relay::{self, Mode};
     use outbox_relay::sink::memory::MemorySink;
-    use outbox_relay::sink::Sink;
 
     let env = Env::new(relay()).await;
     let config = outbox_relay::config::load(&env.config).unwrap();
@@ -452,13 +435,7 @@ async fn rows_held_back_by_an_earlier_relay_are_tried_again_when_a_relay_starts(
         .await
         .unwrap();
     let sink = MemorySink::new(true);
-    let shutdown = outbox_relay::shutdown::Shutdown::new();
-    let run = {
-        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
-        })
-    };
+    let (shutdown, run) = run_in_process(&config, &sink);
     wait_until(
         "every row but key k0's published",
         Duration::from_secs(20),

@@ -804,3 +804,24 @@ pub fn assert_each_sent_once(inserted: &[i64], sends: &[String]) {
     );
     assert_eq!(sends.len(), inserted.len(), "nothing else sent");
 }
+
+/// Runs the relay (`Mode::Run`) in this process with the memory sink `sink`, which the
+/// test keeps a clone of to steer and read; returns the handle that stops it and the run.
+pub fn run_in_process(
+    config: &outbox_relay::config::Config,
+    sink: &outbox_relay::sink::memory::MemorySink,
+) -> (
+    outbox_relay::shutdown::Shutdown,
+    tokio::task::JoinHandle<Result<outbox_relay::relay::Report, outbox_relay::relay::RelayError>>,
+) {
+    use outbox_relay::relay::{self, Mode};
+    use outbox_relay::sink::Sink;
+    let shutdown = outbox_relay::shutdown::Shutdown::new();
+    let run = {
+        let (config, sink, shutdown) = (config.clone(), sink.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            relay::run_with_sink(&config, Mode::Run, Sink::Memory(sink), shutdown).await
+        })
+    };
+    (shutdown, run)
+}
