@@ -27,8 +27,8 @@
 //! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
-//!   waiting for a port, and [`wait_with_usage`] for timing a relay child ([`ChildUsage`]:
-//!   peak RSS, CPU).
+//!   waiting for a port, [`wait_with_usage`] for timing a relay child ([`ChildUsage`]:
+//!   peak RSS, CPU), and [`http_get`] for the relay's and nats-server's endpoints.
 
 mod kafka;
 mod nats;
@@ -47,7 +47,9 @@ pub use nats_cluster::NatsCluster;
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
-pub use process::{die_with_parent, free_port, send_signal, wait_with_usage, ChildUsage, Signal};
+pub use process::{
+    die_with_parent, free_port, http_get, send_signal, wait_with_usage, ChildUsage, Signal,
+};
 pub use proxy::{Fault, Proxy};
 pub use standby::{failover_url, Standby};
 pub use tls::TestCa;

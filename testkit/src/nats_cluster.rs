@@ -17,7 +17,6 @@
 //! Torn down by `Drop`: every server is killed and the directory removed; the servers
 //! also get SIGKILL if the thread that started them dies without unwinding.
 
-use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -422,17 +421,8 @@ impl NatsCluster {
 
     /// The body of a plain HTTP GET of `path` on server `i`'s monitoring port.
     fn monitor(&self, i: usize, path: &str) -> std::io::Result<String> {
-        let addr = ("127.0.0.1", self.nodes[i].http_port);
-        let mut stream = std::net::TcpStream::connect(addr)?;
-        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-        stream.set_write_timeout(Some(Duration::from_secs(2)))?;
-        write!(stream, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response)?;
-        Ok(response
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_owned())
-            .unwrap_or_default())
+        let addr = format!("127.0.0.1:{}", self.nodes[i].http_port);
+        Ok(crate::process::http_get_within(&addr, path, Duration::from_secs(2))?.1)
     }
 }
 

@@ -194,3 +194,34 @@ pub(crate) fn signal_child(child: &Option<std::process::Child>, signal: Signal) 
         let _ = send_signal(child.id(), signal);
     }
 }
+
+/// A plain HTTP/1.0 GET of `path` from `addr` (`host:port`): (status code, body).
+/// Blocking, 5 s timeouts. Enough for the relay's endpoints and nats-server's monitoring.
+pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
+    http_get_within(addr, path, Duration::from_secs(5))
+}
+
+/// [`http_get`] with `timeout` for the writes and reads (a stopped server still accepts).
+pub(crate) fn http_get_within(
+    addr: &str,
+    path: &str,
+    timeout: Duration,
+) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    stream.set_read_timeout(Some(timeout))?;
+    stream.set_write_timeout(Some(timeout))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}

@@ -626,26 +626,7 @@ pub fn scrape(addr: &str, prefix: &str) -> Option<f64> {
     }
 }
 
-/// A plain HTTP/1.0 GET: (status code, body). Blocking, 5 s timeouts.
-pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr)?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((status, body))
-}
+pub use testkit::http_get;
 
 /// A migrated outbox for the Kafka tests, with the PostgreSQL it lives in and a relay
 /// config aimed at the brokers.

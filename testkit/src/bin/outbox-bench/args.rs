@@ -44,8 +44,9 @@ pub(crate) struct Args {
     /// durable as PostgreSQL ships).
     #[arg(long)]
     pub(crate) fast: bool,
-    /// Only the deployment shapes: S (relays x workers), I (idle tables) and E3 (a new
-    /// process behind a held snapshot); see `scale.rs`.
+    /// Only the deployment shapes: S (relays x workers as drains started at once), R (the
+    /// same shapes as relays already running), I (idle tables) and E3 (a new process
+    /// behind a held snapshot); see `scale.rs`.
     #[arg(long)]
     pub(crate) scale: bool,
     /// Only the partial failures: K (one Kafka broker down); see `partial.rs`.
@@ -55,7 +56,7 @@ pub(crate) struct Args {
     /// PostgreSQL); see `distant.rs`.
     #[arg(long)]
     pub(crate) distant: bool,
-    /// With `--scale`: only these of S, I and E3 (comma-separated, e.g. `S,E3`).
-    #[arg(long, value_name = "PARTS", default_value = "S,I,E3")]
+    /// With `--scale`: only these of S, R, I and E3 (comma-separated, e.g. `S,E3`).
+    #[arg(long, value_name = "PARTS", default_value = "S,R,I,E3")]
     pub(crate) scale_parts: String,
 }

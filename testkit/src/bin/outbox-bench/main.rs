@@ -39,7 +39,7 @@
 //! shipped) unless `--fast`; shared_buffers and checkpoints are sized for the data set
 //! ([`PG_SETTINGS`]), and the settings used are printed with the results.
 //!
-//! `--scale` runs only S, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`),
+//! `--scale` runs only S, R, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`),
 //! `--distant` only L (`distant.rs`: the database behind a proxy adding 1-20 ms).
 //!
 //! Flags and their defaults: `outbox-bench --help` ([`args::Args`]). One idea per module:

@@ -1,9 +1,14 @@
-//! S, I and E3: the shapes of real deployments (issue 27) rather than one process on one
+//! S, R, I and E3: the shapes of real deployments (issue 27) rather than one process on one
 //! table. `outbox-bench --scale` runs only these.
 //!
 //! - S. Replicas and workers: `R` `outbox-relay drain` processes of `W` workers each,
 //!   started at once on one table of 200,000 rows, on 2,000 keys and on 20 hot keys; the
 //!   aggregate rate, timed from the first start to the last exit, as a ratio to 1 x 4.
+//! - R. Replicas already running, as sidecars are: the same shapes as `outbox-relay run`
+//!   processes (NOTIFY trigger installed), started on the empty table and ready
+//!   (`/readyz`), then 200,000 rows committed in one transaction; the aggregate rate from
+//!   that commit to the stream holding every row, as a ratio to 1 x 4. No process
+//!   start-up or exit is in its timing, which S's drains pay once per relay.
 //! - I. Idle tables: `outbox-relay run` watching 1, 10 and 50 quiet tables (NOTIFY
 //!   trigger installed), and 50 without it (polling only); over 15 s after start-up, the
 //!   cores the relay and every PostgreSQL process used and the transactions per second
@@ -90,6 +95,8 @@ pub(crate) struct Idle {
 /// What `--scale` measured.
 pub(crate) struct Scale {
     pub(crate) shapes: Vec<Shape>,
+    /// R: the same shapes, running before the rows came.
+    pub(crate) running: Vec<Shape>,
     pub(crate) idle: Vec<Idle>,
     /// E3: the first drain's rate, the new process's rate.
     pub(crate) history: (f64, f64),
@@ -356,6 +363,169 @@ impl Bench {
             .get(0))
     }
 
+    /// `outbox-relay migrate` with the config at `path`: with the NOTIFY trigger, or
+    /// without it (`--no-notify` removes it).
+    fn migrate(&self, path: &std::path::Path, notify: bool) -> Result<()> {
+        let mut migrate = Command::new(&self.a.relay);
+        migrate.args(["migrate", "--config"]).arg(path);
+        if !notify {
+            migrate.arg("--no-notify");
+        }
+        let out = migrate.output()?;
+        if !out.status.success() {
+            bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    }
+
+    /// R: `relays` `run` processes of `workers` workers, up and ready on the empty table
+    /// before `rows` rows over `keys` keys commit at once; the aggregate rate from that
+    /// commit to the stream holding every row, checked as S's is.
+    async fn running_replicas(
+        &self,
+        relays: usize,
+        workers: usize,
+        batch: usize,
+        rows: i64,
+        keys: i64,
+    ) -> Result<Drained> {
+        self.reset_nats().await?;
+        let stats = self.pg.connect("app").await?;
+        stats.batch_execute("TRUNCATE public.outbox").await?;
+        let tables = ["public.outbox".to_owned()];
+        let mut configs = Vec::new();
+        for i in 0..relays {
+            let addr = format!("127.0.0.1:{}", testkit::free_port());
+            let path = self
+                .dir
+                .join(format!("running-{relays}x{workers}-{i}.toml"));
+            let http = format!("[http]\nlisten = \"{addr}\"\n");
+            std::fs::write(&path, self.scale_config(workers, batch, &tables) + &http)?;
+            configs.push((path, addr));
+        }
+        // Sidecars next to an application that writes its outbox: the trigger wakes them.
+        self.migrate(&configs[0].0, true)?;
+        let mut children = Vec::new();
+        for (path, _) in &configs {
+            children.push(self.spawn_relay("run", path)?);
+        }
+        let result = self.burst_to_running(&children, &configs, rows, keys).await;
+        for child in &children {
+            let _ = testkit::send_signal(child.id(), testkit::Signal::Term);
+        }
+        for mut child in children {
+            let status = tokio::task::spawn_blocking(move || child.wait()).await??;
+            if result.is_ok() && !status.success() {
+                bail!("a run of {relays} x {workers} exited with {status} on SIGTERM");
+            }
+        }
+        self.migrate(&configs[0].0, false)?;
+        result
+    }
+
+    /// R's measured part: waits for every relay's `/readyz`, commits the rows, and times
+    /// them to the stream.
+    async fn burst_to_running(
+        &self,
+        children: &[Child],
+        configs: &[(std::path::PathBuf, String)],
+        rows: i64,
+        keys: i64,
+    ) -> Result<Drained> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for (_, addr) in configs {
+            loop {
+                let a = addr.clone();
+                let ready = tokio::task::spawn_blocking(move || testkit::http_get(&a, "/readyz"))
+                    .await?
+                    .is_ok_and(|(status, _)| status == 200);
+                if ready {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    bail!("a relay at {addr} was not ready within 60 s");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // Every worker's first claims of the empty table, before the burst.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let stats = self.pg.connect("app").await?;
+        let pids: Vec<u32> = children.iter().map(Child::id).collect();
+        let relay_cpu0: f64 = pids.iter().copied().map(cpu_secs).sum();
+        let profile = self.statements(&stats, None).await?;
+        self.append(rows, keys, self.a.payload as i32).await?;
+        let (committed, machine) = (Instant::now(), MachineCpu::now());
+        let xacts0 = Self::xacts(&stats).await?;
+        let js = async_nats::jetstream::new(self.nats.client().await?);
+        loop {
+            let stored = match js.get_stream("BENCH").await {
+                Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
+                Err(_) => 0,
+            };
+            if stored as i64 >= rows {
+                break;
+            }
+            if committed.elapsed() > Duration::from_secs(300) {
+                bail!("the stream held {stored} of {rows} rows 300 s after the commit");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let secs = committed.elapsed().as_secs_f64();
+        let machine_cpu = machine.busy_since() * secs;
+        let relay_cpu: f64 = pids.iter().copied().map(cpu_secs).sum::<f64>() - relay_cpu0;
+        let settled = Instant::now() + Duration::from_secs(10);
+        loop {
+            let left: i64 = stats
+                .query_one("SELECT count(*) FROM public.outbox", &[])
+                .await?
+                .get(0);
+            if left == 0 {
+                break;
+            }
+            if Instant::now() > settled {
+                bail!("{left} rows left 10 s after the stream held every row");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let stored = self.nats.stream_state("BENCH").await?.0 as i64;
+        if stored != rows {
+            bail!("the stream stored {stored} messages for {rows} rows");
+        }
+        // Statistics reach pg_stat_database when a backend reports (at most every 1 s).
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let xacts = Self::xacts(&stats).await? - xacts0;
+        self.statements(&stats, Some(profile)).await?;
+        let per_100k = rows as f64 / 100_000.0;
+        Ok(Drained {
+            rows_per_xact: rows as f64 / xacts.max(1) as f64,
+            rate: rows as f64 / secs,
+            relay_cpu: relay_cpu / per_100k,
+            machine_cpu: machine_cpu / per_100k,
+        })
+    }
+
+    /// R: every shape of S (or those `BENCH_SCALE_SHAPES` names) as running replicas.
+    async fn running_shapes(&self) -> Result<Vec<Shape>> {
+        let mut out = Vec::new();
+        for (keys, relays, workers) in chosen_shapes()? {
+            let drained = self
+                .running_replicas(relays, workers, 500, S_ROWS, keys)
+                .await?;
+            eprintln!(
+                "    R. {keys} keys, {relays} x {workers} running: {:.0} rows/s",
+                drained.rate
+            );
+            out.push(Shape {
+                keys,
+                relays,
+                workers,
+                drained,
+            });
+        }
+        Ok(out)
+    }
+
     /// I: `outbox-relay run` on `n` empty tables.
     async fn idle(&self, n: usize, notify: bool) -> Result<Idle> {
         let client = self.pg.connect("app").await?;
@@ -365,15 +535,7 @@ impl Bench {
         // reads for them are part of its idle cost.
         let http = format!("[http]\nlisten = \"127.0.0.1:{}\"\n", testkit::free_port());
         std::fs::write(&path, self.scale_config(4, 500, &tables) + &http)?;
-        let mut migrate = Command::new(&self.a.relay);
-        migrate.args(["migrate", "--config"]).arg(&path);
-        if !notify {
-            migrate.arg("--no-notify");
-        }
-        let out = migrate.output()?;
-        if !out.status.success() {
-            bail!("migrate: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        self.migrate(&path, notify)?;
         self.reset_nats().await?;
         let nc = async_nats::connect(self.nats.url()).await?;
         let mut sub = nc.subscribe("bench.>").await?;
@@ -452,7 +614,7 @@ impl Bench {
         Ok((first, second))
     }
 
-    /// S, I and E3.
+    /// S, R, I and E3.
     pub(crate) async fn scale(&self) -> Result<Scale> {
         let part = |p: &str| {
             self.a
@@ -462,6 +624,11 @@ impl Bench {
         };
         let shapes = if part("S") {
             self.shapes().await?
+        } else {
+            Vec::new()
+        };
+        let running = if part("R") {
+            self.running_shapes().await?
         } else {
             Vec::new()
         };
@@ -487,38 +654,23 @@ impl Bench {
         };
         Ok(Scale {
             shapes,
+            running,
             idle,
             history,
         })
     }
 }
 
-/// Prints S, I and E3 as markdown tables.
+/// Prints S, R, I and E3 as markdown tables.
 pub(crate) fn print(scale: &Scale) {
-    println!("\n### S. Replicas and workers: one table, 200,000 rows, NATS, key order\n");
-    println!(
-        "| keys | relays x workers | rows/s | vs 1 x 4 | relay CPU s / 100k rows | machine CPU s / 100k rows | rows per transaction |"
+    print_shapes(
+        "S. Replicas and workers: drains started at once on one table, 200,000 rows, NATS, key order",
+        &scale.shapes,
     );
-    println!("|---:|---|---:|---:|---:|---:|---:|");
-    for s in &scale.shapes {
-        let base = scale
-            .shapes
-            .iter()
-            .find(|b| b.keys == s.keys && b.relays == 1 && b.workers == 4)
-            .map_or(f64::NAN, |b| b.drained.rate);
-        let d = s.drained;
-        println!(
-            "| {} | {} x {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} |",
-            s.keys,
-            s.relays,
-            s.workers,
-            d.rate,
-            d.rate / base,
-            d.relay_cpu,
-            d.machine_cpu,
-            d.rows_per_xact
-        );
-    }
+    print_shapes(
+        "R. Replicas and workers already running (`run`, NOTIFY): 200,000 rows committed at once, NATS, key order",
+        &scale.running,
+    );
     println!("\n### I. Idle tables: `outbox-relay run`, nothing written, {IDLE_SECS} s\n");
     println!("| tables | NOTIFY | relay (cores) | PostgreSQL (cores) | transactions/s | wake-up p50 | p99 |");
     println!("|---:|---|---:|---:|---:|---:|---:|");
@@ -542,4 +694,34 @@ pub(crate) fn print(scale: &Scale) {
         "| {first:.0} rows/s | {second:.0} rows/s | {:.2} |",
         second / first
     );
+}
+
+/// One table of S or R: each shape's rate as a ratio to 1 x 4 on the same keys.
+fn print_shapes(title: &str, shapes: &[Shape]) {
+    if shapes.is_empty() {
+        return;
+    }
+    println!("\n### {title}\n");
+    println!(
+        "| keys | relays x workers | rows/s | vs 1 x 4 | relay CPU s / 100k rows | machine CPU s / 100k rows | rows per transaction |"
+    );
+    println!("|---:|---|---:|---:|---:|---:|---:|");
+    for s in shapes {
+        let base = shapes
+            .iter()
+            .find(|b| b.keys == s.keys && b.relays == 1 && b.workers == 4)
+            .map_or(f64::NAN, |b| b.drained.rate);
+        let d = s.drained;
+        println!(
+            "| {} | {} x {} | {:.0} | {:.2} | {:.2} | {:.2} | {:.0} |",
+            s.keys,
+            s.relays,
+            s.workers,
+            d.rate,
+            d.rate / base,
+            d.relay_cpu,
+            d.machine_cpu,
+            d.rows_per_xact
+        );
+    }
 }
