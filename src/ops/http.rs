@@ -48,6 +48,7 @@ pub(crate) async fn serve(
 }
 
 async fn metrics(State(ops): State<Arc<Ops>>) -> Response {
+    ops.scraped();
     (
         [(
             header::CONTENT_TYPE,

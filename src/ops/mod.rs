@@ -140,24 +140,29 @@ pub(crate) struct Ops {
     /// Rows published (run total) when the backlog gauges were last read: drain's progress
     /// line takes off what was published since.
     pub(crate) published_at_backlog_read: AtomicU64,
-    /// Whether the metrics endpoint serves these (`[http]` is configured).
-    served: bool,
+    /// `/metrics` requests answered so far: the gauges that cost a read follow them.
+    scrapes: AtomicU64,
 }
 
 impl Ops {
-    pub(crate) fn new(poll_interval: Duration, served: bool) -> Arc<Ops> {
+    pub(crate) fn new(poll_interval: Duration) -> Arc<Ops> {
         Arc::new(Ops {
             metrics: Metrics::default(),
             health: Health::new(poll_interval),
             published_at_backlog_read: AtomicU64::new(0),
-            served,
+            scrapes: AtomicU64::new(0),
         })
     }
 
-    /// Whether the metrics endpoint serves the metrics: gauges that cost a read are read
-    /// only when something shows them.
-    pub(crate) fn served(&self) -> bool {
-        self.served
+    /// Counts a `/metrics` request.
+    pub(crate) fn scraped(&self) {
+        self.scrapes.fetch_add(1, Relaxed);
+    }
+
+    /// `/metrics` requests answered so far: a gauge that costs a read is read again only
+    /// once a scrape showed the last value (see `probe`).
+    pub(crate) fn scrapes(&self) -> u64 {
+        self.scrapes.load(Relaxed)
     }
 
     /// Records whether PostgreSQL answered: readiness and the `dependency_up` gauge.

@@ -317,7 +317,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
             sink: &s.sink,
             tables: &s.tables,
             circuit: &circuit,
-            backlog_shown: s.ops.served() || progress,
+            progress,
             published: s.state.published(),
         };
         ops::probe::run(&s.ops, probed, d).await

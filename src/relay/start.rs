@@ -120,7 +120,7 @@ pub(crate) struct Endpoints {
 
 impl Endpoints {
     pub(crate) async fn start(config: &Config) -> Result<Endpoints, RelayError> {
-        let ops = Ops::new(config.relay.poll_interval, config.http.is_some());
+        let ops = Ops::new(config.relay.poll_interval);
         let done = CancellationToken::new();
         let tasks = Background::default();
         if let Some(http) = &config.http {

@@ -103,6 +103,44 @@ async fn metrics_families_are_present_and_move() {
     terminate_cleanly(&mut relay);
 }
 
+/// Section 8 (replicas): a gauge that counts the backlog is read for a scrape, not on a
+/// clock. Every sidecar of a table would otherwise count the same backlog every 5 s
+/// whether anyone looks or not (benchmark R: 68 ms of a backend per relay at 200,000
+/// rows). Until `/metrics` is asked, the backlog is never counted; once asked, the next
+/// scrapes show it.
+#[tokio::test(flavor = "multi_thread")]
+async fn backlog_gauges_are_counted_for_scrapes_not_on_a_clock() {
+    let (env, addr) = env_with_http(relay().workers(2)).await;
+    seed(&env.client().await, 40, 4, 0).await;
+    // Paused: the 40 rows stay the backlog the gauge should show.
+    let out = env.relay(&["pause", "--reason", "the backlog gauge test"]);
+    assert!(out.status.success(), "{out:?}");
+    let mut relay = env.spawn_run();
+    wait_http(&addr, "/readyz", 200, Duration::from_secs(20)).await;
+    // Two gauge intervals (5 s each) with nothing scraping: a relay that reads the
+    // backlog on a clock has read it by now, at its first look and again 5 s later.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let backlog = r#"outbox_relay_backlog_rows{table="public.outbox"}"#;
+    let (_, first) = http_get(&addr, "/metrics").unwrap();
+    assert!(
+        first.contains("outbox_relay_table_dead_tuples"),
+        "the other database gauges are read all the same:\n{first}"
+    );
+    assert_eq!(
+        sample(&first, backlog),
+        None,
+        "counted for nobody:\n{first}"
+    );
+    // The first scrape asked for it: a later one shows it.
+    wait_until(
+        "a scrape to show the backlog",
+        Duration::from_secs(15),
+        async || scrape(&addr, backlog) == Some(40.0),
+    )
+    .await;
+    terminate_cleanly(&mut relay);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn readyz_flips_to_503_when_nats_stops_and_back_to_200_when_it_returns() {
     let (mut env, addr) = env_with_http(relay().workers(2)).await;
