@@ -453,16 +453,28 @@ impl Bench {
         let stats = self.pg.connect("app").await?;
         let pids: Vec<u32> = children.iter().map(Child::id).collect();
         let relay_cpu0: f64 = pids.iter().copied().map(cpu_secs).sum();
+        // The relays' backends live through the burst, so their CPU is still in `/proc`.
+        let pg_cpu0 = postgres_cpu_secs();
         let profile = self.statements(&stats, None).await?;
         self.append(rows, keys, self.a.payload as i32).await?;
         let (committed, machine) = (Instant::now(), MachineCpu::now());
         let xacts0 = Self::xacts(&stats).await?;
         let js = async_nats::jetstream::new(self.nats.client().await?);
+        // BENCH_PROGRESS: the rows stored every 250 ms, to stderr (where a burst slows).
+        let progress = std::env::var_os("BENCH_PROGRESS").is_some();
+        let mut shown = Duration::ZERO;
         loop {
             let stored = match js.get_stream("BENCH").await {
                 Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
                 Err(_) => 0,
             };
+            if progress && committed.elapsed() >= shown {
+                eprintln!(
+                    "      {:>6.2} s {stored:>7} stored",
+                    committed.elapsed().as_secs_f64()
+                );
+                shown += Duration::from_millis(250);
+            }
             if stored as i64 >= rows {
                 break;
             }
@@ -474,6 +486,12 @@ impl Bench {
         let secs = committed.elapsed().as_secs_f64();
         let machine_cpu = machine.busy_since() * secs;
         let relay_cpu: f64 = pids.iter().copied().map(cpu_secs).sum::<f64>() - relay_cpu0;
+        let pg_cpu = postgres_cpu_secs() - pg_cpu0;
+        eprintln!(
+            "      {secs:.2} s; CPU s: machine {machine_cpu:.2}, relays {relay_cpu:.2}, \
+             PostgreSQL {pg_cpu:.2}, the rest (nats-server, this benchmark) {:.2}",
+            machine_cpu - relay_cpu - pg_cpu
+        );
         let settled = Instant::now() + Duration::from_secs(10);
         loop {
             let left: i64 = stats
