@@ -717,3 +717,83 @@ async fn analyzed_table(
     let (source, tables) = env.tables().await;
     (env, source, tables)
 }
+
+/// Section 8 (History) and issue 27: the relay reads the outbox through its indexes
+/// whatever the planner's statistics said when a statement was planned. Relays started
+/// on an empty outbox (a new service, a drained table, statistics from autovacuum's
+/// analyze of it) plan their claims and floor looks there, where every scan costs
+/// nothing; planned so, a statement scans the table sequentially, and a prepared one
+/// keeps that plan as its generic plan when the rows come. Benchmark R caught a floor
+/// look doing it on 200,000 rows, 0.5 s a look, PostgreSQL's CPU for the burst four
+/// times what it was otherwise. Counted by PostgreSQL itself: no sequential scan of the
+/// outbox from start to stop, while the relay idled on it empty and while it relayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_relay_reads_the_outbox_through_its_indexes_even_when_it_planned_on_an_empty_table() {
+    let env = Env::new(relay().workers(4).batch_size(100)).await;
+    let client = env.client().await;
+    // What autovacuum leaves after a drain: statistics of an empty table.
+    client.batch_execute("ANALYZE public.outbox").await.unwrap();
+    let scans = async || -> (i64, i64) {
+        let row = client
+            .query_one(
+                "SELECT seq_scan, COALESCE(idx_scan, 0) FROM pg_stat_user_tables \
+                 WHERE relid = 'public.outbox'::regclass",
+                &[],
+            )
+            .await
+            .unwrap();
+        (row.get(0), row.get(1))
+    };
+    client
+        .execute(
+            "SELECT pg_stat_reset_single_table_counters('public.outbox'::regclass)",
+            &[],
+        )
+        .await
+        .unwrap();
+    let mut relay = env.spawn_run();
+    // Its workers and floor keeper look at the empty table first: each has a session.
+    wait_until(
+        "the relay's sessions on the empty table",
+        Duration::from_secs(20),
+        async || {
+            count(
+                &client,
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
+            )
+            .await
+                >= 5
+        },
+    )
+    .await;
+    seed(&client, 200, 4, 0).await;
+    wait_until(
+        "the first rows to be stored",
+        Duration::from_secs(20),
+        async || env.stored().await.len() == 200,
+    )
+    .await;
+    client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) \
+             SELECT 'events.' || (n % 3), 'h' || (n % 20), 'p' FROM generate_series(1, 4000) n",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_until(
+        "every row to be stored",
+        Duration::from_secs(30),
+        async || env.stored().await.len() == 4_200,
+    )
+    .await;
+    terminate_cleanly(&mut relay);
+    // A backend reports its counts when it exits.
+    let (seq, idx) = wait_for(
+        "the relay's scans to be counted",
+        Duration::from_secs(15),
+        async || Some(scans().await).filter(|&(_, idx)| idx > 0),
+    )
+    .await;
+    assert_eq!(seq, 0, "sequential scans of the outbox ({idx} index scans)");
+}

@@ -460,8 +460,39 @@ impl Bench {
         let (committed, machine) = (Instant::now(), MachineCpu::now());
         let xacts0 = Self::xacts(&stats).await?;
         let js = async_nats::jetstream::new(self.nats.client().await?);
-        // BENCH_PROGRESS: the rows stored every 250 ms, to stderr (where a burst slows).
+        // BENCH_PROGRESS: the rows stored every 250 ms, to stderr (where a burst slows),
+        // and what the relays' backends were doing, sampled every 50 ms.
         let progress = std::env::var_os("BENCH_PROGRESS").is_some();
+        let (stop_sampling, mut stopped) = tokio::sync::oneshot::channel::<()>();
+        let sampling = if progress {
+            Some(self.pg.connect("app").await?)
+        } else {
+            None
+        };
+        let sampler = sampling.map(|client| {
+            tokio::spawn(async move {
+                let mut seen: std::collections::BTreeMap<String, u32> = Default::default();
+                loop {
+                    let rows = client
+                        .query(
+                            "SELECT COALESCE(wait_event_type || ':' || wait_event, 'CPU') \
+                             || ' ' || left(regexp_replace(query, '\\s+', ' ', 'g'), 40) || ' .. ' || right(regexp_replace(query, '\\s+', ' ', 'g'), 50) \
+                             FROM pg_stat_activity \
+                             WHERE application_name = 'outbox-relay' AND state = 'active'",
+                            &[],
+                        )
+                        .await?;
+                    for r in rows {
+                        *seen.entry(r.get(0)).or_default() += 1;
+                    }
+                    tokio::select! {
+                        _ = &mut stopped => break,
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    }
+                }
+                anyhow::Ok(seen)
+            })
+        });
         let mut shown = Duration::ZERO;
         loop {
             let stored = match js.get_stream("BENCH").await {
@@ -487,6 +518,14 @@ impl Bench {
         let machine_cpu = machine.busy_since() * secs;
         let relay_cpu: f64 = pids.iter().copied().map(cpu_secs).sum::<f64>() - relay_cpu0;
         let pg_cpu = postgres_cpu_secs() - pg_cpu0;
+        let _ = stop_sampling.send(());
+        if let Some(sampler) = sampler {
+            let mut seen: Vec<(String, u32)> = sampler.await??.into_iter().collect();
+            seen.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+            for (what, n) in seen.iter().take(10) {
+                eprintln!("      {n:>6} samples  {what}");
+            }
+        }
         eprintln!(
             "      {secs:.2} s; CPU s: machine {machine_cpu:.2}, relays {relay_cpu:.2}, \
              PostgreSQL {pg_cpu:.2}, the rest (nats-server, this benchmark) {:.2}",
