@@ -391,7 +391,11 @@ impl Bench {
     ) -> Result<Drained> {
         self.reset_nats().await?;
         let stats = self.pg.connect("app").await?;
-        stats.batch_execute("TRUNCATE public.outbox").await?;
+        // Empty and analyzed so: what autovacuum leaves after the last burst was drained,
+        // and what the relays plan their statements on while they wait for the next.
+        stats
+            .batch_execute("TRUNCATE public.outbox; ANALYZE public.outbox")
+            .await?;
         let tables = ["public.outbox".to_owned()];
         let mut configs = Vec::new();
         for i in 0..relays {
@@ -448,8 +452,13 @@ impl Bench {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-        // Every worker's first claims of the empty table, before the burst.
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Every worker's first claims of the empty table, before the burst; a sidecar
+        // idles longer, its statements planned on the empty table (`BENCH_R_IDLE_SECS`).
+        let idle = std::env::var("BENCH_R_IDLE_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(2);
+        tokio::time::sleep(Duration::from_secs(idle)).await;
         let stats = self.pg.connect("app").await?;
         let pids: Vec<u32> = children.iter().map(Child::id).collect();
         let relay_cpu0: f64 = pids.iter().copied().map(cpu_secs).sum();
