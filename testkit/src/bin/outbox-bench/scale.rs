@@ -61,7 +61,25 @@ fn chosen_shapes() -> Result<Vec<(i64, usize, usize)>> {
         .collect()
 }
 
-/// One S line.
+/// How S and R start the relays of a shape.
+#[derive(Clone, Copy)]
+enum Part {
+    /// S: `drain` processes started at once on the filled table.
+    Drains,
+    /// R: `run` processes, ready on the empty table before the rows commit.
+    Running,
+}
+
+impl Part {
+    fn letter(self) -> &'static str {
+        match self {
+            Part::Drains => "S",
+            Part::Running => "R",
+        }
+    }
+}
+
+/// One S or R line.
 pub(crate) struct Shape {
     pub(crate) keys: i64,
     pub(crate) relays: usize,
@@ -329,16 +347,27 @@ impl Bench {
         Ok(true)
     }
 
-    /// S: every shape on 2,000 keys and on 20, or those `BENCH_SCALE_SHAPES` names
+    /// S or R: every shape on 2,000 keys and on 20, or those `BENCH_SCALE_SHAPES` names
     /// (`KEYS:RxW` items, comma-separated, e.g. `2000:1x4,2000:8x4`: for profiling one
     /// shape against its reference).
-    async fn shapes(&self) -> Result<Vec<Shape>> {
+    ///
+    /// S starts them as drains at once on the filled table; R as running replicas.
+    async fn shapes(&self, part: Part) -> Result<Vec<Shape>> {
         let mut out = Vec::new();
         for (keys, relays, workers) in chosen_shapes()? {
-            self.fill(S_ROWS, keys, self.a.payload as i32).await?;
-            let drained = self.drains_at_once(relays, workers, 500, S_ROWS).await?;
+            let drained = match part {
+                Part::Drains => {
+                    self.fill(S_ROWS, keys, self.a.payload as i32).await?;
+                    self.drains_at_once(relays, workers, 500, S_ROWS).await?
+                }
+                Part::Running => {
+                    self.running_replicas(relays, workers, 500, S_ROWS, keys)
+                        .await?
+                }
+            };
             eprintln!(
-                "    S. {keys} keys, {relays} x {workers}: {:.0} rows/s",
+                "    {}. {keys} keys, {relays} x {workers}: {:.0} rows/s",
+                part.letter(),
                 drained.rate
             );
             out.push(Shape {
@@ -571,27 +600,6 @@ impl Bench {
         })
     }
 
-    /// R: every shape of S (or those `BENCH_SCALE_SHAPES` names) as running replicas.
-    async fn running_shapes(&self) -> Result<Vec<Shape>> {
-        let mut out = Vec::new();
-        for (keys, relays, workers) in chosen_shapes()? {
-            let drained = self
-                .running_replicas(relays, workers, 500, S_ROWS, keys)
-                .await?;
-            eprintln!(
-                "    R. {keys} keys, {relays} x {workers} running: {:.0} rows/s",
-                drained.rate
-            );
-            out.push(Shape {
-                keys,
-                relays,
-                workers,
-                drained,
-            });
-        }
-        Ok(out)
-    }
-
     /// I: `outbox-relay run` on `n` empty tables.
     async fn idle(&self, n: usize, notify: bool) -> Result<Idle> {
         let client = self.pg.connect("app").await?;
@@ -689,12 +697,12 @@ impl Bench {
                 .any(|x| x.trim().eq_ignore_ascii_case(p))
         };
         let shapes = if part("S") {
-            self.shapes().await?
+            self.shapes(Part::Drains).await?
         } else {
             Vec::new()
         };
         let running = if part("R") {
-            self.running_shapes().await?
+            self.shapes(Part::Running).await?
         } else {
             Vec::new()
         };
