@@ -150,7 +150,7 @@ pub(crate) fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
         // drained outbox, or between bursts) every scan costs nothing, the planner picks a
         // sequential one, and a prepared statement keeps that plan as its generic plan
         // when the rows come. Measured (benchmark R, eight relays of four workers started
-        // on the empty table, then 200,000 rows over 20 keys): in about a third of the
+        // on the empty table, then 200,000 rows over 20 keys): in 5 of 12 whole
         // runs the floor's look kept sequential scans of the whole table, 0.5 s a look,
         // and PostgreSQL spent 9.9 CPU seconds on the burst instead of 2.5. Off, a scan
         // the indexes can answer is answered by them whatever the statistics say; a
