@@ -55,8 +55,8 @@ pub(crate) async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) 
     let mut opened_seen = 0;
     let mut gauges_due = Instant::now();
     let mut backlog_due = Instant::now();
-    // Scrapes counted when the backlog was last read: `None` before the first read.
-    let mut scrapes_at_read: Option<u64> = None;
+    // Scrapes counted when the backlog was last read (none before the first scrape).
+    let mut scrapes_at_read = 0;
     let mut watch = vacuum::Watch::default();
     loop {
         let look = async {
@@ -64,9 +64,9 @@ pub(crate) async fn run(ops: &Ops, probed: Probed<'_>, done: CancellationToken) 
             if postgres && Instant::now() >= gauges_due {
                 gauges_due = Instant::now() + GAUGE_INTERVAL;
                 let scrapes = ops.scrapes();
-                let shown = probed.progress || (scrapes > 0 && scrapes_at_read != Some(scrapes));
+                let shown = probed.progress || scrapes != scrapes_at_read;
                 if shown && Instant::now() >= backlog_due {
-                    scrapes_at_read = Some(scrapes);
+                    scrapes_at_read = scrapes;
                     let (began, published) = (Instant::now(), probed.published.load(Relaxed));
                     refresh_backlog(ops, &probed).await;
                     ops.published_at_backlog_read.store(published, Relaxed);

@@ -136,6 +136,22 @@ fn cpu_secs(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) as f64 / clock_ticks()
 }
 
+/// Messages the benchmark's stream holds now (0 while it cannot be asked): polled by S and
+/// R to see when the last row arrived.
+async fn stored_so_far(js: &async_nats::jetstream::Context) -> u64 {
+    match js.get_stream("BENCH").await {
+        Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
+        Err(_) => 0,
+    }
+}
+
+/// An `[http]` section on a free port, and that address: a relay run as a sidecar serves
+/// its endpoints.
+fn http_section() -> (String, String) {
+    let addr = format!("127.0.0.1:{}", testkit::free_port());
+    (format!("[http]\nlisten = \"{addr}\"\n"), addr)
+}
+
 fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions.
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
@@ -234,11 +250,7 @@ impl Bench {
             let js = async_nats::jetstream::new(self.nats.client().await?);
             tokio::spawn(async move {
                 loop {
-                    let stored = match js.get_stream("BENCH").await {
-                        Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
-                        Err(_) => 0,
-                    };
-                    if stored as i64 >= rows {
+                    if stored_so_far(&js).await as i64 >= rows {
                         return started.elapsed().as_secs_f64();
                     }
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -428,11 +440,10 @@ impl Bench {
         let tables = ["public.outbox".to_owned()];
         let mut configs = Vec::new();
         for i in 0..relays {
-            let addr = format!("127.0.0.1:{}", testkit::free_port());
+            let (http, addr) = http_section();
             let path = self
                 .dir
                 .join(format!("running-{relays}x{workers}-{i}.toml"));
-            let http = format!("[http]\nlisten = \"{addr}\"\n");
             std::fs::write(&path, self.scale_config(workers, batch, &tables) + &http)?;
             configs.push((path, addr));
         }
@@ -533,10 +544,7 @@ impl Bench {
         });
         let mut shown = Duration::ZERO;
         loop {
-            let stored = match js.get_stream("BENCH").await {
-                Ok(mut stream) => stream.info().await.map_or(0, |i| i.state.messages),
-                Err(_) => 0,
-            };
+            let stored = stored_so_far(&js).await;
             if progress && committed.elapsed() >= shown {
                 eprintln!(
                     "      {:>6.2} s {stored:>7} stored",
@@ -607,7 +615,7 @@ impl Bench {
         let path = self.dir.join(format!("idle-{n}.toml"));
         // A long-running relay serves its metrics, as a sidecar or unit does: the gauges it
         // reads for them are part of its idle cost.
-        let http = format!("[http]\nlisten = \"127.0.0.1:{}\"\n", testkit::free_port());
+        let (http, _) = http_section();
         std::fs::write(&path, self.scale_config(4, 500, &tables) + &http)?;
         self.migrate(&path, notify)?;
         self.reset_nats().await?;
