@@ -79,6 +79,16 @@ pub(crate) struct Unavailable {
     pub(crate) partition: i32,
     /// The leader broker that is down; `None`: the partition has no leader.
     pub(crate) leader: Option<i32>,
+    /// The first statistics sample that found it unavailable (`None` before one has).
+    since: Option<Instant>,
+}
+
+impl Unavailable {
+    /// How long it has been unavailable at `now`: zero before a sample said so.
+    pub(crate) fn down_for(&self, now: Instant) -> Duration {
+        self.since
+            .map_or(Duration::ZERO, |since| now.saturating_duration_since(since))
+    }
 }
 
 impl std::fmt::Display for Unavailable {
@@ -106,19 +116,9 @@ impl Health {
         let state = self.state.read().unwrap();
         let leaders = state.leaders.get(topic)?;
         let partition = partition_of(key, leaders.len())?;
-        state.check(topic, partition, leaders[partition as usize])
-    }
-
-    /// How long partition `u` has been unavailable, from the first sample that said so
-    /// (zero before a sample has).
-    pub(crate) fn down_for(&self, u: &Unavailable, now: Instant) -> Duration {
-        let state = self.state.read().unwrap();
-        state
-            .logged
-            .get(&(u.topic.clone(), u.partition))
-            .map_or(Duration::ZERO, |since| {
-                now.saturating_duration_since(*since)
-            })
+        let mut u = state.check(topic, partition, leaders[partition as usize])?;
+        u.since = state.logged.get(&(u.topic.clone(), u.partition)).copied();
+        Some(u)
     }
 
     /// See [`Health::available_again`](field@Health::available_again).
@@ -203,6 +203,7 @@ impl State {
                 topic: topic.to_owned(),
                 partition,
                 leader,
+                since: None,
             })
         };
         if leader < 0 {
@@ -400,10 +401,11 @@ mod tests {
         health.observe(sample("DOWN", 2), t0);
         health.observe(sample("DOWN", 2), t0 + DOWN_AFTER);
         let held = health.unavailable("t", &key_on(1)).unwrap();
-        assert_eq!(health.down_for(&held, t0 + DOWN_AFTER), Duration::ZERO);
+        assert_eq!(held.down_for(t0 + DOWN_AFTER), Duration::ZERO);
         // Later samples that find it still down do not restart the clock.
         health.observe(sample("DOWN", 2), t0 + DOWN_AFTER * 3);
-        assert_eq!(health.down_for(&held, t0 + DOWN_AFTER * 5), DOWN_AFTER * 4);
+        let held = health.unavailable("t", &key_on(1)).unwrap();
+        assert_eq!(held.down_for(t0 + DOWN_AFTER * 5), DOWN_AFTER * 4);
         assert!(!back.has_changed().unwrap(), "nothing is back yet");
         health.observe(sample("UP", 2), t0 + DOWN_AFTER * 6);
         assert!(back.has_changed().unwrap(), "partition 1 is back");

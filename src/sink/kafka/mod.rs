@@ -305,7 +305,7 @@ impl SinkService for KafkaSink {
             return None;
         }
         let u = self.health.unavailable(&message.topic, key.as_bytes())?;
-        Some(NotNow::new(&u, self.health.down_for(&u, Instant::now())))
+        Some(NotNow::new(&u, u.down_for(Instant::now())))
     }
 
     fn available_again(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
