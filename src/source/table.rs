@@ -30,9 +30,6 @@ pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>,
             .in_transaction(async |tx| schema::inspect(tx.client(), table, &config.relay).await)
             .await?
             .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
-        let notify = source
-            .in_transaction(async |tx| schema::has_notify_trigger(tx.client(), table).await)
-            .await?;
         plans.push(TablePlan {
             sql: TableSql::new(
                 table,
@@ -43,7 +40,7 @@ pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>,
             config: table.clone(),
             floor: FloorCell::default(),
             depth: BucketDepth::default(),
-            notify,
+            notify: shape.notify,
         });
     }
     Ok(plans)
