@@ -1,6 +1,7 @@
 //! What an outbox table looks like in the catalog, and whether the relay can use it.
 
 use std::collections::HashMap;
+use std::future::Future;
 
 use tokio_postgres::GenericClient;
 
@@ -199,11 +200,7 @@ async fn check_relay_tables(
                 None
             })
         });
-    Ok(futures_util::future::try_join_all(problems)
-        .await?
-        .into_iter()
-        .flatten()
-        .collect())
+    together(problems).await
 }
 
 /// Whether `table` has the NOTIFY trigger `migrate` installs, enabled.
@@ -427,11 +424,7 @@ async fn check_indexes(
             )
         }))
     });
-    Ok(futures_util::future::try_join_all(problems)
-        .await?
-        .into_iter()
-        .flatten()
-        .collect())
+    together(problems).await
 }
 
 /// Exactly what the relay's statements need (migrations/outbox_relay_role.sql grants it):
@@ -466,7 +459,7 @@ async fn check_privileges(
     });
     let (privileges, columns) = futures_util::try_join!(
         async { Ok(client.query_one(PRIVILEGES_SQL, &[&name]).await?) },
-        futures_util::future::try_join_all(columns),
+        together(columns),
     )?;
     let mut needed = vec![(0, "SELECT", "")];
     if relay.on_publish == OnPublish::Delete {
@@ -485,8 +478,20 @@ async fn check_privileges(
             )
         })
         .collect();
-    problems.extend(columns.into_iter().flatten());
+    problems.extend(columns);
     Ok(problems)
+}
+
+/// The problems `checks` find, in their order, asked together: their statements share
+/// round trips.
+async fn together(
+    checks: impl IntoIterator<Item = impl Future<Output = Result<Option<String>, SourceError>>>,
+) -> Result<Vec<String>, SourceError> {
+    Ok(futures_util::future::try_join_all(checks)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect())
 }
 
 #[cfg(test)]
