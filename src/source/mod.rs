@@ -515,6 +515,14 @@ impl Source {
         })
     }
 
+    /// Whether a session's statements may be prepared ahead, outside a transaction:
+    /// `prepared_statements` on a direct session (behind a pooler in transaction mode,
+    /// a statement prepared outside a transaction may be on another server connection
+    /// than the transaction that runs it).
+    pub(crate) fn caches_statements(&self) -> bool {
+        self.prepared_statements && self.mode == SessionMode::Direct
+    }
+
     /// How this pool's sessions get their settings.
     pub fn mode(&self) -> SessionMode {
         self.mode
