@@ -293,13 +293,15 @@ async fn relay_batches(
     Ended::new(t, ticket, result)
 }
 
-/// Prepares a new session's batch statements for `table` together, one round trip, where
-/// its first batch would prepare each on first use, one after the other (a database
-/// 10 ms away: about 30 ms more for every worker's first batch, benchmark L). Only with
+/// Prepares the batch statements for `table` the session lacks together, one round trip,
+/// where its first batch would prepare each on first use, one after the other (a database
+/// 10 ms away: about 30 ms more for every worker's first batch, benchmark L). Those the
+/// session has already (its cache answers, no round trip) are not sent again, so a
+/// session another task used first (the floor keeper's look) gets the rest. Only with
 /// statements cached on a direct session; a failure is left for the batch to meet.
 async fn prepare_together(shared: &Shared, table: &TablePlan, session: &deadpool_postgres::Object) {
     let source = &shared.source;
-    if !source.caches_statements() || session.statement_cache.size() > 0 {
+    if !source.caches_statements() {
         return;
     }
     let published = match shared.relay.on_publish {
