@@ -98,7 +98,7 @@ impl Shared {
         config: &Config,
         mode: Mode,
         (source, sink, ops, otel): (Source, Sink, Arc<Ops>, Otel),
-        tables: Vec<TablePlan>,
+        (tables, pauses): (Vec<TablePlan>, pause::PauseState),
         shutdown: &Shutdown,
     ) -> Shared {
         // NOTIFY names a table as `schema.table`, unquoted (migrations/notify.sql, and
@@ -111,7 +111,6 @@ impl Shared {
             config.relay.poll_interval,
             mode == Mode::Drain,
         ));
-        let names = tables.iter().map(|t| t.config.name.clone()).collect();
         let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
         let rate = |t: &crate::config::TableConfig| {
             t.max_rate
@@ -126,7 +125,7 @@ impl Shared {
             drain: mode == Mode::Drain,
             shutdown: shutdown.clone(),
             wakes,
-            pauses: pause::PauseState::new(names),
+            pauses,
             valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
             buckets: config.tables.iter().map(rate).collect(),
             meters,
@@ -191,11 +190,8 @@ const CLOSING_LOOK_ABORTED: Duration = Duration::from_secs(1);
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
     let endpoints = Endpoints::start(config).await?;
-    let relayed = async {
-        let sink = connect_sink(config, &shutdown, &endpoints.ops).await?;
-        relay(config, mode, sink, shutdown.clone(), &endpoints).await
-    }
-    .await;
+    let sink = connect_sink(config, &shutdown, &endpoints.ops);
+    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
     stop_background(relayed, endpoints, &shutdown).await
 }
 
@@ -211,6 +207,7 @@ pub async fn run_with_sink(
 ) -> Result<Report, RelayError> {
     let endpoints = Endpoints::start(config).await?;
     endpoints.ops.broker_reachable(true);
+    let sink = async { Ok(sink) };
     let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
     stop_background(relayed, endpoints, &shutdown).await
 }
@@ -231,16 +228,25 @@ async fn stop_background(
     relayed
 }
 
+/// Connects the sink (`sink`) and prepares the tables at once: neither needs the other,
+/// and each waits out its own transient failures; the first to fail for good ends both.
 async fn relay(
     config: &Config,
     mode: Mode,
-    sink: Sink,
+    sink: impl std::future::Future<Output = Result<Sink, RelayError>>,
     shutdown: Shutdown,
     endpoints: &Endpoints,
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let (source, tables) = prepare_tables(config, limits, &shutdown, &endpoints.ops).await?;
+    let prepared = prepare_tables(config, limits, &shutdown, &endpoints.ops);
+    let (sink, prepared) = tokio::try_join!(sink, prepared)?;
+    let start::Prepared {
+        source,
+        tables,
+        pauses,
+        paused,
+    } = prepared;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
     let otel = match ops::otel::traces_url(&config.tracing) {
         None => Otel::off(),
@@ -252,6 +258,7 @@ async fn relay(
         }
     };
     let dependencies = (source, sink, endpoints.ops.clone(), otel);
+    let tables = (tables, pauses);
     let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &shutdown));
     tracing::info!(
         tables = shared.tables.len(),
@@ -261,7 +268,7 @@ async fn relay(
         ?mode,
         "Relaying"
     );
-    shared.first_pauses().await?;
+    shared.apply_pauses(paused);
     spawn_background(&shared, mode, endpoints);
 
     let tracker = TaskTracker::new();

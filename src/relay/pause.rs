@@ -4,7 +4,7 @@
 //! `outbox_relay_table_paused` gauge.
 
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
@@ -14,11 +14,7 @@ use crate::config::TableName;
 use crate::ops::metrics::TableLabel;
 use crate::source::pause::{self, Paused};
 use crate::source::table::TablePlan;
-use crate::source::SourceError;
-
-/// How soon the first read of the pause state is tried again: no claim is made until it
-/// succeeds, so soon, but not in a tight loop against a database that is failing.
-const FIRST_PAUSES_RETRY: Duration = Duration::from_millis(500);
+use crate::source::{Source, SourceError};
 
 /// What this process knows of the pause state.
 pub(crate) struct PauseState {
@@ -40,16 +36,30 @@ impl PauseState {
     pub(crate) fn of(&self, t: usize) -> Option<Paused> {
         self.known.lock().unwrap_or_else(|e| e.into_inner())[t].clone()
     }
+
+    /// Reads the pause state of every table, in their order. A missing pause table is a
+    /// [`SourceError::Schema`].
+    pub(crate) async fn read(&self, source: &Source) -> Result<Vec<Option<Paused>>, SourceError> {
+        source
+            .in_transaction(async |tx| pause::read(tx, &self.sql, &self.names).await)
+            .await
+    }
 }
 
 impl Shared {
-    /// Reads the pause state once and applies it: flags, gauge, one log line per change.
-    pub(super) async fn refresh_pauses(&self) -> Result<(), SourceError> {
+    /// Reads the pause state once and applies it.
+    async fn refresh_pauses(&self) -> Result<(), SourceError> {
+        let read = self.pauses.read(&self.source).await?;
+        self.apply_pauses(read);
+        Ok(())
+    }
+
+    /// Applies the pause state `read` ([`PauseState::read`]): flags, gauge, one log line
+    /// per change. Start-up applies the first read before any claim
+    /// (`super::start::prepare_tables` reads it), so a table paused while no relay ran
+    /// gets no batch.
+    pub(super) fn apply_pauses(&self, read: Vec<Option<Paused>>) {
         let pauses = &self.pauses;
-        let read = self
-            .source
-            .in_transaction(async |tx| pause::read(tx, &pauses.sql, &pauses.names).await)
-            .await?;
         let mut known = pauses.known.lock().unwrap_or_else(|e| e.into_inner());
         for (t, now) in read.into_iter().enumerate() {
             let name = &pauses.names[t];
@@ -70,26 +80,6 @@ impl Shared {
                 })
                 .set(i64::from(now.is_some()));
             known[t] = now;
-        }
-        Ok(())
-    }
-
-    /// Reads the pause state until it is known, before any claim: a table paused while no
-    /// relay ran must not get one batch. A missing pause table stops the relay.
-    pub(super) async fn first_pauses(&self) -> Result<(), SourceError> {
-        loop {
-            match self.refresh_pauses().await {
-                Ok(()) => return Ok(()),
-                Err(e @ SourceError::Schema(_)) => return Err(e),
-                Err(e) if self.shutdown.stop_token().is_cancelled() => return Err(e),
-                Err(e) => {
-                    tracing::warn!(error = %e, "Could not read the pause state; trying again");
-                    tokio::select! {
-                        _ = self.shutdown.stop_token().cancelled() => return Err(e),
-                        _ = tokio::time::sleep(FIRST_PAUSES_RETRY) => {}
-                    }
-                }
-            }
         }
     }
 

@@ -1,13 +1,14 @@
 //! Start-up: the HTTP endpoints first (a start-up probe sees a 503 with the reason, not a
-//! closed port), then the broker and the tables, each waited for with the one backoff
-//! while it answers with a transient failure (a database or broker still starting), for
-//! as long as `stop` allows (`drain --timeout` bounds start-up too).
+//! closed port), then the broker and the tables at once, each waited for with the one
+//! backoff while it answers with a transient failure (a database or broker still
+//! starting), for as long as `stop` allows (`drain --timeout` bounds start-up too).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::pause::PauseState;
 use super::tasks::Background;
 use super::RelayError;
 use crate::config::Config;
@@ -16,6 +17,7 @@ use crate::ops::{self, Ops};
 use crate::retry::Backoff;
 use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
+use crate::source::pause::Paused;
 use crate::source::table::{self, TablePlan};
 use crate::source::{SessionLimits, Source, SourceError};
 
@@ -67,14 +69,27 @@ where
     }
 }
 
-/// Opens the pool (learning how sessions get their settings) and checks every table,
-/// waiting out transient failures.
+/// What start-up learned of the database before any claim.
+pub(crate) struct Prepared {
+    pub(crate) source: Source,
+    pub(crate) tables: Vec<TablePlan>,
+    pub(crate) pauses: PauseState,
+    /// The pause state as first read, for every table in order.
+    pub(crate) paused: Vec<Option<Paused>>,
+}
+
+/// Opens the pool (learning how sessions get their settings), checks every table and
+/// reads the pause state, waiting out transient failures.
+///
+/// The checks, the pause state and the workers' sessions are asked for together: each
+/// waits a few round trips, and one after the other they were most of a start-up 10 ms
+/// from the database. A table's problems are reported before the pause state's.
 pub(crate) async fn prepare_tables(
     config: &Config,
     limits: SessionLimits,
     shutdown: &Shutdown,
     ops: &Ops,
-) -> Result<(Source, Vec<TablePlan>), RelayError> {
+) -> Result<Prepared, RelayError> {
     retry_transient(
         "PostgreSQL",
         shutdown,
@@ -82,8 +97,20 @@ pub(crate) async fn prepare_tables(
         |up| ops.postgres_reachable(up),
         || async {
             let source = Source::open(&config.postgres, limits).await?;
-            let tables = table::prepare(&source, config).await?;
-            Ok::<_, SourceError>((source, tables))
+            let pauses = PauseState::new(config.tables.iter().map(|t| t.name.clone()).collect());
+            let (tables, paused, ()) = tokio::join!(
+                table::prepare(&source, config),
+                pauses.read(&source),
+                source.warm(config.relay.workers),
+            );
+            let tables = tables?;
+            let paused = paused?;
+            Ok::<_, SourceError>(Prepared {
+                source,
+                tables,
+                pauses,
+                paused,
+            })
         },
     )
     .await

@@ -117,10 +117,22 @@ pub(crate) fn one_host(config: &Config, i: usize) -> Config {
     one
 }
 
+/// A session already open: its client and the connection that drives it.
+type Opened<T> = (
+    Client,
+    Connection<Socket, <T as MakeTlsConnect<Socket>>::Stream>,
+);
+
 /// The pool's way to open a session: [`connect`], each host within `per_host`.
-pub(crate) struct EachHost<T> {
+///
+/// Its first session may be one opened before the pool: the one that found out the
+/// [`super::SessionMode`] (`Source::open`), with the pool's own settings. Closing it and
+/// opening another cost the pool's first session a handshake, three or four round trips
+/// to a database in another zone.
+pub(crate) struct EachHost<T: MakeTlsConnect<Socket>> {
     pub(crate) tls: T,
     pub(crate) per_host: Duration,
+    pub(crate) ready: std::sync::Mutex<Option<Opened<T>>>,
 }
 
 impl<T> deadpool_postgres::Connect for EachHost<T>
@@ -135,8 +147,13 @@ where
         config: &Config,
     ) -> BoxFuture<'_, Result<(Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>> {
         let config = config.clone();
+        let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner()).take();
         Box::pin(async move {
-            match connect(&config, self.tls.clone(), self.per_host).await {
+            let opened = match ready {
+                Some(opened) => Some(Ok(opened)),
+                None => connect(&config, self.tls.clone(), self.per_host).await,
+            };
+            match opened {
                 Some(Ok((client, connection))) => {
                     let task = tokio::spawn(async move {
                         if let Err(e) = connection.await {

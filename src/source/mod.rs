@@ -461,13 +461,13 @@ pub struct Source {
 }
 
 impl Source {
-    /// Opens one connection to learn the [`SessionMode`] (closed again), then builds the
-    /// pool; its connections are opened on first use.
+    /// Opens one connection to learn the [`SessionMode`], then builds the pool with it as
+    /// the first session; the others are opened on first use.
     pub async fn open(pg: &PostgresConfig, limits: SessionLimits) -> Result<Source, SourceError> {
         let connect = session::open(pg, limits);
         // Two attempts at most: with start-up options, then (behind a pooler) without.
         let limit = 2 * attempt_limit(pg);
-        let (_client, _connection, mode) = tokio::time::timeout(limit, connect)
+        let (client, connection, mode) = tokio::time::timeout(limit, connect)
             .await
             .map_err(|_| SourceError::Timeout(limit))??;
         if mode == SessionMode::Pooled {
@@ -476,20 +476,23 @@ impl Source {
                  transaction mode?): session settings are set per transaction"
             );
         }
-        Source::with_mode(pg, limits, mode)
+        Source::with_mode(pg, limits, mode, (client, connection))
     }
 
-    /// Builds the pool for sessions in `mode`. Connections are opened lazily, on first use.
-    pub(crate) fn with_mode(
+    /// Builds the pool for sessions in `mode`, `first` (opened in that mode) its first
+    /// session; the others are opened lazily, on first use.
+    fn with_mode(
         pg: &PostgresConfig,
         limits: SessionLimits,
         mode: SessionMode,
+        first: (tokio_postgres::Client, session::Connection),
     ) -> Result<Source, SourceError> {
         let manager = Manager::from_connect(
             session_config(pg, limits, mode),
             hosts::EachHost {
                 tls: pg.tls.connector()?,
                 per_host: connect_timeout(pg),
+                ready: std::sync::Mutex::new(Some(first)),
             },
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -531,6 +534,19 @@ impl Source {
     /// A session from the pool.
     pub async fn session(&self) -> Result<deadpool_postgres::Object, SourceError> {
         Ok(self.pool.get().await?)
+    }
+
+    /// Makes sure the pool holds `n` sessions (at most its size), opening those it lacks
+    /// all at once, while the caller does other start-up work: each is a handshake of
+    /// three or four round trips, which workers starting together would otherwise wait for
+    /// before their first claim. A session that cannot be opened is left for its worker
+    /// to meet.
+    pub(crate) async fn warm(&self, n: usize) {
+        let n = n.min(self.pool.status().max_size);
+        let got = futures_util::future::join_all((0..n).map(|_| self.session())).await;
+        if let Some(Err(e)) = got.iter().find(|g| g.is_err()) {
+            tracing::debug!(error = %e, "Could not open every session ahead of the workers");
+        }
     }
 
     /// Opens a transaction on `session`, with statements cached as configured. One at a
