@@ -147,7 +147,7 @@ async fn stored_so_far(js: &async_nats::jetstream::Context) -> u64 {
 
 /// An `[http]` section on a free port, and that address: a relay run as a sidecar serves
 /// its endpoints.
-fn http_section() -> (String, String) {
+pub(crate) fn http_section() -> (String, String) {
     let addr = format!("127.0.0.1:{}", testkit::free_port());
     (format!("[http]\nlisten = \"{addr}\"\n"), addr)
 }
