@@ -544,7 +544,7 @@ impl Source {
     pub(crate) async fn warm(&self, n: usize) {
         let n = n.min(self.pool.status().max_size);
         let got = futures_util::future::join_all((0..n).map(|_| self.session())).await;
-        if let Some(Err(e)) = got.iter().find(|g| g.is_err()) {
+        if let Some(e) = got.iter().find_map(|g| g.as_ref().err()) {
             tracing::debug!(error = %e, "Could not open every session ahead of the workers");
         }
     }

@@ -28,7 +28,8 @@
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
 //!   waiting for a port, [`wait_with_usage`] for timing a relay child ([`ChildUsage`]:
-//!   peak RSS, CPU), and [`http_get`] for the relay's and nats-server's endpoints.
+//!   peak RSS, CPU), and [`http_get`] for the relay's and nats-server's endpoints
+//!   ([`scrape`] and [`sample`] for one value of the relay's `/metrics`).
 
 mod kafka;
 mod nats;
@@ -48,7 +49,8 @@ pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use postgres::{pg_bin, Postgres};
 pub use process::{
-    die_with_parent, free_port, http_get, send_signal, wait_with_usage, ChildUsage, Signal,
+    die_with_parent, free_port, http_get, sample, scrape, send_signal, wait_with_usage, ChildUsage,
+    Signal,
 };
 pub use proxy::{Fault, Proxy};
 pub use standby::{failover_url, Standby};

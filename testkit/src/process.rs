@@ -201,6 +201,24 @@ pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String)> {
     http_get_within(addr, path, Duration::from_secs(5))
 }
 
+/// The value of the first sample in Prometheus text `metrics` whose line starts with
+/// `prefix` (a metric name with its labels, or with a trailing space).
+pub fn sample(metrics: &str, prefix: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// [`sample`] of a fresh `GET /metrics` from `addr`; `None` unless it answered 200.
+pub fn scrape(addr: &str, prefix: &str) -> Option<f64> {
+    match http_get(addr, "/metrics") {
+        Ok((200, body)) => sample(&body, prefix),
+        _ => None,
+    }
+}
+
 /// [`http_get`] with `timeout` for the writes and reads (a stopped server still accepts).
 pub(crate) fn http_get_within(
     addr: &str,

@@ -608,25 +608,7 @@ pub fn audit(inserted: &[i64], stored: &[StoredMessage]) -> Audit {
     }
 }
 
-/// The value of the first sample in Prometheus text `metrics` whose line starts with
-/// `prefix` (a metric name with its labels, or with a trailing space).
-pub fn sample(metrics: &str, prefix: &str) -> Option<f64> {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
-/// [`sample`] of a fresh `GET /metrics` from `addr`; `None` unless it answered 200.
-pub fn scrape(addr: &str, prefix: &str) -> Option<f64> {
-    match http_get(addr, "/metrics") {
-        Ok((200, body)) => sample(&body, prefix),
-        _ => None,
-    }
-}
-
-pub use testkit::http_get;
+pub use testkit::{http_get, sample, scrape};
 
 /// A migrated outbox for the Kafka tests, with the PostgreSQL it lives in and a relay
 /// config aimed at the brokers.

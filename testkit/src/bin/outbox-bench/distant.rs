@@ -44,7 +44,7 @@ pub(crate) struct Distant {
 const PINGS: usize = 31;
 
 /// The median round trip of `SELECT 1` on a session at `url`, in milliseconds.
-async fn round_trip_ms(url: &str) -> Result<f64> {
+async fn measure_round_trip(url: &str) -> Result<f64> {
     let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
     let mut took = Vec::with_capacity(PINGS);
@@ -65,7 +65,7 @@ async fn calibrate(proxy: &Proxy, url: &str, ms: u64) -> Result<f64> {
     let nominal = Duration::from_micros(ms * 500);
     let mut each_way = nominal;
     proxy.set(Fault::Latency(each_way));
-    let mut measured = round_trip_ms(url).await?;
+    let mut measured = measure_round_trip(url).await?;
     eprintln!("    round trip {measured:.2} ms with {each_way:?} each way");
     if std::env::var_os("BENCH_DISTANT_NOMINAL").is_some() {
         return Ok(measured);
@@ -81,7 +81,7 @@ async fn calibrate(proxy: &Proxy, url: &str, ms: u64) -> Result<f64> {
             false => (each_way + half).min(nominal),
         };
         proxy.set(Fault::Latency(each_way));
-        measured = round_trip_ms(url).await?;
+        measured = measure_round_trip(url).await?;
         eprintln!("    round trip {measured:.2} ms with {each_way:?} each way");
     }
     Ok(measured)
@@ -111,13 +111,10 @@ impl Bench {
             .chain(ROUND_TRIPS_MS.into_iter().map(Some));
         for round_trip_ms in runs {
             let (url, measured_ms) = match round_trip_ms {
-                None => (
-                    self.db_url.clone(),
-                    self::round_trip_ms(&self.db_url).await?,
-                ),
+                None => (self.db_url.clone(), measure_round_trip(&self.db_url).await?),
                 Some(0) => {
                     proxy.set(Fault::None);
-                    (through.clone(), self::round_trip_ms(&through).await?)
+                    (through.clone(), measure_round_trip(&through).await?)
                 }
                 Some(ms) => (through.clone(), calibrate(&proxy, &through, ms).await?),
             };

@@ -236,16 +236,10 @@ async fn outage_cost(client: &tokio_postgres::Client) -> Result<(f64, f64)> {
 /// Rows the relay serving `/metrics` at `addr` has published (0 before it serves).
 async fn published(addr: &str) -> i64 {
     let addr = addr.to_owned();
-    let body = tokio::task::spawn_blocking(move || testkit::http_get(&addr, "/metrics"))
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .map(|(_, body)| body)
-        .unwrap_or_default();
-    body.lines()
-        .filter(|l| l.starts_with("outbox_relay_rows_published_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as i64
+    let scraped = tokio::task::spawn_blocking(move || {
+        testkit::scrape(&addr, "outbox_relay_rows_published_total{")
+    });
+    scraped.await.ok().flatten().unwrap_or(0.0) as i64
 }
 
 async fn left(client: &tokio_postgres::Client) -> Result<i64> {
