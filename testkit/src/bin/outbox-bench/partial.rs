@@ -16,7 +16,8 @@
 //!   took once the broker was back.
 //!
 //! Delivery is followed through the relay's own counter of rows published (`/metrics`,
-//! every 100 ms), not by counting the table: a `count(*)` of 100,000 rows every 100 ms
+//! every 20 ms, the 10% and 90% marks interpolated between samples), not by counting the
+//! table: a `count(*)` of 100,000 rows every 100 ms
 //! cost the database 18-24 ms each, a tenth of this machine while it measured.
 
 use std::time::{Duration, Instant};
@@ -37,6 +38,8 @@ const BROKERS: i32 = 3;
 const PARTITIONS: i32 = 6;
 /// The broker K takes down.
 const DOWN: i32 = 1;
+/// How often K reads the relay's counter of rows published.
+const SAMPLE_EVERY: Duration = Duration::from_millis(20);
 /// How long the broker stays down once the other partitions' rows are gone, to measure
 /// what the outage costs meanwhile.
 const OUTAGE_SECS: u64 = 20;
@@ -51,6 +54,24 @@ pub(crate) struct Flow {
     pub(crate) to_first_tenth: Duration,
     /// Rows per second from 10% to 90% of them delivered.
     pub(crate) rate: f64,
+    /// CPU microseconds a row delivered over that stretch: this process (the relay and the
+    /// mock brokers), then every PostgreSQL process.
+    pub(crate) cpu_per_row: (f64, f64),
+}
+
+/// CPU seconds so far: this process's, and PostgreSQL's.
+struct Cpu {
+    this: f64,
+    postgres: f64,
+}
+
+impl Cpu {
+    fn now() -> Cpu {
+        Cpu {
+            this: crate::scale::cpu_secs(std::process::id()),
+            postgres: crate::scale::postgres_cpu_secs(),
+        }
+    }
 }
 
 /// What `--partial` measured.
@@ -166,23 +187,39 @@ impl Bench {
             let (config, shutdown) = (config.clone(), shutdown.clone());
             tokio::spawn(async move { relay::run(&config, Mode::Run, shutdown).await })
         };
-        let delivered = async || -> Result<i64> { Ok(published(&metrics).await) };
-        let at = |fraction: f64| {
-            let target = (rows as f64 * fraction) as i64;
-            async move {
-                loop {
-                    if delivered().await? >= target {
-                        return Ok::<Instant, anyhow::Error>(Instant::now());
-                    }
-                    if started.elapsed() > Duration::from_secs(300) {
-                        bail!("K: {target} of {rows} rows not delivered within 5 minutes");
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
+        // The counter every SAMPLE_EVERY; when each fraction was reached is interpolated
+        // between the samples around it (read every 100 ms and taken at the first sample
+        // past it, a stretch of 0.6-0.9 s was measured up to a sixth too long or short).
+        // CPU is read at the first samples past 10% and 90%, over the rows between them.
+        let (tenth_rows, ninetieth_rows) = (rows as f64 * 0.1, rows as f64 * 0.9);
+        let mut samples = vec![(started, 0)];
+        let mut cpu_at_tenth = None;
+        let last = loop {
+            if started.elapsed() > Duration::from_secs(300) {
+                bail!("K: 90% of {rows} rows not delivered within 5 minutes");
+            }
+            tokio::time::sleep(SAMPLE_EVERY).await;
+            let n = published(&metrics).await;
+            samples.push((Instant::now(), n));
+            if cpu_at_tenth.is_none() && n as f64 >= tenth_rows {
+                cpu_at_tenth = Some((n, Cpu::now()));
+            }
+            if n as f64 >= ninetieth_rows {
+                break (n, Cpu::now());
             }
         };
-        let tenth = at(0.1).await?;
-        let ninetieth = at(0.9).await?;
+        let per_row = {
+            let ((n0, c0), (n1, c1)) = (cpu_at_tenth.expect("past 10% before 90%"), last);
+            let rows = (n1 - n0).max(1) as f64;
+            (
+                (c1.this - c0.this) * 1e6 / rows,
+                (c1.postgres - c0.postgres) * 1e6 / rows,
+            )
+        };
+        let (tenth, ninetieth) = (
+            reached(&samples, tenth_rows),
+            reached(&samples, ninetieth_rows),
+        );
         if profiled {
             self.statements(&client, Some(true)).await?;
         }
@@ -190,13 +227,29 @@ impl Bench {
             rows,
             to_first_tenth: tenth - started,
             rate: rows as f64 * 0.8 / (ninetieth - tenth).as_secs_f64(),
+            cpu_per_row: per_row,
         };
         eprintln!(
-            "    {rows} rows: 10% after {:.2?}, then {:.0} rows/s",
-            flow.to_first_tenth, flow.rate
+            "    {rows} rows: 10% after {:.2?}, then {:.0} rows/s; CPU a row {:.1} µs here, \
+             {:.1} µs PostgreSQL",
+            flow.to_first_tenth, flow.rate, flow.cpu_per_row.0, flow.cpu_per_row.1
         );
         Ok((flow, shutdown, relay, metrics))
     }
+}
+
+/// When the counter sampled in `samples` (time, rows published; increasing, the last at
+/// least `target`) reached `target`: interpolated between the samples around it.
+fn reached(samples: &[(Instant, i64)], target: f64) -> Instant {
+    let after = samples
+        .iter()
+        .position(|(_, n)| *n as f64 >= target)
+        .expect("a sample reached the target");
+    let Some(before) = after.checked_sub(1) else {
+        return samples[after].0;
+    };
+    let ((t0, n0), (t1, n1)) = (samples[before], samples[after]);
+    t0 + (t1 - t0).mul_f64((target - n0 as f64) / (n1 - n0) as f64)
 }
 
 /// Rows updated in the outbox and transactions committed in the database, a second, over
@@ -250,18 +303,23 @@ async fn left(client: &tokio_postgres::Client) -> Result<i64> {
 }
 
 pub(crate) fn print(p: &Partial) {
-    println!("| K. one Kafka broker of 3 down (mock cluster) | rows | to 10% | rows/s (10-90%) | vs all up |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| K. one Kafka broker of 3 down (mock cluster) | rows | to 10% | rows/s (10-90%) | \
+         vs all up | CPU µs a row: relay + mock brokers, PostgreSQL |"
+    );
+    println!("|---|---|---|---|---|---|");
     for (name, f) in [
         ("every broker up: all rows", &p.all_up),
         ("broker 1 down: the other partitions' rows", &p.one_down),
     ] {
         println!(
-            "| {name} | {} | {:.2}s | {:.0} | {:.2} |",
+            "| {name} | {} | {:.2}s | {:.0} | {:.2} | {:.1}, {:.1} |",
             f.rows,
             f.to_first_tenth.as_secs_f64(),
             f.rate,
-            f.rate / p.all_up.rate
+            f.rate / p.all_up.rate,
+            f.cpu_per_row.0,
+            f.cpu_per_row.1
         );
     }
     println!(

@@ -121,7 +121,7 @@ pub(crate) struct Scale {
 }
 
 /// CPU seconds (user + system) of process `pid`, from `/proc`.
-fn cpu_secs(pid: u32) -> f64 {
+pub(crate) fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.rsplit(')').next().unwrap_or_default();
@@ -159,7 +159,7 @@ fn clock_ticks() -> f64 {
 
 /// CPU seconds of every `postgres` process on the machine (the benchmark's cluster is the
 /// only one).
-fn postgres_cpu_secs() -> f64 {
+pub(crate) fn postgres_cpu_secs() -> f64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0.0;
     };
