@@ -272,12 +272,17 @@ async fn relay(
     spawn_background(&shared, mode, endpoints);
 
     let tracker = TaskTracker::new();
-    tracker.spawn(crate::source::listen::listen(
-        config.postgres.for_listen(),
-        limits,
-        shared.wakes.clone(),
-        shutdown.stop_token().clone(),
-    ));
+    // A drain looks at every table in every round (`wake`), so NOTIFY would tell it
+    // nothing: it opens no LISTEN session (one backend fewer per drain; eight drains
+    // started at once open 48 sessions instead of 56).
+    if mode == Mode::Run {
+        tracker.spawn(crate::source::listen::listen(
+            config.postgres.for_listen(),
+            limits,
+            shared.wakes.clone(),
+            shutdown.stop_token().clone(),
+        ));
+    }
     {
         let shared = shared.clone();
         let stop = shutdown.stop_token().clone();
