@@ -331,14 +331,7 @@ async fn a_hung_database_connection_is_discarded_not_reused() {
     wait_until(
         "the relay's sessions",
         Duration::from_secs(10),
-        async || {
-            count(
-                &client,
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
-            )
-            .await
-                >= 3
-        },
+        async || relay_sessions(&client).await >= 3,
     )
     .await;
     proxy.freeze_open_connections();

@@ -354,14 +354,7 @@ async fn a_drain_opens_no_listen_session() {
     wait_until(
         "the drain's backends to exit",
         Duration::from_secs(10),
-        async || {
-            count(
-                &client,
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
-            )
-            .await
-                == 0
-        },
+        async || relay_sessions(&client).await == 0,
     )
     .await;
     let opened = sessions().await - before;
@@ -817,14 +810,7 @@ async fn the_relay_reads_the_outbox_through_its_indexes_even_when_it_planned_on_
     wait_until(
         "the relay's sessions on the empty table",
         Duration::from_secs(20),
-        async || {
-            count(
-                &client,
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
-            )
-            .await
-                >= 5
-        },
+        async || relay_sessions(&client).await >= 5,
     )
     .await;
     seed(&client, 200, 4, 0).await;

@@ -558,6 +558,15 @@ pub async fn count(client: &tokio_postgres::Client, sql: &str) -> i64 {
     client.query_one(sql, &[]).await.unwrap().get(0)
 }
 
+/// The relay's sessions open on the database now (its `application_name`).
+pub async fn relay_sessions(client: &tokio_postgres::Client) -> i64 {
+    count(
+        client,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'",
+    )
+    .await
+}
+
 /// The independent checker: what the table held against what the stream stores.
 #[derive(Debug, Default)]
 pub struct Audit {

@@ -17,8 +17,8 @@
 //!
 //! Delivery is followed through the relay's own counter of rows published (`/metrics`,
 //! every 20 ms, the 10% and 90% marks interpolated between samples), not by counting the
-//! table: a `count(*)` of 100,000 rows every 100 ms
-//! cost the database 18-24 ms each, a tenth of this machine while it measured.
+//! table: a `count(*)` of 100,000 rows every 100 ms cost the database 18-24 ms each, a
+//! tenth of this machine while it measured.
 
 use std::time::{Duration, Instant};
 
