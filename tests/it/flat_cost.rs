@@ -18,6 +18,25 @@ fn slow() -> Relay {
     relay().workers(1).batch_size(5)
 }
 
+/// A test environment whose PostgreSQL counts statements, their runs and their plans
+/// (`pg_stat_statements` with `track_planning`).
+async fn with_statement_counts(relay: Relay) -> Env {
+    let pg = testkit::Postgres::start_with(
+        false,
+        "shared_preload_libraries = 'pg_stat_statements'\n\
+         pg_stat_statements.track_planning = on\n",
+    )
+    .unwrap();
+    let nats = testkit::NatsServer::start().unwrap();
+    let env = Env::on(pg, nats, relay).await;
+    env.client()
+        .await
+        .batch_execute("CREATE EXTENSION pg_stat_statements")
+        .await
+        .unwrap();
+    env
+}
+
 /// `outbox-relay run` with the floor's debug lines in `log`.
 fn spawn_logged(env: &Env, log: &Path) -> Child {
     env.command(&["run"])
@@ -507,17 +526,9 @@ async fn a_claims_first_window_keeps_its_generic_plan() {
 async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
     const ROWS: i64 = 12_000;
     const RELAYS: usize = 4;
-    let pg =
-        testkit::Postgres::start_with(false, "shared_preload_libraries = 'pg_stat_statements'\n")
-            .unwrap();
-    let nats = testkit::NatsServer::start().unwrap();
-    let env = Env::on(pg, nats, relay().workers(2).batch_size(200)).await;
+    let env = with_statement_counts(relay().workers(2).batch_size(200)).await;
     env.table_option("max_rate = 4000");
     let client = env.client().await;
-    client
-        .batch_execute("CREATE EXTENSION pg_stat_statements")
-        .await
-        .unwrap();
     seed(&client, ROWS, 400, 0).await;
     let inserted = ids(&client).await;
     client
@@ -567,19 +578,8 @@ async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_relay_session_plans_each_statement_once() {
     const WORKERS: i64 = 2;
-    let pg = testkit::Postgres::start_with(
-        false,
-        "shared_preload_libraries = 'pg_stat_statements'\n\
-         pg_stat_statements.track_planning = on\n",
-    )
-    .unwrap();
-    let nats = testkit::NatsServer::start().unwrap();
-    let env = Env::on(pg, nats, relay().workers(WORKERS as usize).batch_size(50)).await;
+    let env = with_statement_counts(relay().workers(WORKERS as usize).batch_size(50)).await;
     let client = env.client().await;
-    client
-        .batch_execute("CREATE EXTENSION pg_stat_statements")
-        .await
-        .unwrap();
     seed(&client, 3_000, 200, 0).await;
     let inserted = ids(&client).await;
     client
