@@ -56,7 +56,8 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // pick of four buckets cost 10.0-10.9 ms in custom plans against 3.3-3.7 in the
     // generic one, and 4.2-4.7 hidden (EXPLAIN ANALYZE: 1,800 rows read a bucket to keep
     // 160). Eight relays of four workers open 48 sessions, so a quarter of their picks
-    // were such first picks.
+    // were such first picks. (The relay's sessions now force the generic plan, see
+    // `source::session::settings`; hidden, the limit keeps the plan in any session.)
     let pick_read = format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \

@@ -24,7 +24,9 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// runs instead of planning every look, 40 times a second per relay process and table
 /// while rows flow. (A custom plan saw the usually empty straggler list and costed its
 /// index probe at a tenth of the generic plan's: every look was planned, 2,424 plans for
-/// 2,376 looks in a drain by 8 relays.)
+/// 2,376 looks in a drain by 8 relays.) The relay's sessions now force the generic plan
+/// (`plan_cache_mode`, see `source::session::settings`); the hidden values keep the plan
+/// the same in a session that does not.
 pub(crate) const LOOK_LIMIT: usize = 1001;
 
 /// Held rows a claim's statement lists at most, with their keys, so that the rows it reads

@@ -30,6 +30,7 @@ use outbox_relay::sink::kafka::partition_of;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 
+use crate::scale::Cpu;
 use crate::{Bench, TOPICS};
 
 /// Rows of each K drain.
@@ -59,19 +60,9 @@ pub(crate) struct Flow {
     pub(crate) cpu_per_row: (f64, f64),
 }
 
-/// CPU seconds so far: this process's, and PostgreSQL's.
-struct Cpu {
-    this: f64,
-    postgres: f64,
-}
-
-impl Cpu {
-    fn now() -> Cpu {
-        Cpu {
-            this: crate::scale::cpu_secs(std::process::id()),
-            postgres: crate::scale::postgres_cpu_secs(),
-        }
-    }
+/// CPU seconds so far: this process's (the relay and the mock brokers), and PostgreSQL's.
+fn cpu_now() -> Cpu {
+    Cpu::now(&[std::process::id()])
 }
 
 /// What `--partial` measured.
@@ -202,19 +193,16 @@ impl Bench {
             let n = published(&metrics).await;
             samples.push((Instant::now(), n));
             if cpu_at_tenth.is_none() && n as f64 >= tenth_rows {
-                cpu_at_tenth = Some((n, Cpu::now()));
+                cpu_at_tenth = Some((n, cpu_now()));
             }
             if n as f64 >= ninetieth_rows {
-                break (n, Cpu::now());
+                break (n, cpu_now());
             }
         };
         let per_row = {
             let ((n0, c0), (n1, c1)) = (cpu_at_tenth.expect("past 10% before 90%"), last);
-            let rows = (n1 - n0).max(1) as f64;
-            (
-                (c1.this - c0.this) * 1e6 / rows,
-                (c1.postgres - c0.postgres) * 1e6 / rows,
-            )
+            let (rows, used) = ((n1 - n0).max(1) as f64, c1.since(c0));
+            (used.processes * 1e6 / rows, used.postgres * 1e6 / rows)
         };
         let (tenth, ninetieth) = (
             reached(&samples, tenth_rows),

@@ -120,8 +120,33 @@ pub(crate) struct Scale {
     pub(crate) history: (f64, f64),
 }
 
+/// CPU seconds so far of some processes (summed) and of every PostgreSQL process: two
+/// readings, [`Cpu::since`], give what a stretch cost each.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Cpu {
+    pub(crate) processes: f64,
+    pub(crate) postgres: f64,
+}
+
+impl Cpu {
+    pub(crate) fn now(pids: &[u32]) -> Cpu {
+        Cpu {
+            processes: pids.iter().copied().map(cpu_secs).sum(),
+            postgres: postgres_cpu_secs(),
+        }
+    }
+
+    /// The CPU seconds used from `earlier` to this reading.
+    pub(crate) fn since(self, earlier: Cpu) -> Cpu {
+        Cpu {
+            processes: self.processes - earlier.processes,
+            postgres: self.postgres - earlier.postgres,
+        }
+    }
+}
+
 /// CPU seconds (user + system) of process `pid`, from `/proc`.
-pub(crate) fn cpu_secs(pid: u32) -> f64 {
+fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start after the last ')'.
     let rest = stat.rsplit(')').next().unwrap_or_default();
@@ -159,7 +184,7 @@ fn clock_ticks() -> f64 {
 
 /// CPU seconds of every `postgres` process on the machine (the benchmark's cluster is the
 /// only one).
-pub(crate) fn postgres_cpu_secs() -> f64 {
+fn postgres_cpu_secs() -> f64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0.0;
     };
@@ -501,9 +526,8 @@ impl Bench {
         tokio::time::sleep(Duration::from_secs(idle)).await;
         let stats = self.pg.connect("app").await?;
         let pids: Vec<u32> = children.iter().map(Child::id).collect();
-        let relay_cpu0: f64 = pids.iter().copied().map(cpu_secs).sum();
         // The relays' backends live through the burst, so their CPU is still in `/proc`.
-        let pg_cpu0 = postgres_cpu_secs();
+        let cpu0 = Cpu::now(&pids);
         let profile = self.statements(&stats, None).await?;
         self.append(rows, keys, self.a.payload as i32).await?;
         let (committed, machine) = (Instant::now(), MachineCpu::now());
@@ -562,8 +586,8 @@ impl Bench {
         }
         let secs = committed.elapsed().as_secs_f64();
         let machine_cpu = machine.busy_since() * secs;
-        let relay_cpu: f64 = pids.iter().copied().map(cpu_secs).sum::<f64>() - relay_cpu0;
-        let pg_cpu = postgres_cpu_secs() - pg_cpu0;
+        let used = Cpu::now(&pids).since(cpu0);
+        let (relay_cpu, pg_cpu) = (used.processes, used.postgres);
         let _ = stop_sampling.send(());
         if let Some(sampler) = sampler {
             let mut seen: Vec<(String, u32)> = sampler.await??.into_iter().collect();
@@ -624,16 +648,12 @@ impl Bench {
         let mut relay = self.spawn_relay("run", &path)?;
         // Start-up: connections, schema checks, the first claims.
         tokio::time::sleep(Duration::from_secs(5)).await;
-        let (relay0, pg0, x0) = (
-            cpu_secs(relay.id()),
-            postgres_cpu_secs(),
-            Self::xacts(&client).await?,
-        );
+        let (cpu0, x0) = (Cpu::now(&[relay.id()]), Self::xacts(&client).await?);
         let t0 = Instant::now();
         tokio::time::sleep(Duration::from_secs(IDLE_SECS)).await;
         let secs = t0.elapsed().as_secs_f64();
         // Statistics reach pg_stat_database when a backend reports (at most every 1 s).
-        let (relay1, pg1) = (cpu_secs(relay.id()), postgres_cpu_secs());
+        let used = Cpu::now(&[relay.id()]).since(cpu0);
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let x1 = Self::xacts(&client).await?;
         let mut wakes = Vec::new();
@@ -663,8 +683,8 @@ impl Bench {
         Ok(Idle {
             tables: n,
             notify,
-            relay_cores: (relay1 - relay0) / secs,
-            pg_cores: (pg1 - pg0) / secs,
+            relay_cores: used.processes / secs,
+            pg_cores: used.postgres / secs,
             xact_per_sec: (x1 - x0) as f64 / secs,
             wake_p50_ms: percentile(&wakes, 0.5),
             wake_p99_ms: percentile(&wakes, 0.99),
