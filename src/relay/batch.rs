@@ -245,7 +245,6 @@ async fn relay_batches(
     };
     // The first batch waited this long for its session; those that follow on, nothing.
     let mut session_wait = asked.elapsed();
-    prepare_together(shared, &shared.tables[t], &session).await;
     let mut carried = None;
     let result = loop {
         let table = &shared.tables[t];
@@ -293,37 +292,23 @@ async fn relay_batches(
     Ended::new(t, ticket, result)
 }
 
-/// Prepares the batch statements for `table` the session lacks together, one round trip,
-/// where its first batch would prepare each on first use, one after the other (a database
-/// 10 ms away: about 30 ms more for every worker's first batch, benchmark L). Those the
-/// session has already (its cache answers, no round trip) are not sent again, so a
-/// session another task used first (the floor keeper's look) gets the rest. Only with
-/// statements cached on a direct session; a failure is left for the batch to meet.
-async fn prepare_together(shared: &Shared, table: &TablePlan, session: &deadpool_postgres::Object) {
-    let source = &shared.source;
-    if !source.caches_statements() {
-        return;
-    }
+/// The batch statements of `table` (claim, lock, delete/mark): those `tx`'s session lacks
+/// are prepared together ([`Tx::prepare_together`]), inside the claim's transaction. A
+/// session another task used first (the floor keeper's look) has some already.
+fn batch_statements<'t>(shared: &Shared, table: &'t TablePlan) -> Vec<&'t str> {
     let published = match shared.relay.on_publish {
         OnPublish::Delete => &table.sql.delete,
         OnPublish::Mark => &table.sql.mark,
     };
     let claim = match shared.relay.ordering {
         Ordering::Key => vec![
-            &table.sql.window,
-            &table.sql.pick_lock,
-            &table.sql.lock_rows,
+            table.sql.window.as_str(),
+            table.sql.pick_lock.as_str(),
+            table.sql.lock_rows.as_str(),
         ],
-        Ordering::None => vec![&table.sql.claim_unordered],
+        Ordering::None => vec![table.sql.claim_unordered.as_str()],
     };
-    let prepared = claim
-        .into_iter()
-        .chain([published])
-        .map(|sql| session.prepare_cached(sql));
-    let together = futures_util::future::try_join_all(prepared);
-    if let Err(e) = source.bounded(async { Ok(together.await?) }).await {
-        tracing::debug!(error = %e, "Could not prepare a new session's statements together");
-    }
+    claim.into_iter().chain([published.as_str()]).collect()
 }
 
 impl Shared {
@@ -605,6 +590,8 @@ async fn claim_in<'a>(
         rows,
         bytes: shared.relay.max_batch_bytes,
     };
+    tx.prepare_together(&batch_statements(shared, table))
+        .await?;
     let (ordering, view) = (shared.relay.ordering, table.floor.view());
     let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view, &table.depth).await?;
     Ok((tx, rows))

@@ -169,8 +169,8 @@ impl Postgres {
         Ok(pg)
     }
 
-    /// The server log, for error messages.
-    pub(crate) fn log(&self) -> String {
+    /// The server log (error messages; what a test's `log_*` settings make it record).
+    pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("postgres.log")).unwrap_or_default()
     }
 

@@ -614,6 +614,175 @@ async fn a_relay_session_plans_each_statement_once() {
     );
 }
 
+/// Contract section 8 (Tables): a relay starting on quiet tables looks at each one's
+/// floor a few times, not every tick. Every table counts as active for its first two
+/// seconds (rows may be waiting), and a keeper looks every tick (25 ms) until its process
+/// adopts a first floor; an empty table has none to adopt, so each cost about 80 looks at
+/// start-up (a relay of 50 quiet tables: 4,000 transactions in its first two seconds).
+/// Counted by `pg_stat_statements` over the first seconds of `run` on eleven empty tables,
+/// then a row in one of them is still published.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_starting_on_quiet_tables_looks_at_each_floor_a_few_times() {
+    const QUIET: usize = 10;
+    let env = with_statement_counts(relay().workers(4)).await;
+    let more: String = (0..QUIET)
+        .map(|i| format!("[[tables]]\nname = \"public.quiet_{i}\"\ntopic = \"{{topic}}\"\n"))
+        .collect();
+    env.write_config(&relay().workers(4).section(&more));
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let client = env.client().await;
+    for i in 0..QUIET {
+        grant_relay_role(&client, &format!("public.quiet_{i}")).await;
+    }
+    let looks = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
+                 WHERE query LIKE '%pg_snapshot_xmin(pg_current_snapshot())%'";
+    let before = count(&client, looks).await;
+    let mut relay = env.spawn_run();
+    wait_until("the relay to LISTEN", Duration::from_secs(30), async || {
+        count(
+            &client,
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'LISTEN outbox_relay'",
+        )
+        .await
+            > 0
+    })
+    .await;
+    // The two active seconds and a margin (an idle keeper looks every 5 s after them).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let looked = count(&client, looks).await - before;
+    let tables = QUIET as i64 + 1;
+    eprintln!("start-up on {tables} quiet tables: {looked} floor looks");
+    client
+        .batch_execute(
+            "INSERT INTO public.quiet_4 (topic, key, payload, headers) \
+             VALUES ('events.quiet', 'q', 'x', '{\"key\": \"q\"}')",
+        )
+        .await
+        .unwrap();
+    wait_until(
+        "a row in a quiet table to be published",
+        Duration::from_secs(5),
+        async || count(&client, "SELECT count(*) FROM public.quiet_4").await == 0,
+    )
+    .await;
+    terminate_cleanly(&mut relay);
+    // At most a look every `MAX_TICK` (200 ms) while active: about 10 per table, 80 at
+    // every tick.
+    assert!(
+        looked <= 25 * tables,
+        "{looked} floor looks at the start-up of a relay on {tables} quiet tables"
+    );
+}
+
+/// Contract section 8 (Tables) and issue 27 (idle cost): PostgreSQL runs a Parse sent
+/// outside a transaction block in an implicit transaction of its own, and counts it like
+/// any other. A relay that prepared each table's batch statements ahead of `BEGIN` made
+/// four such transactions per table and session: a relay of 50 quiet tables warming its
+/// eight sessions ran about 1,600 of them over its first minute (benchmark I: 52
+/// transactions/s then, 23 after). Checked in the server's own log, which names each
+/// line's transaction (`%v`): over a drain of four workers and a while of `run` on three
+/// tables, no transaction of a relay session does nothing but prepare. (`migrate`'s
+/// catalog reads are left out: one command an operator runs, not the relay's running
+/// cost.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_session_prepares_its_statements_inside_its_transactions() {
+    let pg = testkit::Postgres::start_with(
+        false,
+        "log_min_duration_statement = 0\nlog_line_prefix = '%v %a '\n",
+    )
+    .unwrap();
+    let nats = testkit::NatsServer::start().unwrap();
+    let more: String = (0..2)
+        .map(|i| format!("[[tables]]\nname = \"public.quiet_{i}\"\ntopic = \"{{topic}}\"\n"))
+        .collect();
+    let env = Env::on(pg, nats, relay().workers(4).batch_size(100)).await;
+    env.write_config(&relay().workers(4).batch_size(100).section(&more));
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let client = env.client().await;
+    for i in 0..2 {
+        grant_relay_role(&client, &format!("public.quiet_{i}")).await;
+    }
+    seed(&client, 2_000, 50, 0).await;
+    let inserted = ids(&client).await;
+    // From here on: the relay's own sessions (`migrate`, run once by an operator, is not
+    // looked at).
+    let from = env.pg.log().len();
+    all_exit_0(
+        1,
+        |_| env.command(&["drain", "--timeout", "60s"]),
+        Duration::from_secs(70),
+        String::new,
+    );
+    audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
+    // `run`: a row in a quiet table, then its idle looks (every table is looked at every
+    // 5 s) on sessions that have not prepared them yet.
+    let mut relay = env.spawn_run();
+    client
+        .batch_execute(
+            "INSERT INTO public.quiet_1 (topic, key, payload, headers) \
+             VALUES ('events.quiet', 'q', 'x', '{\"key\": \"q\"}')",
+        )
+        .await
+        .unwrap();
+    wait_until(
+        "the quiet table's row to be published",
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.quiet_1").await == 0,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    terminate_cleanly(&mut relay);
+
+    // Lines `<backend>/<local xid> <application> LOG:  duration: ... ms  <what>...`; a
+    // local xid of 0 is outside any transaction (a COMMIT's line comes after it ended).
+    let log = env.pg.log().split_off(from);
+    let mut transactions: std::collections::BTreeMap<&str, Vec<&str>> = Default::default();
+    for line in log.lines() {
+        let Some((vxid, rest)) = line.split_once(" outbox-relay LOG:  duration: ") else {
+            continue;
+        };
+        if vxid.ends_with("/0") {
+            continue;
+        }
+        let what = rest.split_once(" ms  ").map_or(rest, |(_, what)| what);
+        transactions.entry(vxid).or_default().push(what);
+    }
+    let prepares = transactions
+        .values()
+        .flatten()
+        .filter(|w| w.starts_with("parse "))
+        .count();
+    let only_prepare: Vec<String> = transactions
+        .values()
+        .filter(|lines| lines.iter().all(|w| w.starts_with("parse ")))
+        .map(|lines| {
+            lines
+                .iter()
+                .map(|w| &w[..w.len().min(90)])
+                .collect::<Vec<_>>()
+                .join(" | ")
+        })
+        .collect();
+    eprintln!(
+        "{} transactions of relay sessions, {prepares} prepares, {} of them alone",
+        transactions.len(),
+        only_prepare.len()
+    );
+    assert!(
+        prepares >= 8,
+        "{prepares} prepares in the server log: the check saw too little (is \
+         log_min_duration_statement on?)"
+    );
+    assert!(
+        only_prepare.is_empty(),
+        "{} transactions of relay sessions did nothing but prepare, e.g.:\n{}",
+        only_prepare.len(),
+        only_prepare[..only_prepare.len().min(5)].join("\n")
+    );
+}
+
 /// Issue 29 (one Kafka partition stuck) and contract section 8 (History): with a third of
 /// the keys held back (each one's first row waiting, as when its partition has no leader),
 /// a claim's reads from the floor on tell the held keys' rows from the others by a hash
