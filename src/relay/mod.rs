@@ -338,6 +338,13 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
         let name = format!("table keeper {}", table.config.name);
         tasks.spawn(name, keep_table(shared.clone(), t, done.clone()));
     }
+    if mode == Mode::Run {
+        let (s, d) = (shared.clone(), done.clone());
+        tasks.spawn("poller", async move {
+            let interval = s.relay.poll_interval;
+            wake::poll(&s.wakes, &s.source, &s.tables, interval, &d).await
+        });
+    }
     let (s, d) = (shared.clone(), done.clone());
     tasks.spawn("pause follower", async move { s.follow_pauses(d).await });
     if let Some(connection) = shared.sink.connection() {

@@ -7,6 +7,7 @@ use crate::config::Ordering;
 /// See the fields of the same names on [`super::TableSql`].
 pub(super) struct Admin {
     pub(crate) publishable_exists: String,
+    pub(crate) claimable: (String, String),
     pub(crate) waiting: String,
     pub(crate) status: String,
     pub(crate) held_rows: String,
@@ -29,6 +30,8 @@ pub(super) fn statements(p: &Parts) -> Admin {
         last_error,
         next,
         pending,
+        due,
+        retrying,
         held,
         not_behind_dead,
         waiting,
@@ -40,6 +43,10 @@ pub(super) fn statements(p: &Parts) -> Admin {
         ..
     } = p;
     Admin {
+        claimable: (
+            format!("(EXISTS (SELECT 1 FROM {t} WHERE {pending} AND {due} AND {id} >= (SELECT "),
+            format!("::bigint)) OR EXISTS (SELECT 1 FROM {t} WHERE {retrying} AND {due}))"),
+        ),
         publishable_exists: match ordering {
             Ordering::Key => format!(
                 "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.{published_at} IS NULL \

@@ -146,6 +146,9 @@ pub struct TableSql {
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
     pub(crate) publishable_exists: String,
+    /// The two halves of a boolean expression that is true when a claim may find a row
+    /// ([`TableSql::claimable`] puts the floor's parameter between them).
+    claimable: (String, String),
     /// Rows waiting for their next attempt: how many, and the earliest one due in (as
     /// interval text and seconds).
     pub(crate) waiting: String,
@@ -270,6 +273,7 @@ impl TableSql {
             postpone: settle.postpone,
             release_held_back: settle.release_held_back,
             publishable_exists: admin.publishable_exists,
+            claimable: admin.claimable,
             waiting: admin.waiting,
             status: admin.status,
             held_rows: admin.held_rows,
@@ -283,6 +287,17 @@ impl TableSql {
             layout: p.layout,
             tag: table_tag(&table.name.to_string()),
         }
+    }
+}
+
+impl TableSql {
+    /// A boolean expression, true when the table may hold a row a claim would take: a
+    /// pending, due row from the floor (parameter `$n`) on, or a due row with a failure
+    /// history anywhere (the retry index). What it leaves out, the caller knows: the
+    /// floor's stragglers. True also for rows a claim leaves alone (a held key's), which
+    /// only costs that claim. One index probe each when the table has no such row.
+    pub(crate) fn claimable(&self, n: usize) -> String {
+        format!("{}${n}{}", self.claimable.0, self.claimable.1)
     }
 }
 
