@@ -292,9 +292,12 @@ async fn relay_batches(
     Ended::new(t, ticket, result)
 }
 
-/// The batch statements of `table` (claim, lock, delete/mark): those `tx`'s session lacks
-/// are prepared together ([`Tx::prepare_together`]), inside the claim's transaction. A
-/// session another task used first (the floor keeper's look) has some already.
+/// The batch statements of `table` (claim, lock, delete/mark): those a session lacks are
+/// prepared together ([`Tx::prepare_together`]) inside the first claim of each session a
+/// worker takes from the pool, not in every claim (that would look up every statement's
+/// text once more per batch); a claim that follows on to another table prepares what it
+/// lacks as it goes. A session another task used first (the floor keeper's look) has
+/// some already.
 fn batch_statements<'t>(shared: &Shared, table: &'t TablePlan) -> Vec<&'t str> {
     let published = match shared.relay.on_publish {
         OnPublish::Delete => &table.sql.delete,
@@ -575,6 +578,8 @@ async fn claim<'a>(
     rows: usize,
 ) -> Result<(Tx<'a>, Claimed), SourceError> {
     let tx = shared.source.begin(session).await?;
+    tx.prepare_together(&batch_statements(shared, table))
+        .await?;
     claim_in(shared, lane, table, tx, rows).await
 }
 
@@ -590,8 +595,6 @@ async fn claim_in<'a>(
         rows,
         bytes: shared.relay.max_batch_bytes,
     };
-    tx.prepare_together(&batch_statements(shared, table))
-        .await?;
     let (ordering, view) = (shared.relay.ordering, table.floor.view());
     let rows = claim_batch(&tx, &table.sql, ordering, budget, lane, &view, &table.depth).await?;
     Ok((tx, rows))
