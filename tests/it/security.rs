@@ -221,6 +221,22 @@ async fn verify_full_drains_over_tls_and_refuses_a_wrong_ca_or_host_name() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert_eq!(env.stored().await.len(), 300);
 
+    // No chain to check (`require`, and `prefer`, the default): the connector is built at
+    // the first handshake instead of at start-up, and the handshake does happen (pg_hba
+    // refuses outbox_relay in plain text), whatever name the certificate lists.
+    for params in ["sslmode=require", "sslmode=prefer"] {
+        let url = tls_url(&env, "db.wrong.example", PASSWORD, params);
+        for command in ["check", "drain"] {
+            let out = with_url(&env, &url, &bounded(command));
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{params} {command}: {}",
+                text(&out)
+            );
+        }
+    }
+
     // A CA that did not sign the server's certificate.
     let wrong_ca = tls_url(
         &env,
