@@ -67,13 +67,18 @@ impl TlsError {
 ///
 /// Building any OpenSSL connector loads the system CA store (`SslConnector::builder`
 /// reads the whole bundle): 19 of an idle `drain`'s 28 ms of CPU, measured with `perf`,
-/// paid even when the server does not offer TLS. So a connector that neither checks the
-/// chain nor reads a file of its own (`prefer`, `require` without `sslrootcert`, the
-/// default) is built at the first handshake that needs it and shared by the process from
-/// then on; with a server that answers `sslmode=prefer`'s request with "no TLS" it is
-/// never built. One that checks the chain or names files is built when asked for, so a
-/// missing file or an unusable CA store is reported before the connection is tried, and
-/// afresh each time, so a certificate rotated on disk is read at the next connect.
+/// paid even when the server does not offer TLS. So:
+///
+/// - settings that name no file and check no chain (`prefer`, the default, or `require`)
+///   get their connector at the first handshake that needs it, shared by the process from
+///   then on; with a server that answers `prefer`'s request with "no TLS" it is never
+///   built;
+/// - settings that check the chain against the system CAs (`verify-ca`, `verify-full`
+///   without `sslrootcert`) get the process's shared one when asked for, so a CA store
+///   that cannot be loaded is reported before the connection is tried;
+/// - settings that name files get one built afresh when asked for, so a missing file is
+///   reported before the connection, and a certificate rotated on disk is read at the
+///   next connect.
 #[derive(Clone)]
 pub(crate) struct PgTls {
     settings: TlsSettings,
@@ -89,9 +94,12 @@ pub(crate) trait Connector {
 
 impl Connector for TlsSettings {
     fn connector(&self) -> Result<PgTls, TlsError> {
-        let built = match self.deferred() {
-            true => None,
-            false => Some(self.build()?),
+        let built = if self.names_files() {
+            Some(self.build()?)
+        } else if self.verifies_chain() {
+            Some(self.shared()?)
+        } else {
+            None
         };
         Ok(PgTls {
             settings: self.clone(),
@@ -138,13 +146,13 @@ impl TlsConnect<Socket> for Handshake {
 }
 
 impl TlsSettings {
-    /// Whether the connector waits for the first handshake (see [`PgTls`]).
-    fn deferred(&self) -> bool {
-        !self.verifies_chain() && self.client_cert.is_none() && self.client_key.is_none()
+    /// Whether the settings name certificate files (read afresh at each connect).
+    fn names_files(&self) -> bool {
+        self.root_cert.is_some() || self.client_cert.is_some() || self.client_key.is_some()
     }
 
-    /// The one connector of the process for these settings (they read no file of their
-    /// own), built on first use.
+    /// The one connector of the process for these settings (they name no file), built on
+    /// first use.
     fn shared(&self) -> Result<MakeTlsConnector, TlsError> {
         static SHARED: Mutex<Vec<(TlsSettings, MakeTlsConnector)>> = Mutex::new(Vec::new());
         let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
