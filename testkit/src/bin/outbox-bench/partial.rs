@@ -96,21 +96,22 @@ impl Stored {
     /// broker up.
     fn now(&self) -> Result<(i64, i64)> {
         use rdkafka::consumer::Consumer;
-        let mut counts = (0, 0);
-        for t in 0..TOPICS {
-            let topic = format!("bench.{t}");
-            for p in 0..PARTITIONS {
-                let (_, high) = tokio::task::block_in_place(|| {
-                    self.consumer
-                        .fetch_watermarks(&topic, p, Duration::from_secs(5))
-                })?;
-                counts.0 += high;
-                if leader(p) != DOWN {
-                    counts.1 += high;
+        tokio::task::block_in_place(|| {
+            let mut counts = (0, 0);
+            for t in 0..TOPICS {
+                let topic = format!("bench.{t}");
+                for p in 0..PARTITIONS {
+                    let (_, high) =
+                        self.consumer
+                            .fetch_watermarks(&topic, p, Duration::from_secs(5))?;
+                    counts.0 += high;
+                    if leader(p) != DOWN {
+                        counts.1 += high;
+                    }
                 }
             }
-        }
-        Ok(counts)
+            Ok(counts)
+        })
     }
 }
 
