@@ -11,7 +11,7 @@
 -- then give the role a password (psql prompts; it never lands in a file or the history):
 --     \password outbox_relay
 -- For another table, schema or mapped column names ([tables.columns]), change the names
--- below and repeat the GRANTs on the outbox for each table (the one on outbox_relay_pauses
+-- below and repeat the GRANTs on the outbox for each table (those on the outbox_relay_ tables
 -- once per schema). `outbox-relay check` names any
 -- privilege that is still missing.
 
@@ -39,6 +39,10 @@ GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
 GRANT SELECT, INSERT, DELETE ON public.outbox_relay_pauses TO outbox_relay;
 -- Rate buckets (migration 0006), one table per schema: only tables with `max_rate` use it.
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_rates TO outbox_relay;
+-- Sleep marks (created with the wake-up trigger by `migrate`), one table per schema: an
+-- idle relay marks itself asleep there, so that writers notify only while one is. Not
+-- needed after `migrate --no-notify`.
+GRANT SELECT, INSERT, UPDATE, DELETE ON public.outbox_relay_sleepers TO outbox_relay;
 -- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
 -- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
 -- role that keeps VACUUM from cleaning the table (read-only statistics, no data).

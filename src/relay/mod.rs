@@ -14,6 +14,7 @@ mod held;
 mod message;
 mod order;
 mod pause;
+mod sleep;
 mod start;
 mod state;
 mod tasks;
@@ -106,7 +107,7 @@ impl Shared {
         let wakes = Arc::new(wake::Wakes::new(
             tables
                 .iter()
-                .map(|t| (t.config.name.to_string(), t.notify))
+                .map(|t| (t.config.name.to_string(), t.wake))
                 .collect(),
             config.relay.poll_interval,
             mode == Mode::Drain,
@@ -342,7 +343,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("poller", async move {
             let interval = s.relay.poll_interval;
-            wake::poll(&s.wakes, &s.source, &s.tables, interval, &d).await
+            sleep::poll(&s.wakes, &s.source, &s.tables, interval, &d).await
         });
     }
     let (s, d) = (shared.clone(), done.clone());

@@ -10,8 +10,9 @@
 //! 2. A claim that finds nothing settles the table, but only for what was raised before
 //!    the claim began: a NOTIFY during the claim keeps it due (a counter, not a flag).
 //! 3. A table that is not due is still claimed from every [`IDLE_RECHECK`]. One NOTIFY
-//!    does not cover (no trigger, or LISTEN not subscribed: behind PgBouncer without
-//!    `listen_url`) is also *polled* every `relay.poll_interval`: one statement a poll for
+//!    does not cover (no trigger, LISTEN not subscribed: behind PgBouncer without
+//!    `listen_url`, or not yet asleep: rule 6) is also *polled* every
+//!    `relay.poll_interval`: one statement a poll for
 //!    every such table of the process ([`crate::source::sql::TableSql::claimable`]),
 //!    which makes a table with a claimable row due and settles the others as a claim
 //!    that found nothing would (rule 2). Polled by a claim each, 50 tables cost 546
@@ -21,12 +22,19 @@
 //!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
 //! 5. A paused table ([`crate::source::pause`]) is never due, in `drain` too; its resume
 //!    raises it.
+//! 6. With this release's trigger, writers notify only while a relay is asleep on the
+//!    table ([`super::sleep`]). A table settled by rule 2 is *wanted* asleep; the poller
+//!    marks it so in the database (*pending*) and confirms it (*asleep*) by the sleep
+//!    protocol; only then does NOTIFY cover it. Anything that raises it wakes it: the
+//!    poller clears the mark, and writers stop notifying.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+
+use crate::source::schema::WakeTrigger;
 
 /// How often a table that NOTIFY covers is looked at anyway when nothing raised it: a
 /// row inserted with the trigger disabled, a retry scheduled by a relay that died.
@@ -41,15 +49,48 @@ pub(crate) struct Wakes {
     pub(crate) workers: Notify,
     /// LISTEN is subscribed now.
     listening: AtomicBool,
+    /// The LISTEN session: how often it changed (a generation), and its backend pid
+    /// while subscribed.
+    listener: std::sync::Mutex<(u64, Option<i32>)>,
+    /// Pokes the poller: a table is wanted asleep, or must be woken in the database.
+    pub(crate) sleep: Notify,
     poll_interval: Duration,
     /// `drain`: every table is always due.
     always: bool,
 }
 
+/// Where a table stands in the sleep protocol (rule 6), as the low two bits of
+/// [`TableWake::sleep`]; the bits above hold the listener generation the state belongs to,
+/// so the poller cannot confirm a state a new LISTEN session has reset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sleep {
+    /// Awake: writers need not notify.
+    Awake = 0,
+    /// Settled, and wanted asleep: the poller will mark it.
+    Wanted = 1,
+    /// Marked asleep in the database; polled until the protocol confirms it.
+    Pending = 2,
+    /// Asleep: NOTIFY covers it, nothing polls it.
+    Asleep = 3,
+}
+
+impl Sleep {
+    fn of(word: u64) -> Sleep {
+        match word & 3 {
+            0 => Sleep::Awake,
+            1 => Sleep::Wanted,
+            2 => Sleep::Pending,
+            _ => Sleep::Asleep,
+        }
+    }
+}
+
 struct TableWake {
     name: String,
-    /// The table has the NOTIFY trigger.
-    trigger: bool,
+    /// The table's wake-up trigger.
+    trigger: WakeTrigger,
+    /// [`Sleep`] in the low bits, the listener generation above.
+    sleep: AtomicU64,
     raised: AtomicU64,
     settled: AtomicU64,
     /// When the table is looked at again if nothing raises it.
@@ -69,8 +110,12 @@ pub(crate) struct Ticket(u64);
 
 impl Wakes {
     /// `tables`: each table's qualified name as NOTIFY sends it (`schema.table`) and
-    /// whether it has the trigger.
-    pub(crate) fn new(tables: Vec<(String, bool)>, poll_interval: Duration, always: bool) -> Wakes {
+    /// its wake-up trigger.
+    pub(crate) fn new(
+        tables: Vec<(String, WakeTrigger)>,
+        poll_interval: Duration,
+        always: bool,
+    ) -> Wakes {
         let now = Instant::now();
         Wakes {
             tables: tables
@@ -78,6 +123,7 @@ impl Wakes {
                 .map(|(name, trigger)| TableWake {
                     name,
                     trigger,
+                    sleep: AtomicU64::new(0),
                     // Every table starts due: rows may be waiting.
                     raised: AtomicU64::new(1),
                     settled: AtomicU64::new(0),
@@ -90,6 +136,8 @@ impl Wakes {
                 .collect(),
             workers: Notify::new(),
             listening: AtomicBool::new(false),
+            listener: std::sync::Mutex::new((0, None)),
+            sleep: Notify::new(),
             poll_interval,
             always,
         }
@@ -99,6 +147,7 @@ impl Wakes {
     pub(crate) fn raise(&self, t: usize, wake_workers: bool) {
         let table = &self.tables[t];
         table.raised.fetch_add(1, Ordering::AcqRel);
+        self.wake_up(t);
         *table.last_active.lock().unwrap() = Instant::now();
         table.keeper.notify_waiters();
         if wake_workers {
@@ -122,12 +171,90 @@ impl Wakes {
         }
     }
 
-    /// LISTEN subscribed (`true`) or lost its connection (`false`).
-    pub(crate) fn set_listening(&self, on: bool) {
-        self.listening.store(on, Ordering::Release);
-        if on {
+    /// LISTEN subscribed with the session of backend `pid`, or lost its connection
+    /// (`None`). Either way every table is awake (rule 6) in a new listener generation:
+    /// what was asleep was asleep for the session before.
+    pub(crate) fn set_listening(&self, pid: Option<i32>) {
+        {
+            let mut listener = self.listener.lock().unwrap();
+            listener.0 += 1;
+            listener.1 = pid;
+            for table in &self.tables {
+                table.sleep.store(listener.0 << 2, Ordering::Release);
+            }
+        }
+        self.listening.store(pid.is_some(), Ordering::Release);
+        self.sleep.notify_one();
+        if pid.is_some() {
             self.raise_all();
         }
+    }
+
+    /// The LISTEN session's generation and backend pid (`None`: not subscribed).
+    pub(crate) fn listener(&self) -> (u64, Option<i32>) {
+        *self.listener.lock().unwrap()
+    }
+
+    /// Rule 6: table `t` is awake; the poller hears of it when it was not.
+    fn wake_up(&self, t: usize) {
+        let was = self.tables[t].sleep.fetch_and(!3, Ordering::AcqRel);
+        if Sleep::of(was) != Sleep::Awake {
+            self.sleep.notify_one();
+        }
+    }
+
+    /// Rule 6: table `t` was settled by a look that began with `ticket`; it is wanted
+    /// asleep if nothing raised it since, NOTIFY can reach this relay, and its trigger
+    /// notifies only for sleepers.
+    fn want_asleep(&self, t: usize, ticket: Ticket) {
+        let table = &self.tables[t];
+        if table.trigger != WakeTrigger::Gated
+            || !self.listening.load(Ordering::Acquire)
+            || table.paused.load(Ordering::Acquire)
+            || table.raised.load(Ordering::Acquire) > ticket.0
+        {
+            return;
+        }
+        let word = table.sleep.load(Ordering::Acquire);
+        if Sleep::of(word) == Sleep::Awake
+            && table
+                .sleep
+                .compare_exchange(
+                    word,
+                    word | Sleep::Wanted as u64,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+        {
+            self.sleep.notify_one();
+        }
+    }
+
+    /// Where table `t` stands in the sleep protocol, and the listener generation of that.
+    pub(crate) fn sleep_of(&self, t: usize) -> (Sleep, u64) {
+        let word = self.tables[t].sleep.load(Ordering::Acquire);
+        (Sleep::of(word), word >> 2)
+    }
+
+    /// The poller moves table `t` from `from` to `to` in listener generation `generation`;
+    /// `false` when the table moved meanwhile (woken, or a new LISTEN session).
+    pub(crate) fn move_sleep(&self, t: usize, generation: u64, from: Sleep, to: Sleep) -> bool {
+        let base = generation << 2;
+        self.tables[t]
+            .sleep
+            .compare_exchange(
+                base | from as u64,
+                base | to as u64,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+    }
+
+    /// Whether table `t`'s trigger notifies only for sleepers (rule 6 applies).
+    pub(crate) fn gated(&self, t: usize) -> bool {
+        self.tables[t].trigger == WakeTrigger::Gated
     }
 
     /// Whether a worker should claim from table `t` now (rules 1 and 3); if so, the
@@ -161,8 +288,11 @@ impl Wakes {
     pub(crate) fn found_nothing(&self, t: usize, ticket: Ticket) {
         let table = &self.tables[t];
         table.settled.fetch_max(ticket.0, Ordering::AcqRel);
-        let mut next = table.next_check.lock().unwrap();
-        *next = (*next).max(Instant::now() + IDLE_RECHECK);
+        {
+            let mut next = table.next_check.lock().unwrap();
+            *next = (*next).max(Instant::now() + IDLE_RECHECK);
+        }
+        self.want_asleep(t, ticket);
     }
 
     /// This process scheduled a retry of a row of table `t` `after` from now.
@@ -180,7 +310,14 @@ impl Wakes {
         self.tables
             .iter()
             .map(|table| {
-                let notified = table.trigger && listening;
+                let notified = listening
+                    && match table.trigger {
+                        WakeTrigger::None => false,
+                        WakeTrigger::Every => true,
+                        WakeTrigger::Gated => {
+                            Sleep::of(table.sleep.load(Ordering::Acquire)) == Sleep::Asleep
+                        }
+                    };
                 let skip = self.always || notified || table.paused.load(Ordering::Acquire);
                 (!skip).then(|| Ticket(table.raised.load(Ordering::Acquire)))
             })
@@ -195,6 +332,7 @@ impl Wakes {
             self.raise(t, true);
         } else {
             self.tables[t].settled.fetch_max(ticket.0, Ordering::AcqRel);
+            self.want_asleep(t, ticket);
         }
     }
 
@@ -219,6 +357,9 @@ impl Wakes {
         let changed = self.tables[t].paused.swap(paused, Ordering::AcqRel) != paused;
         if changed && !paused {
             self.raise(t, true);
+        } else if changed {
+            // Nothing claims a paused table: its writers need not notify.
+            self.wake_up(t);
         }
         changed
     }
@@ -239,78 +380,13 @@ impl Wakes {
     }
 }
 
-/// Rule 3's poller (`run` only): every `interval`, while some table is not covered by
-/// NOTIFY, asks in one statement which of them may hold a claimable row, and tells
-/// `wakes`. A table whose floor lists stragglers counts as having rows (the statement
-/// reads from the floor on). A poll that fails makes every table it asked about due: the
-/// workers' claims meet the error and report it.
-pub(crate) async fn poll(
-    wakes: &Wakes,
-    source: &crate::source::Source,
-    tables: &[crate::source::table::TablePlan],
-    interval: Duration,
-    done: &tokio_util::sync::CancellationToken,
-) {
-    let sql = format!(
-        "SELECT ARRAY[{}]::bool[]",
-        tables
-            .iter()
-            .enumerate()
-            .map(|(t, table)| table.sql.claimable(t + 1))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    // Polls start `interval` apart, however long each took: a row waits at most about one
-    // interval for the poll that sees it.
-    let mut every = tokio::time::interval(interval);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    every.tick().await;
-    loop {
-        tokio::select! {
-            _ = done.cancelled() => return,
-            _ = every.tick() => {}
-        }
-        let tickets = wakes.poll_tickets();
-        if tickets.iter().all(Option::is_none) {
-            continue;
-        }
-        let views: Vec<_> = tables.iter().map(|t| t.floor.view()).collect();
-        let floors: Vec<i64> = views.iter().map(|v| v.value).collect();
-        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = floors
-            .iter()
-            .map(|f| f as &(dyn tokio_postgres::types::ToSql + Sync))
-            .collect();
-        let asked = source.in_transaction(async |tx| {
-            Ok(tx.query_one(&sql, &params).await?.get::<_, Vec<bool>>(0))
-        });
-        let found = tokio::select! {
-            _ = done.cancelled() => return,
-            found = asked => found,
-        };
-        for (t, ticket) in tickets.into_iter().enumerate() {
-            let Some(ticket) = ticket else { continue };
-            match &found {
-                Ok(rows) => {
-                    let rows =
-                        rows.get(t).copied().unwrap_or(true) || !views[t].stragglers.is_empty();
-                    wakes.polled(t, ticket, rows);
-                }
-                Err(_) => wakes.raise(t, true),
-            }
-        }
-        if let Err(e) = found {
-            tracing::debug!(error = %e, "Could not poll the tables NOTIFY does not cover");
-        }
-    }
-}
-
 impl crate::source::listen::Wake for Wakes {
     fn rows_committed(&self, payload: &str) {
         Wakes::rows_committed(self, payload);
     }
 
-    fn listening(&self, on: bool) {
-        self.set_listening(on);
+    fn listening(&self, pid: Option<i32>) {
+        self.set_listening(pid);
     }
 }
 
@@ -320,7 +396,10 @@ mod tests {
 
     fn wakes() -> Wakes {
         Wakes::new(
-            vec![("public.a".into(), true), ("public.b".into(), false)],
+            vec![
+                ("public.a".into(), WakeTrigger::Every),
+                ("public.b".into(), WakeTrigger::None),
+            ],
             Duration::from_millis(100),
             false,
         )
@@ -344,7 +423,7 @@ mod tests {
     fn an_idle_table_is_claimed_from_slowly_and_polled_only_where_notify_does_not_cover_it() {
         let w = wakes();
         let now = Instant::now();
-        w.set_listening(true);
+        w.set_listening(Some(1));
         for t in 0..2 {
             let ticket = w.begin(t, now).unwrap();
             w.found_nothing(t, ticket);
@@ -361,7 +440,7 @@ mod tests {
         // The poller asks about b only; about a too while LISTEN is down.
         let tickets = w.poll_tickets();
         assert!(tickets[0].is_none() && tickets[1].is_some());
-        w.set_listening(false);
+        w.set_listening(None);
         assert!(w.poll_tickets().iter().all(Option::is_some));
     }
 
@@ -389,7 +468,7 @@ mod tests {
         );
         // `drain` claims from every table in every round: nothing to poll.
         let drain = Wakes::new(
-            vec![("public.b".into(), false)],
+            vec![("public.b".into(), WakeTrigger::None)],
             Duration::from_millis(100),
             true,
         );
@@ -399,7 +478,7 @@ mod tests {
     #[test]
     fn a_scheduled_retry_is_looked_for_when_due_whatever_the_recheck() {
         let w = wakes();
-        w.set_listening(true);
+        w.set_listening(Some(1));
         w.retry_in(0, Duration::from_millis(50));
         let now = Instant::now();
         w.found_nothing(0, w.begin(0, now).unwrap());
@@ -414,7 +493,7 @@ mod tests {
     fn a_paused_table_is_never_due_and_its_resume_raises_it() {
         let w = wakes();
         let now = Instant::now();
-        w.set_listening(true);
+        w.set_listening(Some(1));
         w.found_nothing(0, w.begin(0, now).unwrap());
         assert!(w.set_paused(0, true));
         w.rows_committed("public.a");
@@ -435,11 +514,115 @@ mod tests {
     fn a_notify_for_another_table_wakes_nothing() {
         let w = wakes();
         let now = Instant::now();
-        w.set_listening(true);
+        w.set_listening(Some(1));
         w.found_nothing(0, w.begin(0, now).unwrap());
         w.rows_committed("public.other");
         assert!(w.begin(0, now).is_none());
         w.rows_committed("public.a");
         assert!(w.begin(0, now).is_some());
+    }
+
+    fn gated() -> Wakes {
+        Wakes::new(
+            vec![("public.g".into(), WakeTrigger::Gated)],
+            Duration::from_millis(100),
+            false,
+        )
+    }
+
+    /// Settles table 0 by a claim that found nothing.
+    fn settle(w: &Wakes) {
+        let now = Instant::now() + IDLE_RECHECK * 4;
+        let ticket = w.begin(0, now).expect("due");
+        w.found_nothing(0, ticket);
+    }
+
+    #[test]
+    fn a_settled_gated_table_is_wanted_asleep_only_while_listening_and_not_paused() {
+        let w = gated();
+        settle(&w);
+        assert_eq!(
+            w.sleep_of(0).0,
+            Sleep::Awake,
+            "not listening: nobody hears NOTIFY"
+        );
+        w.set_listening(Some(7));
+        settle(&w);
+        assert_eq!(w.sleep_of(0).0, Sleep::Wanted);
+        let ticket = w.poll_tickets()[0].expect("wanted tables are still polled");
+        w.set_paused(0, true);
+        assert_eq!(
+            w.sleep_of(0).0,
+            Sleep::Awake,
+            "a paused table needs no NOTIFY"
+        );
+        w.polled(0, ticket, false);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+        // The old trigger, or none: nothing to mark.
+        let w = wakes();
+        w.set_listening(Some(7));
+        for t in 0..2 {
+            w.found_nothing(t, w.begin(t, Instant::now()).unwrap());
+            assert_eq!(w.sleep_of(t).0, Sleep::Awake);
+        }
+    }
+
+    #[test]
+    fn a_look_that_began_before_a_raise_does_not_make_the_table_wanted() {
+        let w = gated();
+        w.set_listening(Some(7));
+        let ticket = w.begin(0, Instant::now()).unwrap();
+        w.rows_committed("public.g"); // a NOTIFY during the claim
+        w.found_nothing(0, ticket);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+        let ticket = w.poll_tickets()[0].unwrap();
+        w.raise(0, false); // a batch published rows while the poll ran
+        w.polled(0, ticket, false);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+    }
+
+    #[test]
+    fn only_an_asleep_table_goes_unpolled_and_any_raise_wakes_it() {
+        let w = gated();
+        w.set_listening(Some(7));
+        settle(&w);
+        let (_, generation) = w.sleep_of(0);
+        assert!(w.move_sleep(0, generation, Sleep::Wanted, Sleep::Pending));
+        assert!(w.poll_tickets()[0].is_some(), "pending: still polled");
+        assert!(w.move_sleep(0, generation, Sleep::Pending, Sleep::Asleep));
+        assert!(w.poll_tickets()[0].is_none(), "asleep: NOTIFY covers it");
+        // The poller hears of every wake-up of a table that was not awake.
+        let poked = w.sleep.notified();
+        tokio::pin!(poked);
+        assert!(
+            poked.as_mut().enable(),
+            "a permit left from the marks above"
+        );
+        w.rows_committed("public.g");
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+        assert!(w.poll_tickets()[0].is_some());
+        let poked = w.sleep.notified();
+        tokio::pin!(poked);
+        assert!(poked.as_mut().enable(), "told to clear the mark");
+    }
+
+    #[test]
+    fn a_new_listen_session_wakes_every_table_and_voids_the_old_sessions_moves() {
+        let w = gated();
+        w.set_listening(Some(7));
+        settle(&w);
+        let (_, old) = w.sleep_of(0);
+        w.set_listening(None);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+        w.set_listening(Some(8));
+        settle(&w);
+        assert_eq!(w.sleep_of(0).0, Sleep::Wanted);
+        assert!(
+            !w.move_sleep(0, old, Sleep::Wanted, Sleep::Pending),
+            "a mark written for session 7 cannot make the table pending for session 8"
+        );
+        let (_, new) = w.sleep_of(0);
+        assert!(w.move_sleep(0, new, Sleep::Wanted, Sleep::Pending));
+        assert_eq!(w.listener(), (new, Some(8)));
     }
 }

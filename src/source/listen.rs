@@ -36,8 +36,9 @@ pub(crate) const LISTEN_CHECK: Duration = Duration::from_secs(5);
 pub(crate) trait Wake: Send + Sync {
     /// Rows of the table `payload` names (`schema.table`, unquoted) committed.
     fn rows_committed(&self, payload: &str);
-    /// LISTEN is subscribed (`true`: rows may have committed unheard before) or is not.
-    fn listening(&self, on: bool);
+    /// LISTEN is subscribed with the session of backend `pid` (rows may have committed
+    /// unheard before), or is not (`None`).
+    fn listening(&self, pid: Option<i32>);
 }
 
 /// Listens on `pg` (the relay's [`PostgresConfig::for_listen`]) until `stop` is
@@ -54,7 +55,7 @@ pub(crate) async fn listen(
     while !stop.is_cancelled() {
         let pause = backoff.next_pause();
         let result = listen_once(&pg, limits, wake.as_ref(), &stop).await;
-        wake.listening(false);
+        wake.listening(None);
         match result {
             Ok(()) => return,
             Err(Stop::Pooled) => {
@@ -168,6 +169,17 @@ fn take_burst(
     Ok(())
 }
 
+/// The backend pid in the answer to the subscription.
+fn backend_pid(answer: &[tokio_postgres::SimpleQueryMessage]) -> Result<i32, Stop> {
+    answer
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse().ok(),
+            _ => None,
+        })
+        .ok_or_else(|| Stop::Failed("the subscription did not say its backend pid".to_owned()))
+}
+
 /// One connection's life: returns `Ok` when stopped, `Err` when the connection failed.
 async fn listen_once(
     pg: &PostgresConfig,
@@ -183,8 +195,12 @@ async fn listen_once(
         Err(_) => return Err(Stop::Failed("connection timed out".to_owned())),
     };
     let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
+    // The session's pid names it in the sleepers table (`crate::source::sleepers`).
     let statement = format!("LISTEN {CHANNEL}");
-    let subscribe = client.batch_execute(&statement);
+    let subscribe = async {
+        let pid = client.simple_query("SELECT pg_backend_pid()").await?;
+        client.batch_execute(&statement).await.map(|()| pid)
+    };
     tokio::pin!(subscribe);
     let mut subscribed = false;
     // As long as a new connection may take to open: a server that cannot answer
@@ -195,11 +211,11 @@ async fn listen_once(
         tokio::select! {
             _ = stop.cancelled() => return Ok(()),
             result = &mut subscribe, if !subscribed => {
-                result.map_err(|e| describe(&e))?;
+                let pid = backend_pid(&result.map_err(|e| describe(&e))?)?;
                 subscribed = true;
-                tracing::debug!(channel = CHANNEL, "Listening for new outbox rows");
+                tracing::debug!(channel = CHANNEL, pid, "Listening for new outbox rows");
                 // Rows may have committed while we were not listening.
-                wake.listening(true);
+                wake.listening(Some(pid));
             }
             _ = tokio::time::sleep_until(next_check), if subscribed => {
                 let check = client.simple_query("SELECT 1");

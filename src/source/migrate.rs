@@ -101,10 +101,18 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0006_rates.sql"),
         concurrent_indexes: &[],
     },
+    Migration {
+        version: 7,
+        name: "sleepers",
+        sql: include_str!("../../migrations/0007_sleepers.sql"),
+        concurrent_indexes: &[],
+    },
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
-const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
+/// `--no-notify`: neither this release's trigger nor the one releases before it installed.
+const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};\n\
+                               DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
 
 /// Serializes concurrent `migrate` runs. A constant, so it needs no hash function.
 const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
@@ -128,9 +136,9 @@ impl fmt::Display for MigrateReport {
             format!("applied {}", self.applied.join(", "))
         };
         let trigger = if self.notify {
-            "NOTIFY trigger installed"
+            "wake-up trigger installed"
         } else {
-            "no NOTIFY trigger (relays will poll)"
+            "no wake-up trigger (relays poll)"
         };
         write!(f, "{}: {applied}; {trigger}", self.table)
     }
@@ -451,7 +459,8 @@ async fn migrate_in_transaction(
 fn render(sql: &str, table: &TableConfig) -> String {
     let index = |suffix: &str| schema::index_name(table, suffix);
     let c = &table.columns;
-    sql.replace("{{table}}", &table.name.quoted())
+    sql.replace("{{body_quote}}", &body_quote(&table.name.schema.quoted()))
+        .replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
         .replace("{{pending_index}}", &index("pending_idx"))
         .replace("{{dead_index}}", &index("dead_idx"))
@@ -466,6 +475,15 @@ fn render(sql: &str, table: &TableConfig) -> String {
         .replace("{{last_error}}", &c.last_error.quoted())
         .replace("{{dead_at}}", &c.dead_at.quoted())
         .replace("{{next_attempt_at}}", &c.next_attempt_at.quoted())
+}
+
+/// A dollar quote for a function body that names `quoted`: one that the name does not
+/// contain (an identifier may hold any characters, `$$` among them).
+fn body_quote(quoted: &str) -> String {
+    (0..)
+        .map(|n| format!("$outbox_relay{n}$"))
+        .find(|tag| !quoted.contains(tag.as_str()))
+        .expect("some tag is not in the name")
 }
 
 #[cfg(test)]

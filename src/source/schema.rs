@@ -26,9 +26,20 @@ pub(crate) struct TableShape {
     pub(crate) headers: Option<Ident>,
     /// The creation-time column, when the table has one.
     pub(crate) created_at: Option<Ident>,
-    /// The table has the NOTIFY trigger `migrate` installs (not with `--no-notify`),
-    /// enabled.
-    pub(crate) notify: bool,
+    /// Which wake-up trigger the table has.
+    pub(crate) wake: WakeTrigger,
+}
+
+/// The trigger that wakes idle relays when rows of a table commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WakeTrigger {
+    /// None (`migrate --no-notify`, or disabled): relays poll the table.
+    None,
+    /// A previous release's `outbox_relay_notify`: every INSERT statement notifies.
+    Every,
+    /// `outbox_relay_wake`: an INSERT notifies while a relay is asleep on the table
+    /// ([`super::sleepers`]).
+    Gated,
 }
 
 /// Whether a valid unique index (not partial, not on an expression) covers exactly `$2`.
@@ -112,22 +123,24 @@ pub(crate) async fn inspect(
     // question here is asked with its parameters' types (`query_typed`): an unnamed
     // statement parsed, bound and run in one round trip, where a prepared one waits for
     // its description first.
-    let (unique, indexes, privileges, relay_tables, notify) = futures_util::try_join!(
+    let (unique, indexes, privileges, relay_tables, wake) = futures_util::try_join!(
         unique_problem(client, table, &types),
         check_indexes(client, table),
         check_privileges(client, table, relay, &types),
         check_relay_tables(client, table),
-        has_notify_trigger(client, table),
+        wake_trigger(client, table),
     )?;
+    let (wake, wake_problem) = wake;
     problems.extend(
         unique
             .into_iter()
             .chain(indexes)
             .chain(privileges)
-            .chain(relay_tables),
+            .chain(relay_tables)
+            .chain(wake_problem),
     );
     match shape {
-        Some(shape) if problems.is_empty() => Ok(Ok(TableShape { notify, ..shape })),
+        Some(shape) if problems.is_empty() => Ok(Ok(TableShape { wake, ..shape })),
         _ => Ok(Err(problems)),
     }
 }
@@ -212,20 +225,48 @@ async fn check_relay_tables(
     together(problems).await
 }
 
-/// Whether `table` has the NOTIFY trigger `migrate` installs, enabled.
-async fn has_notify_trigger(
+/// Which wake-up trigger `table` has enabled (this release's when both are there), and
+/// what keeps the relay from using it: with this release's trigger, the relay marks itself
+/// asleep in the schema's `outbox_relay_sleepers` ([`super::sleepers`]).
+async fn wake_trigger(
     client: &impl GenericClient,
     table: &TableConfig,
-) -> Result<bool, SourceError> {
-    Ok(client
+) -> Result<(WakeTrigger, Option<String>), SourceError> {
+    let sleepers = super::sleepers::sleepers_of(&table.name);
+    let row = client
         .query_typed_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger \
-             WHERE tgrelid = to_regclass($1::text) AND tgname = 'outbox_relay_notify' \
-             AND tgenabled <> 'D')",
-            &[(&table.name.quoted(), Type::TEXT)],
+            "SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger \
+                 WHERE tgrelid = to_regclass($1::text) \
+                   AND tgname IN ('outbox_relay_wake', 'outbox_relay_notify') \
+                   AND tgenabled <> 'D'), \
+                 COALESCE(has_table_privilege(to_regclass($2::text), 'SELECT') \
+                   AND has_table_privilege(to_regclass($2::text), 'INSERT') \
+                   AND has_table_privilege(to_regclass($2::text), 'UPDATE') \
+                   AND has_table_privilege(to_regclass($2::text), 'DELETE'), false)",
+            &[
+                (&table.name.quoted(), Type::TEXT),
+                (&sleepers.as_str(), Type::TEXT),
+            ],
         )
-        .await?
-        .get(0))
+        .await?;
+    let (names, allowed): (Vec<String>, bool) = (row.get(0), row.get(1));
+    Ok(if names.iter().any(|n| n == "outbox_relay_wake") {
+        let problem = (!allowed).then(|| {
+            format!(
+                "table {}: this role cannot read and write {sleepers} (idle relays mark \
+                 themselves asleep there, so that writers notify only then): GRANT SELECT, \
+                 INSERT, UPDATE, DELETE ON {sleepers} TO <this role> \
+                 (migrations/outbox_relay_role.sql does), or run `outbox-relay migrate \
+                 --no-notify` to poll instead",
+                table.name
+            )
+        });
+        (WakeTrigger::Gated, problem)
+    } else if names.is_empty() {
+        (WakeTrigger::None, None)
+    } else {
+        (WakeTrigger::Every, None)
+    })
 }
 
 /// A schema that does not exist or that this role may not use.
@@ -341,7 +382,7 @@ fn check_columns(
         payload,
         headers,
         created_at,
-        notify: false,
+        wake: WakeTrigger::None,
     })
 }
 

@@ -16,8 +16,8 @@ pub struct TablePlan {
     pub(crate) floor: FloorCell,
     /// How many buckets a deep claim asks for at once (see [`super::claim`]).
     pub depth: BucketDepth,
-    /// The table has the NOTIFY trigger (`migrate` without `--no-notify`), enabled.
-    pub(crate) notify: bool,
+    /// The table's wake-up trigger (`migrate` without `--no-notify`).
+    pub(crate) wake: schema::WakeTrigger,
 }
 
 /// Checks every configured table once (columns, types, indexes, privileges) and builds
@@ -61,7 +61,7 @@ async fn check(
         config: table.clone(),
         floor: FloorCell::default(),
         depth: BucketDepth::default(),
-        notify: shape.notify,
+        wake: shape.wake,
     })
 }
 

@@ -36,3 +36,4 @@ mod retention;
 mod security;
 mod stalls;
 mod trace_context;
+mod wakeup;

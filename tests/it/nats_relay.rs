@@ -461,7 +461,7 @@ async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("public.outbox: up to date"));
-    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_notify'";
+    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_wake'";
     assert_eq!(count(&client, triggers).await, 1);
     assert_eq!(
         count(

@@ -26,9 +26,11 @@ pub async fn grant_relay_role(client: &tokio_postgres::Client, table: &str) {
     let sql = ROLE_SQL
         .replace("public.outbox_relay_pauses", "{pauses}")
         .replace("public.outbox_relay_rates", "{rates}")
+        .replace("public.outbox_relay_sleepers", "{sleepers}")
         .replace("public.outbox", table)
         .replace("{pauses}", &format!("{schema}.outbox_relay_pauses"))
-        .replace("{rates}", &format!("{schema}.outbox_relay_rates"));
+        .replace("{rates}", &format!("{schema}.outbox_relay_rates"))
+        .replace("{sleepers}", &format!("{schema}.outbox_relay_sleepers"));
     client
         .batch_execute(&sql)
         .await

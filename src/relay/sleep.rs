@@ -1,0 +1,334 @@
+//! The sleep protocol: idle relays are woken by NOTIFY, and the application's commits pay
+//! for a NOTIFY only while a relay sleeps.
+//!
+//! A transaction that sends a NOTIFY takes one database-wide lock before it commits and
+//! holds it until its commit record is flushed: writers that all notify commit one at a
+//! time, one flush each, where they would otherwise share flushes (group commit). So the
+//! trigger (`migrations/notify.sql`) notifies only while a row of the schema's
+//! `outbox_relay_sleepers` says a relay is asleep on the table ([`crate::source::sleepers`]).
+//! A busy relay is awake: its writers commit as into a table without a trigger, and it
+//! finds their rows by claiming and polling (`wake`, rules 1-3).
+//!
+//! ## The protocol, per table and relay (the poller runs it; `wake` rule 6 holds the state)
+//!
+//! 1. LISTEN is subscribed (session pid `P`) before anything below.
+//! 2. A look (claim or poll) finds the table empty and nothing raised it since: *wanted*.
+//! 3. The poller commits `asleep` for `(table, P)`: the *mark*, commit `M`. Then it reads
+//!    `X`, the first transaction id not yet assigned, in a statement after `M`: *pending*.
+//! 4. It polls the table as before, and asks in each poll whether the mark is *settled*: no
+//!    transaction with an id below `X` is running, and no session of the database holds a
+//!    snapshot older than `X` ([`crate::source::sleepers::SETTLED_SQL`]).
+//! 5. The first poll that *begins after* a poll saw it settled, and finds no claimable row,
+//!    makes the table *asleep*: NOTIFY covers it, nothing polls it (it is still claimed
+//!    from every `IDLE_RECHECK`).
+//! 6. Anything that raises the table (a NOTIFY, a look that found rows, a lost LISTEN
+//!    session, a pause) makes it *awake* at once; the poller then clears the mark, and a
+//!    relay whose LISTEN session ends leaves marks that the next look of any relay
+//!    removes. While a table is wanted or pending, it is polled every `poll_interval`.
+//!
+//! ## Why no row is left unwoken
+//!
+//! Claim: when the table is asleep, every row committed into it either reaches this relay
+//! as a NOTIFY, or was visible to the poll of step 5.
+//!
+//! Take a writer `W` that inserts a row and does not notify. Its trigger looked at the
+//! sleepers with a snapshot `S` that did not see `M`'s commit (the mark stays set from `M`
+//! to step 6), so `S` was taken before `M` committed.
+//! - In `READ COMMITTED`, `S` is the trigger statement's own snapshot, taken after the
+//!   INSERT gave `W` its transaction id `w`; so `w` was assigned before `M` committed,
+//!   and `w < X` (`X` was read after `M`). At the settled poll `W` was no longer running
+//!   (else `w < X` would be running), so it had committed before the poll of step 5 began,
+//!   which therefore saw its row.
+//! - In `REPEATABLE READ` or `SERIALIZABLE`, `S` is `W`'s transaction snapshot, older
+//!   than `M`; `w` may be assigned after `X`. But while `W` runs, its session holds `S`,
+//!   whose oldest transaction id is below `X`: the settled poll saw no such session, so
+//!   again `W` had ended before step 5's poll began.
+//! - A prepared transaction (two-phase commit) keeps its id running until `COMMIT
+//!   PREPARED`: the first case covers it.
+//!
+//! Every other writer's trigger saw the mark, so it notifies, and LISTEN (step 1) hears
+//! it. A NOTIFY that raced the table to sleep raised it (step 6): the table is awake and
+//! due, which is safe. The same holds for each relay on its own, whatever the others do:
+//! each waits on its own mark.
+//!
+//! What the writers pay: one look at a tiny table per INSERT statement, and a NOTIFY for
+//! the commits that land while a relay sleeps or has just woken (until its mark is
+//! cleared). What the relay pays: a mark and its clearing per sleep, and a poll or two
+//! per sleep; a session that holds an old snapshot for long (a backup, a report) keeps
+//! tables pending, polled every `poll_interval`, until it ends.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use super::wake::{Sleep, Wakes};
+use crate::config::TableName;
+use crate::source::sleepers::{self, SETTLED_SQL};
+use crate::source::table::TablePlan;
+use crate::source::Source;
+
+/// How long the poller tries to remove its marks at exit.
+const FORGET_AT_EXIT: Duration = Duration::from_secs(2);
+
+/// What the poller knows of its marks in the database, table by table.
+#[derive(Debug, Clone, Default)]
+struct Mark {
+    /// The database row says asleep (as last written by this poller).
+    asleep: bool,
+    /// `X` of step 3, for the mark in place.
+    horizon: Option<i64>,
+    /// A poll saw the mark settled (step 4): the next poll may confirm (step 5).
+    settled: bool,
+}
+
+/// The marks of every table, for the LISTEN session they were written for.
+struct Marks {
+    pid: Option<i32>,
+    generation: u64,
+    tables: Vec<Mark>,
+}
+
+/// The poller (`run` only): rule 3's polls of the tables NOTIFY does not cover, and the
+/// sleep protocol's marks. Every `interval`, and whenever a table is wanted asleep or must
+/// be woken, it (1) removes the marks of a LISTEN session that ended, (2) marks and clears
+/// what `wakes` asks for, and (3) asks in one statement which polled tables may hold a
+/// claimable row and, while a mark is pending, whether it is settled. A table whose floor
+/// lists stragglers counts as having rows (the statement reads from the floor on). A poll
+/// that fails makes every table it asked about due: the workers' claims meet the error and
+/// report it.
+pub(crate) async fn poll(
+    wakes: &Wakes,
+    source: &Source,
+    tables: &[TablePlan],
+    interval: Duration,
+    done: &CancellationToken,
+) {
+    let statements = Statements::new(tables);
+    let names: Vec<&TableName> = tables.iter().map(|t| &t.config.name).collect();
+    let gated: Vec<&TableName> = (0..tables.len())
+        .filter(|&t| wakes.gated(t))
+        .map(|t| names[t])
+        .collect();
+    let mut marks = Marks {
+        pid: None,
+        generation: 0,
+        tables: vec![Mark::default(); tables.len()],
+    };
+    // Polls start `interval` apart, however long each took: a row waits at most about one
+    // interval for the poll that sees it.
+    let mut every = tokio::time::interval(interval);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    every.tick().await;
+    let mut again = false;
+    loop {
+        if !again {
+            tokio::select! {
+                _ = done.cancelled() => break,
+                _ = every.tick() => {}
+                _ = wakes.sleep.notified() => {}
+            }
+        }
+        let work = async {
+            if !gated.is_empty() {
+                follow_listener(wakes, source, &gated, &mut marks).await;
+                mark(wakes, source, &names, &mut marks).await;
+            }
+            poll_once(wakes, source, tables, &statements, &mut marks).await
+        };
+        again = tokio::select! {
+            _ = done.cancelled() => break,
+            again = work => again,
+        };
+    }
+    if let (Some(pid), false) = (marks.pid, gated.is_empty()) {
+        let forgotten = tokio::time::timeout(
+            FORGET_AT_EXIT,
+            source.in_transaction(async |tx| sleepers::forget(tx, &gated, Some(pid)).await),
+        )
+        .await;
+        if !matches!(forgotten, Ok(Ok(()))) {
+            tracing::debug!(
+                "Could not remove this relay's sleep marks at exit; the next relay will"
+            );
+        }
+    }
+}
+
+/// The two poll statements, built once: without and with the settled question.
+struct Statements {
+    plain: String,
+    settle: String,
+}
+
+impl Statements {
+    fn new(tables: &[TablePlan]) -> Statements {
+        let claimable = tables
+            .iter()
+            .enumerate()
+            .map(|(t, table)| table.sql.claimable(t + 1))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let settled = SETTLED_SQL.replace("$1", &format!("${}", tables.len() + 1));
+        Statements {
+            plain: format!("SELECT ARRAY[{claimable}]::bool[], NULL::bool"),
+            settle: format!("SELECT ARRAY[{claimable}]::bool[], {settled}"),
+        }
+    }
+}
+
+/// Step 6 for a LISTEN session that ended: its marks are forgotten (with every other
+/// dead session's), and what this poller knew of them reset.
+async fn follow_listener(wakes: &Wakes, source: &Source, gated: &[&TableName], marks: &mut Marks) {
+    let (generation, pid) = wakes.listener();
+    if generation == marks.generation {
+        return;
+    }
+    let had_marks = marks.tables.iter().any(|m| m.asleep);
+    if pid.is_some() || had_marks {
+        let forgotten = source
+            .in_transaction(async |tx| sleepers::forget(tx, gated, marks.pid).await)
+            .await;
+        if let Err(e) = forgotten {
+            tracing::debug!(error = %e, "Could not remove the sleep marks of ended sessions");
+            return; // tried again at the next poll
+        }
+    }
+    marks.pid = pid;
+    marks.generation = generation;
+    marks.tables.fill(Mark::default());
+}
+
+/// Steps 3 and 6: marks the tables wanted asleep and clears the marks of awake tables,
+/// in one transaction; then reads `X` for the new marks and makes them pending.
+async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut Marks) {
+    let Some(pid) = marks.pid else { return };
+    let generation = marks.generation;
+    // To mark; to clear; marked, and waiting for a horizon.
+    let (mut to_sleep, mut to_wake, mut unsure) = (Vec::new(), Vec::new(), Vec::new());
+    for (t, mark) in marks.tables.iter_mut().enumerate() {
+        match wakes.sleep_of(t) {
+            (Sleep::Wanted, g) if g == generation => match (mark.asleep, mark.horizon) {
+                (false, _) => to_sleep.push(t),
+                // Marked without a break since step 3 (woken, then wanted again before
+                // the mark was cleared): its horizon still holds.
+                (true, Some(_)) => {
+                    wakes.move_sleep(t, generation, Sleep::Wanted, Sleep::Pending);
+                }
+                (true, None) => unsure.push(t),
+            },
+            (Sleep::Awake, _) if mark.asleep => to_wake.push(t),
+            _ => {}
+        }
+    }
+    if to_sleep.is_empty() && to_wake.is_empty() && unsure.is_empty() {
+        return;
+    }
+    let pick = |ts: &[usize]| ts.iter().map(|&t| names[t]).collect::<Vec<_>>();
+    let (sleep_names, wake_names) = (pick(&to_sleep), pick(&to_wake));
+    let marked = source
+        .in_transaction(async |tx| sleepers::mark(tx, pid, &sleep_names, &wake_names).await)
+        .await;
+    if let Err(e) = marked {
+        tracing::debug!(error = %e, "Could not mark tables asleep or awake; trying again at the next poll");
+        return;
+    }
+    for &t in &to_wake {
+        marks.tables[t] = Mark::default();
+    }
+    for &t in &to_sleep {
+        marks.tables[t].asleep = true;
+    }
+    unsure.extend(to_sleep);
+    if unsure.is_empty() {
+        return;
+    }
+    match source
+        .in_transaction(async |tx| sleepers::horizon(tx).await)
+        .await
+    {
+        Ok(x) => {
+            for &t in &unsure {
+                marks.tables[t].horizon = Some(x);
+                marks.tables[t].settled = false;
+                wakes.move_sleep(t, generation, Sleep::Wanted, Sleep::Pending);
+            }
+        }
+        // Marked, not pending: the tables stay wanted and polled; the next round reads a
+        // horizon for them (a later one is as good: the marks were committed before it).
+        Err(e) => tracing::debug!(error = %e, "Could not read the transaction horizon"),
+    }
+}
+
+/// Rule 3's poll, with steps 4 and 5. Returns whether to poll again at once: a mark was
+/// seen settled, so the next poll can confirm it.
+async fn poll_once(
+    wakes: &Wakes,
+    source: &Source,
+    tables: &[TablePlan],
+    statements: &Statements,
+    marks: &mut Marks,
+) -> bool {
+    let tickets = wakes.poll_tickets();
+    if tickets.iter().all(Option::is_none) {
+        return false;
+    }
+    let generation = marks.generation;
+    let pending = |t: usize| wakes.sleep_of(t) == (Sleep::Pending, generation);
+    // Pending marks not yet seen settled: the latest horizon among them answers for all.
+    let horizon = (0..tables.len())
+        .filter(|&t| pending(t) && !marks.tables[t].settled)
+        .filter_map(|t| marks.tables[t].horizon)
+        .max();
+    let views: Vec<_> = tables.iter().map(|t| t.floor.view()).collect();
+    let floors: Vec<i64> = views.iter().map(|v| v.value).collect();
+    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = floors
+        .iter()
+        .map(|f| f as &(dyn tokio_postgres::types::ToSql + Sync))
+        .collect();
+    let sql = match &horizon {
+        Some(x) => {
+            params.push(x);
+            &statements.settle
+        }
+        None => &statements.plain,
+    };
+    let asked = source
+        .in_transaction(async |tx| {
+            let row = tx.query_one(sql, &params).await?;
+            Ok((row.get::<_, Vec<bool>>(0), row.get::<_, Option<bool>>(1)))
+        })
+        .await;
+    for (t, ticket) in tickets.into_iter().enumerate() {
+        let Some(ticket) = ticket else { continue };
+        match &asked {
+            Ok((rows, _)) => {
+                let rows = rows.get(t).copied().unwrap_or(true) || !views[t].stragglers.is_empty();
+                // Step 5: this poll began after the one that saw the mark settled.
+                let confirm = !rows && pending(t) && marks.tables[t].settled;
+                wakes.polled(t, ticket, rows);
+                if confirm {
+                    wakes.move_sleep(t, generation, Sleep::Pending, Sleep::Asleep);
+                }
+            }
+            Err(_) => wakes.raise(t, true),
+        }
+    }
+    match asked {
+        Ok((_, Some(true))) => {
+            let x = horizon.unwrap_or(i64::MAX);
+            let mut any = false;
+            for (t, mark) in marks.tables.iter_mut().enumerate() {
+                if pending(t) && mark.horizon.is_some_and(|h| h <= x) && !mark.settled {
+                    mark.settled = true;
+                    any = true;
+                }
+            }
+            any
+        }
+        Ok(_) => false,
+        Err(e) => {
+            tracing::debug!(error = %e, "Could not poll the tables NOTIFY does not cover");
+            false
+        }
+    }
+}
