@@ -56,6 +56,24 @@ pub(crate) struct Args {
     /// PostgreSQL); see `distant.rs`.
     #[arg(long)]
     pub(crate) distant: bool,
+    /// Only the application's writers: W (pgbench's commit rate on the bare table, the
+    /// migrated one, and with a relay draining it, with and without the NOTIFY trigger);
+    /// see `write_path.rs`.
+    #[arg(long)]
+    pub(crate) write_path: bool,
+    /// With `--write-path`: seconds of each pgbench run.
+    #[arg(long, value_name = "N", default_value_t = 12,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) write_secs: u64,
+    /// With `--write-path`: rounds of every arm at every writer count (the arms run in
+    /// reverse order every other round).
+    #[arg(long, value_name = "N", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) write_rounds: u32,
+    /// With `--write-path`: the writer counts, pgbench clients (comma-separated).
+    #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "1,8,32,64",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) writers: Vec<u32>,
     /// With `--scale`: only these of S, R, I and E3 (comma-separated, e.g. `S,E3`).
     #[arg(long, value_name = "PARTS", default_value = "S,R,I,E3")]
     pub(crate) scale_parts: String,

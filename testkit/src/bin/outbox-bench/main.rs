@@ -40,7 +40,11 @@
 //! ([`PG_SETTINGS`]), and the settings used are printed with the results.
 //!
 //! `--scale` runs only S, R, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`),
-//! `--distant` only L (`distant.rs`: the database behind a proxy adding 1-20 ms).
+//! `--distant` only L (`distant.rs`: the database behind a proxy adding 1-20 ms),
+//! `--write-path` only W (`write_path.rs`: the application's commit rate under pgbench
+//! writers, run by `pgbench.rs`, on a bare table, on the table `migrate` leaves, and with
+//! a relay draining it with and without the NOTIFY trigger; `--write-secs`,
+//! `--write-rounds`, `--writers`).
 //!
 //! Flags and their defaults: `outbox-bench --help` ([`args::Args`]). One idea per module:
 //! `args` (the command line), `drain` (A, B, C, C', E and F: the limits and the timed
@@ -53,9 +57,11 @@ mod cpu;
 mod distant;
 mod drain;
 mod partial;
+mod pgbench;
 mod report;
 mod scale;
 mod steady;
+mod write_path;
 
 use std::process::Command;
 use std::time::Duration;
@@ -262,6 +268,13 @@ async fn main() -> Result<()> {
         let partial = bench.partial().await?;
         let _ = std::fs::remove_dir_all(&bench.dir);
         partial::print(&partial);
+        return Ok(());
+    }
+    if bench.a.write_path {
+        let runs = bench.write_path().await?;
+        let settings = report::settings(&bench.pg).await?;
+        let _ = std::fs::remove_dir_all(&bench.dir);
+        write_path::print(&bench.a, &runs, &settings);
         return Ok(());
     }
     if bench.a.distant {

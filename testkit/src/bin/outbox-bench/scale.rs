@@ -431,7 +431,7 @@ impl Bench {
 
     /// `outbox-relay migrate` with the config at `path`: with the NOTIFY trigger, or
     /// without it (`--no-notify` removes it).
-    fn migrate(&self, path: &std::path::Path, notify: bool) -> Result<()> {
+    pub(crate) fn migrate(&self, path: &std::path::Path, notify: bool) -> Result<()> {
         let mut migrate = Command::new(&self.a.relay);
         migrate.args(["migrate", "--config"]).arg(path);
         if !notify {
