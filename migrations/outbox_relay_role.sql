@@ -39,10 +39,11 @@ GRANT UPDATE (published_at, attempts, last_error, dead_at, next_attempt_at)
 GRANT SELECT, INSERT, DELETE ON public.outbox_relay_pauses TO outbox_relay;
 -- Rate buckets (migration 0006), one table per schema: only tables with `max_rate` use it.
 GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_rates TO outbox_relay;
--- Sleep marks (created with the wake-up trigger by `migrate`), one table per schema: an
--- idle relay marks itself asleep there, so that writers notify only while one is. Not
--- needed after `migrate --no-notify`.
+-- Sleep marks (migration 0007): an idle relay marks itself asleep in the schema's table
+-- and sets the outbox table's sleep sequence, so that writers notify only while a relay
+-- sleeps. Not needed after `migrate --no-notify`.
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.outbox_relay_sleepers TO outbox_relay;
+GRANT UPDATE ON SEQUENCE public.outbox_sleeping TO outbox_relay;
 -- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
 -- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
 -- role that keeps VACUUM from cleaning the table (read-only statistics, no data).

@@ -4,58 +4,56 @@
 //! A transaction that sends a NOTIFY takes one database-wide lock before it commits and
 //! holds it until its commit record is flushed: writers that all notify commit one at a
 //! time, one flush each, where they would otherwise share flushes (group commit). So the
-//! trigger (`migrations/notify.sql`) notifies only while a row of the schema's
-//! `outbox_relay_sleepers` says a relay is asleep on the table ([`crate::source::sleepers`]).
-//! A busy relay is awake: its writers commit as into a table without a trigger, and it
-//! finds their rows by claiming and polling (`wake`, rules 1-3).
+//! trigger (`migrations/notify.sql`) fires only while the table's *sleep sequence* says a
+//! relay is asleep on it ([`crate::source::sleepers`]: 1 + the relays asleep, read by the
+//! trigger's WHEN condition without a snapshot). A busy relay is awake: its writers commit
+//! as into a table without a trigger, and it finds their rows by claiming and polling
+//! (`wake`, rules 1-3).
 //!
 //! ## The protocol, per table and relay (the poller runs it; `wake` rule 6 holds the state)
 //!
 //! 1. LISTEN is subscribed (session pid `P`) before anything below.
 //! 2. A look (claim or poll) finds the table empty and nothing raised it since: *wanted*.
-//! 3. The poller commits `asleep` for `(table, P)`: the *mark*, commit `M`. Then it reads
-//!    `X`, the first transaction id not yet assigned, in a statement after `M`: *pending*.
+//! 3. The poller commits the mark `asleep` for `(table, P)` and, in the same transaction,
+//!    sets the sleep sequence from the marks (at instant `V`, before the commit). Then it
+//!    reads `X`, the first transaction id not yet assigned, in a statement after the
+//!    commit: *pending*.
 //! 4. It polls the table as before, and asks in each poll whether the mark is *settled*: no
-//!    transaction with an id below `X` is running, and no session of the database holds a
-//!    snapshot older than `X` ([`crate::source::sleepers::SETTLED_SQL`]).
+//!    transaction with an id below `X` is still running
+//!    ([`crate::source::sleepers::SETTLED_SQL`]).
 //! 5. The first poll that *begins after* a poll saw it settled, and finds no claimable row,
 //!    makes the table *asleep*: NOTIFY covers it, nothing polls it (it is still claimed
 //!    from every `IDLE_RECHECK`).
 //! 6. Anything that raises the table (a NOTIFY, a look that found rows, a lost LISTEN
-//!    session, a pause) makes it *awake* at once; the poller then clears the mark, and a
-//!    relay whose LISTEN session ends leaves marks that the next look of any relay
-//!    removes. While a table is wanted or pending, it is polled every `poll_interval`.
+//!    session, a pause) makes it *awake* at once; the poller then clears the mark and
+//!    recounts the sequence. The marks of a relay whose LISTEN session ended are removed,
+//!    and the sequences recounted, by the next look of any relay of the schema. While a
+//!    table is wanted or pending, it is polled every `poll_interval`.
 //!
 //! ## Why no row is left unwoken
 //!
 //! Claim: when the table is asleep, every row committed into it either reaches this relay
 //! as a NOTIFY, or was visible to the poll of step 5.
 //!
-//! Take a writer `W` that inserts a row and does not notify. Its trigger looked at the
-//! sleepers with a snapshot `S` that did not see `M`'s commit (the mark stays set from `M`
-//! to step 6), so `S` was taken before `M` committed.
-//! - In `READ COMMITTED`, `S` is the trigger statement's own snapshot, taken after the
-//!   INSERT gave `W` its transaction id `w`; so `w` was assigned before `M` committed,
-//!   and `w < X` (`X` was read after `M`). At the settled poll `W` was no longer running
-//!   (else `w < X` would be running), so it had committed before the poll of step 5 began,
-//!   which therefore saw its row.
-//! - In `REPEATABLE READ` or `SERIALIZABLE`, `S` is `W`'s transaction snapshot, older
-//!   than `M`; `w` may be assigned after `X`. But while `W` runs, its session holds `S`,
-//!   whose oldest transaction id is below `X`: the settled poll saw no such session, so
-//!   again `W` had ended before step 5's poll began.
-//! - A prepared transaction (two-phase commit) keeps its id running until `COMMIT
-//!   PREPARED`: the first case covers it.
+//! The sequence is at least 2 from `V` until step 6 clears this relay's mark: every
+//! recount holds one advisory lock and counts the marks committed when it runs, and the
+//! mark was committed before any later recount took the lock. Take a writer `W` that
+//! inserts a row and does not notify: its trigger read the sequence at 1, so before `V`.
+//! The INSERT gave `W` its transaction id `w` before the trigger ran, so `w` was assigned
+//! before `V`, before the commit, before `X` was read: `w < X`. At the settled poll `W`
+//! was no longer running, so it had committed before the poll of step 5 began, which
+//! therefore saw its row. This holds whatever `W`'s isolation level (the sequence is read
+//! without a snapshot), and for a prepared transaction (its id runs until `COMMIT
+//! PREPARED`). Every other writer's trigger fired, so it notifies, and LISTEN (step 1)
+//! hears it. A NOTIFY that raced the table to sleep raised it (step 6): the table is
+//! awake and due, which is safe. The same holds for each relay on its own, whatever the
+//! others do: each waits on its own mark.
 //!
-//! Every other writer's trigger saw the mark, so it notifies, and LISTEN (step 1) hears
-//! it. A NOTIFY that raced the table to sleep raised it (step 6): the table is awake and
-//! due, which is safe. The same holds for each relay on its own, whatever the others do:
-//! each waits on its own mark.
-//!
-//! What the writers pay: one look at a tiny table per INSERT statement, and a NOTIFY for
-//! the commits that land while a relay sleeps or has just woken (until its mark is
-//! cleared). What the relay pays: a mark and its clearing per sleep, and a poll or two
-//! per sleep; a session that holds an old snapshot for long (a backup, a report) keeps
-//! tables pending, polled every `poll_interval`, until it ends.
+//! What the writers pay: one read of a sequence per INSERT statement while no relay
+//! sleeps; a NOTIFY for the commits that land while one sleeps or has just woken (until
+//! its mark is cleared). What the relay pays: a mark and its clearing per sleep, a poll or
+//! two per sleep, and polls every `poll_interval` while a transaction that started
+//! writing before the mark is still open.
 
 use std::time::Duration;
 

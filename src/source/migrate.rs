@@ -459,7 +459,9 @@ async fn migrate_in_transaction(
 fn render(sql: &str, table: &TableConfig) -> String {
     let index = |suffix: &str| schema::index_name(table, suffix);
     let c = &table.columns;
-    sql.replace("{{body_quote}}", &body_quote(&table.name.schema.quoted()))
+    let sleeping = crate::source::sleepers::sleeping_of(&table.name);
+    sql.replace("{{sleeping_literal}}", &literal(&sleeping))
+        .replace("{{sleeping}}", &sleeping)
         .replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
         .replace("{{pending_index}}", &index("pending_idx"))
@@ -477,13 +479,9 @@ fn render(sql: &str, table: &TableConfig) -> String {
         .replace("{{next_attempt_at}}", &c.next_attempt_at.quoted())
 }
 
-/// A dollar quote for a function body that names `quoted`: one that the name does not
-/// contain (an identifier may hold any characters, `$$` among them).
-fn body_quote(quoted: &str) -> String {
-    (0..)
-        .map(|n| format!("$outbox_relay{n}$"))
-        .find(|tag| !quoted.contains(tag.as_str()))
-        .expect("some tag is not in the name")
+/// `text` as an SQL string literal.
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
 }
 
 #[cfg(test)]

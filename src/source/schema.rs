@@ -233,6 +233,7 @@ async fn wake_trigger(
     table: &TableConfig,
 ) -> Result<(WakeTrigger, Option<String>), SourceError> {
     let sleepers = super::sleepers::sleepers_of(&table.name);
+    let sleeping = super::sleepers::sleeping_of(&table.name);
     let row = client
         .query_typed_one(
             "SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger \
@@ -242,10 +243,12 @@ async fn wake_trigger(
                  COALESCE(has_table_privilege(to_regclass($2::text), 'SELECT') \
                    AND has_table_privilege(to_regclass($2::text), 'INSERT') \
                    AND has_table_privilege(to_regclass($2::text), 'UPDATE') \
-                   AND has_table_privilege(to_regclass($2::text), 'DELETE'), false)",
+                   AND has_table_privilege(to_regclass($2::text), 'DELETE') \
+                   AND has_sequence_privilege(to_regclass($3::text), 'UPDATE'), false)",
             &[
                 (&table.name.quoted(), Type::TEXT),
                 (&sleepers.as_str(), Type::TEXT),
+                (&sleeping.as_str(), Type::TEXT),
             ],
         )
         .await?;
@@ -253,11 +256,11 @@ async fn wake_trigger(
     Ok(if names.iter().any(|n| n == "outbox_relay_wake") {
         let problem = (!allowed).then(|| {
             format!(
-                "table {}: this role cannot read and write {sleepers} (idle relays mark \
-                 themselves asleep there, so that writers notify only then): GRANT SELECT, \
-                 INSERT, UPDATE, DELETE ON {sleepers} TO <this role> \
-                 (migrations/outbox_relay_role.sql does), or run `outbox-relay migrate \
-                 --no-notify` to poll instead",
+                "table {}: this role cannot keep its sleep marks (idle relays mark \
+                 themselves asleep, so that writers notify only then): GRANT SELECT, \
+                 INSERT, UPDATE, DELETE ON {sleepers} TO <this role>; GRANT UPDATE ON \
+                 SEQUENCE {sleeping} TO <this role> (migrations/outbox_relay_role.sql \
+                 does), or run `outbox-relay migrate --no-notify` to poll instead",
                 table.name
             )
         });
@@ -430,7 +433,13 @@ fn column_problem(
 /// The quoted name of the table's index with `suffix` (`pending_idx`, ...): the name
 /// `migrate` builds it under, and the one the start-up check looks for.
 pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
-    let mut base = format!("{}_{suffix}", table.name.table.as_str());
+    name_for(&table.name, suffix)
+}
+
+/// The quoted name `<table>_<suffix>` of an object that belongs to `table` (an index, a
+/// sequence), cut to PostgreSQL's 63 bytes from the front.
+pub(crate) fn name_for(table: &crate::config::TableName, suffix: &str) -> String {
+    let mut base = format!("{}_{suffix}", table.table.as_str());
     // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
     while base.len() > 63 {
         base.remove(0);
