@@ -283,6 +283,14 @@ impl Wakes {
         Some(Ticket(raised))
     }
 
+    /// Whether a table is due by rule 1 (raised since it last settled) and not paused.
+    pub(crate) fn any_due(&self) -> bool {
+        self.tables.iter().any(|table| {
+            !table.paused.load(Ordering::Acquire)
+                && table.raised.load(Ordering::Acquire) > table.settled.load(Ordering::Acquire)
+        })
+    }
+
     /// A claim of table `t` with `ticket` found nothing (rule 2); the table is looked at
     /// again at its next recheck unless something raises it first.
     pub(crate) fn found_nothing(&self, t: usize, ticket: Ticket) {
@@ -565,6 +573,21 @@ mod tests {
             w.found_nothing(t, w.begin(t, Instant::now()).unwrap());
             assert_eq!(w.sleep_of(t).0, Sleep::Awake);
         }
+    }
+
+    #[test]
+    fn a_table_raised_after_its_empty_claims_ticket_stays_due() {
+        let w = gated();
+        w.set_listening(Some(7));
+        settle(&w);
+        assert!(!w.any_due(), "settled");
+        let ticket = w.begin(0, Instant::now() + IDLE_RECHECK * 8).unwrap();
+        w.raise(0, false); // the batch before it went through
+        w.found_nothing(0, ticket);
+        assert!(w.any_due(), "the raise came after the ticket");
+        let ticket = w.begin(0, Instant::now()).expect("due");
+        w.found_nothing(0, ticket);
+        assert!(!w.any_due());
     }
 
     #[test]

@@ -127,6 +127,13 @@ impl Worker {
             shared.shutdown.request_stop();
             return false;
         }
+        // A table raised after the ticket of the claim that found it empty is still due
+        // (`wake`, rule 2): a batch's own "there may be more" comes after the ticket of
+        // the claim that followed it on. Claim again rather than wait for a NOTIFY that
+        // its writers may not send (they notify only while the relay sleeps on it).
+        if !shared.drain && shared.wakes.any_due() {
+            return true;
+        }
         let pause = if shared.drain {
             shared.relay.poll_interval
         } else {
