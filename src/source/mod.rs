@@ -676,3 +676,16 @@ pub(crate) fn schema_table(table: &crate::config::TableName, name: &str) -> Stri
             .quoted()
     )
 }
+
+/// The quoted name `<table>_<suffix>` of an object that belongs to `table` (an index, a
+/// sequence), cut to PostgreSQL's 63 bytes from the front.
+pub(crate) fn name_for(table: &crate::config::TableName, suffix: &str) -> String {
+    let mut base = format!("{}_{suffix}", table.table.as_str());
+    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
+    while base.len() > 63 {
+        base.remove(0);
+    }
+    crate::config::Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
+        .expect("a quoted identifier of at most 63 bytes is valid")
+        .quoted()
+}

@@ -433,20 +433,7 @@ fn column_problem(
 /// The quoted name of the table's index with `suffix` (`pending_idx`, ...): the name
 /// `migrate` builds it under, and the one the start-up check looks for.
 pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
-    name_for(&table.name, suffix)
-}
-
-/// The quoted name `<table>_<suffix>` of an object that belongs to `table` (an index, a
-/// sequence), cut to PostgreSQL's 63 bytes from the front.
-pub(crate) fn name_for(table: &crate::config::TableName, suffix: &str) -> String {
-    let mut base = format!("{}_{suffix}", table.table.as_str());
-    // Identifiers are cut at 63 bytes; keep the suffix, which makes the name unique.
-    while base.len() > 63 {
-        base.remove(0);
-    }
-    Ident::parse(&format!("\"{}\"", base.replace('"', "\"\"")))
-        .expect("a quoted identifier of at most 63 bytes is valid")
-        .quoted()
+    super::name_for(&table.name, suffix)
 }
 
 /// The indexes every claim relies on, by suffix: without one of them a claim scans the

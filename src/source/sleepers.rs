@@ -27,7 +27,7 @@ pub(crate) fn sleeping_of(table: &TableName) -> String {
     format!(
         "{}.{}",
         table.schema.quoted(),
-        super::schema::name_for(table, "sleeping")
+        super::name_for(table, "sleeping")
     )
 }
 
