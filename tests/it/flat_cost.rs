@@ -82,17 +82,7 @@ async fn one_row_published(
     table: &str,
     within: Duration,
 ) -> Duration {
-    let id: i64 = client
-        .query_one(
-            &format!(
-                "INSERT INTO {table} (topic, key, payload, headers) \
-                 VALUES ('events.wake', 'w', 'x', '{{\"key\": \"w\"}}') RETURNING id"
-            ),
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let id = commit_row(client, table).await;
     let committed = Instant::now();
     wait_until(
         format!("a row in {table} to be published"),

@@ -15,7 +15,7 @@ mod config;
 mod wake;
 pub use alone::{alone, shared, Shared};
 pub use config::{relay, Relay};
-pub use wake::woken_at_every_idle_point;
+pub use wake::{commit_row, woken_at_every_idle_point};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 /// The least-privilege role the relay runs as in every test that uses [`Env`].

@@ -160,7 +160,7 @@ async fn point<'a>(
 }
 
 /// Commits one row into `table` (an outbox table); its id.
-async fn commit_row(client: &tokio_postgres::Client, table: &str) -> i64 {
+pub async fn commit_row(client: &tokio_postgres::Client, table: &str) -> i64 {
     client
         .query_one(
             &format!(
