@@ -157,9 +157,8 @@ impl Eq for SinkError {}
 /// held key's head is tried again after about as long as its destination has been down,
 /// so over an outage of `T` it is tried about `log2(T)` times, then every [`HOLD_MAX`].
 /// With a fixed second, every held key's head was claimed, checked and written again
-/// every second however long the outage: benchmark K (2,000 keys, a third of them on the
-/// down broker's partitions) kept about half the held heads due at any moment, each
-/// claim re-reading them below the floor.
+/// every second however long the outage, and claims kept re-reading the due heads below
+/// the floor (benchmark K, docs/benchmark.md#partial-failures---partial).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct NotNow {
     /// For the row's `last_error`: starts with [`HELD_BACK`].

@@ -70,8 +70,7 @@
 //! (a key's row published ahead of 21,000 earlier ids of its key; 2 of 4 runs failed).
 //! Reading from the floor, in the bucket read's own snapshot, a key's first row there is
 //! its head in that snapshot. The rows it reads again (the first window's rows of its
-//! bucket) are added to its per-bucket limit: measured, benchmark S is unchanged
-//! (1 x 4 on 2,000 keys 56,595 rows/s against 51,038 before, 8 x 4 0.83 against 0.76).
+//! bucket) are added to its per-bucket limit; benchmark S did not slow down with it.
 //!
 //! Why order still follows: nothing above changed. The bucket lock is a hint about where
 //! to look, never a right to publish: a row is published only under its head's row lock,
@@ -118,16 +117,15 @@
 //! - *A few tails wait.* Tails planned but not tried by an earlier statement (the pick
 //!   locked only its first rows in id order) are locked by the claim's last statement
 //!   only when they are more than an eighth of the batch; fewer end their keys' runs
-//!   there and wait for a later claim, as a tail held elsewhere does. Measured on
-//!   benchmark L: a quarter of the claims above lane 0 sent that statement for a median
-//!   of 40 tails of 500.
+//!   there and wait for a later claim, as a tail held elsewhere does (a statement, and
+//!   a round trip, for a few rows is what a distant database cannot afford: benchmark L).
 //!
 //! The cost of the third rule: a pick also locks rows it will not take, the heads and
 //! tails of keys another claimer holds among them, and holds them until its transaction
 //! ends; a claimer that owns such a key meets its tail locked and its run stops there,
 //! so that key's next rows wait for a later batch (nothing is skipped: they stay
 //! pending, behind a head). Locking only heads, then the runs behind the heads got, in
-//! one statement was tried and made each pick cost 20 ms instead of 6
+//! one statement was tried and made each pick cost about three times as much
 //! (docs/benchmark.md, *A distant database*).
 //!
 //! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
@@ -558,12 +556,12 @@ async fn take_buckets(
         // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
         // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
         // cost a held-row probe then, before `sql::parts::Parts::not_held_back` told the
-        // held keys' rows by a hash table: benchmark K, 13,600 blocks a pick; a quarter:
-        // 9,900, and the other keys' rows flowed 20-25 % faster). Up
+        // held keys' rows by a hash table; a quarter of the room read less and let the
+        // other keys' rows flow faster in benchmark K). Up
         // to the rows it may lock (a quarter more than the room): a bucket whose keys
-        // are partly held elsewhere still fills the batch in one pick (benchmark L, one
-        // bucket a pick: 128 of 396 claims needed a second pick with at most the room
-        // read, 64 of 429 with this).
+        // are partly held elsewhere still fills the batch in one pick, where reading at
+        // most the room needed a second pick (and round trip) about twice as often
+        // (benchmark L).
         let per_bucket = room
             .div_ceil(want)
             .saturating_mul(2)
@@ -825,8 +823,8 @@ fn plan_locked(
 /// key's next row waits for its last one's ack on NATS, see `relay::order`), so a claim
 /// asks for enough buckets to hold about one key per [`ROWS_PER_KEY`] rows of room (at
 /// least [`MIN_KEYS`]): on 20 hot keys, one bucket a claim sent each batch as 500 waves
-/// of one message (19,429 rows/s with 4 workers, against 24,450 for the claim before
-/// buckets, which took every key at once); 16 keys a claim still made batches of 100 on
+/// of one message, slower than the claim before buckets, which took every key at once
+/// (benchmark S, 20 keys); 16 keys a claim still made batches of 100 on
 /// 50 keys go out in about 8 waves instead of 2, too slow for `faults::postgres_restarted_…`
 /// to drain 100,000 rows in a loaded CI run.
 ///

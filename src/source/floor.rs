@@ -65,9 +65,8 @@
 //! transaction (those of about the last batch's duration): a look costs about the same
 //! whichever process makes it. Looking every [`TICK`] whatever the process claims, eight
 //! relays of four workers on one table made eight times the looks of one relay, each
-//! walking about four times the blocks (benchmark S, 2,000 keys: 1,287 looks and 620,810
-//! blocks against 168 and 18,412), and a fleet of sidecars would load the database in
-//! proportion to its size. So while a table is active, its keeper looks every tick only
+//! walking more blocks (benchmark S's statement profile showed it), and a fleet of
+//! sidecars would load the database in proportion to its size. So while a table is active, its keeper looks every tick only
 //! while its process claims at least [`LOOK_ROWS`] rows a tick; otherwise once its process
 //! has claimed that many since the last look, and at least every [`MAX_TICK`] (or when a
 //! sweep step is due; and every tick until its first floor is adopted, since until then
@@ -614,8 +613,8 @@ pub(crate) async fn keep(
             // Until its first floor is adopted, a process's claims walk the table from
             // its start: the keeper looks every tick then, unless the table had no
             // pending row at its last look (a quiet table at start-up, or one row now and
-            // then: 80 looks in the two active seconds, 4,000 at the start of a relay of
-            // 50 quiet tables, before this).
+            // then: an empty table never gives a first floor, and a relay of many quiet
+            // tables would look at each of them every tick while they count as active).
             let now = Instant::now();
             let claimed = cell.claimed_rows() - looked.1;
             if floor.settled()

@@ -263,17 +263,17 @@ impl<'a> Tx<'a> {
     }
 
     /// Prepares those of `sqls` the session has not prepared yet, together: one round trip
-    /// where each statement's first use would take one, one after the other (a database
-    /// 10 ms away: about 30 ms more for a session's first batch on a table, benchmark L).
+    /// where each statement's first use would take one, one after the other (what a
+    /// distant database charges a session's first batch on a table: benchmark L).
     /// Nothing is sent for those the session's cache has already. Cached mode only;
     /// uncached mode learns each text's types once per process ([`Tx::typed`]).
     ///
     /// Inside the transaction, never before it: PostgreSQL runs a Parse sent outside a
     /// transaction block in an implicit transaction of its own, counted like any other.
-    /// Prepared ahead of `BEGIN`, a relay of 50 idle tables warming its 8 sessions ran
-    /// about 1,600 such transactions over its first minute (benchmark I: 52 transactions/s
-    /// in that minute against 23 after it). A prepared statement outlives the transaction,
-    /// rolled back or not.
+    /// Prepared ahead of `BEGIN`, a relay of many idle tables warming its sessions ran
+    /// such a transaction for every table and session, which doubled what idle tables
+    /// cost over its first minute (benchmark I). A prepared statement outlives the
+    /// transaction, rolled back or not.
     pub(crate) async fn prepare_together(&self, sqls: &[&str]) -> Result<(), SourceError> {
         use futures_util::FutureExt as _;
         if self.typed.is_some() {

@@ -119,7 +119,7 @@ pub(crate) async fn inspect(
     // The questions left do not depend on each other's answers: asked together, they
     // share their round trips (tokio-postgres pipelines the statements a client is asked
     // at once), one in all instead of two each, which a database in another zone pays in
-    // every start-up (benchmark L: 26 round trips, 0.33 s at 10 ms, before). Every
+    // every start-up (benchmark L). Every
     // question here is asked with its parameters' types (`query_typed`): an unnamed
     // statement parsed, bound and run in one round trip, where a prepared one waits for
     // its description first.

@@ -136,23 +136,21 @@ pub(crate) fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
         ("client_min_messages", "warning".to_owned()),
         // The relay's statements are short and run thousands of times a second. Their
         // generic plans (prepared statements) cannot see `LIMIT $2`, estimate a tenth of
-        // the table and, on a large outbox, cross jit_above_cost: with a forced generic plan
-        // on 1M pending rows, psql showed 4.9 ms of JIT compilation for a 0.5 ms window
-        // scan, every call.
+        // the table and, on a large outbox, cross jit_above_cost: JIT compilation then
+        // costs several times the scan it compiles, on every call.
         ("jit", "off".to_owned()),
         // Every statement reads a few rows in index order and stops at its LIMIT. A bitmap
         // scan reads all the rows its index condition matches before sorting them: with
         // statistics from when the table was small, the planner took one for a claim's
-        // bucket window and read the whole bucket (3,700 rows for 500; the 20,000 of a hot
-        // key's bucket would have been read for every batch).
+        // bucket window and read the whole bucket for a batch's worth of rows (a hot
+        // key's whole bucket would have been read for every batch).
         ("enable_bitmapscan", "off".to_owned()),
         // Nor a sequential scan: planned while the table is empty (a relay started on a
         // drained outbox, or between bursts) every scan costs nothing, the planner picks a
         // sequential one, and a prepared statement keeps that plan as its generic plan
-        // when the rows come. Measured (benchmark R, eight relays of four workers started
-        // on the empty table, then 200,000 rows over 20 keys): in 5 of 12 whole
-        // runs the floor's look kept sequential scans of the whole table, 0.5 s a look,
-        // and PostgreSQL spent 9.9 CPU seconds on the burst instead of 2.5. Off, a scan
+        // when the rows come: the floor's look then scans the whole table every time
+        // (benchmark R, whose relays start on an emptied, analyzed table, met it; see
+        // docs/benchmark.md, *Deployment shapes*). Off, a scan
         // the indexes can answer is answered by them whatever the statistics say; a
         // read no index can answer still runs, as a sequential scan.
         ("enable_seqscan", "off".to_owned()),
@@ -160,10 +158,9 @@ pub(crate) fn settings(limits: SessionLimits) -> Vec<(&'static str, String)> {
         // statistics change), with the generic plan PostgreSQL would keep anyway: every
         // value a plan could lean on is hidden from the planner (`(SELECT $n)`, see
         // `sql::parts`), so the first five custom plans a session would otherwise make of
-        // each statement cost the same and buy nothing. Measured (benchmark S, eight
-        // drains of four workers started at once, 48 new sessions): 283 plans of the
-        // bucket pick, 267 ms, against 48 and 70 ms; over seven alternated rounds eight
-        // drains ran at a median 49,800 rows/s against 45,200. `MATERIALIZED` already
+        // each statement cost the same and buy nothing but planning time, which the many
+        // new sessions of relays started at once pay on a busy machine (benchmark S).
+        // `MATERIALIZED` already
         // needs PostgreSQL 12, which brought this setting.
         ("plan_cache_mode", "force_generic_plan".to_owned()),
     ]

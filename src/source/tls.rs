@@ -66,8 +66,8 @@ impl TlsError {
 /// of the relay uses it.
 ///
 /// Building any OpenSSL connector loads the system CA store (`SslConnector::builder`
-/// reads the whole bundle): 19 of an idle `drain`'s 28 ms of CPU, measured with `perf`,
-/// paid even when the server does not offer TLS. So:
+/// reads the whole bundle): most of an idle `drain`'s own CPU, by `perf`, paid even when
+/// the server does not offer TLS. So:
 ///
 /// - settings that name no file and check no chain (`prefer`, the default, or `require`)
 ///   get their connector at the first handshake that needs it, shared by the process from

@@ -42,9 +42,9 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // Written `id >= floor`, the pending index (on `id`) could answer it too, reading
     // every bucket's rows in id order and filtering, and on a table with no
     // statistics yet (filled since the last ANALYZE: the planner takes the default
-    // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did:
-    // 15,851 rows read and dropped for 282 kept, 26 ms and 4,500 blocks a call, 7.5
-    // s of a 100,000-row drain's 8 s of statement time (auto_explain, benchmark L).
+    // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did,
+    // reading and dropping dozens of rows for each one kept, most of a drain's
+    // statement time (found with auto_explain in benchmark L).
     // With the row comparison the bucket index is chosen with or without
     // statistics (checked with EXPLAIN both ways).
     //
@@ -52,12 +52,11 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // plan a session keeps after five runs. Seen as a value, in the custom plans of a
     // session's first five picks, a limit near the planner's estimate of a bucket's rows
     // (it estimates about a tenth of the rows a deep bucket holds) made it read each
-    // bucket whole, a bitmap scan, and sort it: measured with pgbench on 100,000 rows, a
-    // pick of four buckets cost 10.0-10.9 ms in custom plans against 3.3-3.7 in the
-    // generic one, and 4.2-4.7 hidden (EXPLAIN ANALYZE: 1,800 rows read a bucket to keep
-    // 160). Eight relays of four workers open 48 sessions, so a quarter of their picks
-    // were such first picks. (The relay's sessions now force the generic plan, see
-    // `source::session::settings`; hidden, the limit keeps the plan in any session.)
+    // bucket whole, a bitmap scan, and sort it: many times the rows it keeps, read, and
+    // a pick several times as slow as in the generic plan. Relays started at once open
+    // many sessions, so many of their picks were such first picks. (The relay's sessions
+    // now force the generic plan, see `source::session::settings`; hidden, the limit
+    // keeps the plan in any session.)
     let pick_read = format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
@@ -133,9 +132,9 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         // Written `id >= floor`, the pending index (on `id`) could answer it too, reading
         // every bucket's rows in id order and filtering, and on a table with no
         // statistics yet (filled since the last ANALYZE: the planner takes the default
-        // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did:
-        // 15,851 rows read and dropped for 282 kept, 26 ms and 4,500 blocks a call, 7.5
-        // s of a 100,000-row drain's 8 s of statement time (auto_explain, benchmark L).
+        // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did,
+        // reading and dropping dozens of rows for each one kept, most of a drain's
+        // statement time (found with auto_explain in benchmark L).
         // With the row comparison the bucket index is chosen with or without
         // statistics (checked with EXPLAIN both ways).
         // The bucket read, and in the same statement the row locks on the first `$8` rows

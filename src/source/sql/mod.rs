@@ -23,8 +23,7 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// custom and generic plans cost the same, so PostgreSQL keeps the generic plan after five
 /// runs instead of planning every look, 40 times a second per relay process and table
 /// while rows flow. (A custom plan saw the usually empty straggler list and costed its
-/// index probe at a tenth of the generic plan's: every look was planned, 2,424 plans for
-/// 2,376 looks in a drain by 8 relays.) The relay's sessions now force the generic plan
+/// index probe far below the generic plan's, so every look was planned.) The relay's sessions now force the generic plan
 /// (`plan_cache_mode`, see `source::session::settings`); the hidden values keep the plan
 /// the same in a session that does not.
 pub(crate) const LOOK_LIMIT: usize = 1001;
@@ -86,8 +85,8 @@ pub struct TableSql {
     /// batches, at most [`WINDOW_ROWS`]. Written into the statement rather than bound, with
     /// its floor and stragglers hidden from the planner as `(SELECT $n)`, for the reason
     /// [`LOOK_LIMIT`] gives: bound as `LIMIT $1`, the generic plan estimated a tenth of the
-    /// table for it, so PostgreSQL planned every first window anew (benchmark K, all
-    /// brokers up: 49 plans for 48 windows, 40 ms of planning against 62 ms of running). A
+    /// table for it, so PostgreSQL planned every first window anew, planning costing about
+    /// as much as running it. A
     /// claim that wants fewer rows (a partial batch) cuts the answer with the outer `LIMIT
     /// $1`, which only the final sort sees. From the batch size, not a constant, so a table
     /// claimed a few rows at a time reads a few rows a window, as when the limit was bound.

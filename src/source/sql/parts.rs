@@ -74,9 +74,8 @@ impl Parts {
         // deleted), or waiting for its next attempt. The held index covers exactly these
         // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
         // reads are index lookups, and only the reads' last resort: see
-        // `Parts::not_held_back` (with no held row in the table, the common case, no row
-        // pays for the per-key probe: measured on a 2,000-row window, 1.3 ms with the
-        // probe alone, 0.8 ms with the uncorrelated test in front).
+        // `Parts::not_held_back` (with no held row in the table, the common case, the
+        // uncorrelated test in front spares every row the per-key probe).
         let held =
             format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
         // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
@@ -109,16 +108,16 @@ impl Parts {
         // same, but a value the planner does not see. Seen, a bound in the first bucket of
         // the column's histogram (`i64::MIN` for a claim's first window; the floor, right
         // after ANALYZE) made every custom plan ask the index for the column's actual
-        // minimum, walking the entries of every row published since the last VACUUM: a
-        // drain of 3,000,000 rows slowed from 88,000 to 60,000 rows/s as it went (perf:
-        // get_actual_variable_range under the planner), one of 200,000 rows did not.
+        // minimum, walking the entries of every row published since the last VACUUM, so
+        // a large drain slowed as it went (perf: get_actual_variable_range under the
+        // planner; benchmark F measures a large table against a small one).
         // Below the floor: the stragglers, by primary key (skipped outright, a one-time
         // filter, when there are none), and rows with a failure history, from the retry
         // index. The order column is hidden from the retry part's bounds (`+ 0`) so that no
         // plan - a cached generic one included - answers it with a range scan of the
         // pending index below the floor: that range holds the entries of every row
-        // published since the last VACUUM (measured: a generic plan did, and with a
-        // snapshot held p99 latency at 2,000 rows/s grew from 3 ms to 67 ms in 2 minutes).
+        // published since the last VACUUM (a generic plan did, and with a snapshot held
+        // the latency climbed minute after minute: benchmark G).
         let low_stragglers = stragglers_part(&id, "", "$2::bigint[]");
         let low_retrying = retry_part(&id, &next, "", "$1", "$2::bigint[]");
         // Whether a fresh row is held back by an earlier held row of its key (dead, or with
