@@ -126,7 +126,7 @@
 //! so that key's next rows wait for a later batch (nothing is skipped: they stay
 //! pending, behind a head). Locking only heads, then the runs behind the heads got, in
 //! one statement was tried and made each pick cost about three times as much
-//! (docs/benchmark.md, *A distant database*).
+//! (docs/benchmark.md, *What did not work, and why*).
 //!
 //! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
 //! 8.5-8.9 round trips per batch before these rules, 4.1-4.4 after the first three
