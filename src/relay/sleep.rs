@@ -24,11 +24,15 @@
 //! 5. The first poll that *begins after* a poll saw it settled, and finds no claimable row,
 //!    makes the table *asleep*: NOTIFY covers it, nothing polls it (it is still claimed
 //!    from every `IDLE_RECHECK`).
-//! 6. Anything that raises the table (a NOTIFY, a look that found rows, a lost LISTEN
-//!    session, a pause) makes it *awake* at once; the poller then clears the mark and
-//!    recounts the sequence. The marks of a relay whose LISTEN session ended are removed,
-//!    and the sequences recounted, by the next look of any relay of the schema. While a
-//!    table is wanted or pending, it is polled every `poll_interval`.
+//! 6. Anything that raises an asleep table (a NOTIFY, a look that found rows) makes it
+//!    *busy*: due at once, its mark kept, still unpolled. A look that began after the last
+//!    raise and finds it empty makes it asleep again, with nothing written. A busy table
+//!    whose NOTIFYs come faster than [`super::wake::BUSY_NOTIFY_RATE`], a raise of a
+//!    wanted or pending table, a pause or a lost LISTEN session make it *awake*; the
+//!    poller then clears the mark and recounts the sequence. The marks of a relay whose
+//!    LISTEN session ended are removed, and the sequences recounted, by the next look of
+//!    any relay of the schema. While a table is wanted or pending, it is polled every
+//!    `poll_interval`.
 //!
 //! ## Why no row is left unwoken
 //!
@@ -49,13 +53,20 @@
 //! awake and due, which is safe. The same holds for each relay on its own, whatever the
 //! others do: each waits on its own mark.
 //!
+//! A busy table that goes back to sleep (step 6) keeps the claim: its mark has stood
+//! without a break since the poll of step 5, so the argument above holds for it
+//! unchanged. The look that put it back to sleep began after the table's last raise
+//! (rule 2 of `wake`), so every NOTIFY it was sent before that look began was answered
+//! by the look itself, and every later one raises it again.
+//!
 //! What the writers pay: one read of a sequence per INSERT statement while no relay
-//! sleeps; a NOTIFY for the commits that land while one sleeps or has just woken (until
-//! its mark is cleared). What the relay pays: a mark and its clearing per sleep, a poll or
-//! two per sleep, and polls every `poll_interval` while a transaction that started
-//! writing before the mark is still open.
+//! sleeps; a NOTIFY for the commits that land while one is asleep or busy, which a crowd
+//! of writers ends within one `poll_interval` by notifying faster than the busy limit.
+//! What the relay pays: a mark and its clearing per sleep (a steady trickle of commits
+//! keeps one mark), a poll or two per sleep, and polls every `poll_interval` while a
+//! transaction that started writing before the mark is still open.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -118,18 +129,29 @@ pub(crate) async fn poll(
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     every.tick().await;
     let mut again = false;
+    // When a table kept awake for a crowd of writers may be marked (`mark`).
+    let mut crowd_ends: Option<tokio::time::Instant> = None;
     loop {
         if !again {
+            let crowd_ended = async {
+                match crowd_ends {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = done.cancelled() => break,
                 _ = every.tick() => {}
                 _ = wakes.sleep.notified() => {}
+                _ = crowd_ended => {}
             }
         }
         let work = async {
             if !gated.is_empty() {
                 follow_listener(wakes, source, &gated, &mut marks).await;
-                mark(wakes, source, &names, &mut marks).await;
+                crowd_ends = mark(wakes, source, &names, &mut marks)
+                    .await
+                    .map(tokio::time::Instant::from_std);
             }
             poll_once(wakes, source, tables, &statements, &mut marks).await
         };
@@ -181,8 +203,8 @@ async fn follow_listener(wakes: &Wakes, source: &Source, gated: &[&TableName], m
     if generation == marks.generation {
         return;
     }
-    let had_marks = marks.tables.iter().any(|m| m.asleep);
-    if pid.is_some() || had_marks {
+    // The old session's rows, asleep or cleared (a cleared mark keeps its row).
+    if pid.is_some() || marks.pid.is_some() {
         let forgotten = source
             .in_transaction(async |tx| sleepers::forget(tx, gated, marks.pid).await)
             .await;
@@ -197,14 +219,31 @@ async fn follow_listener(wakes: &Wakes, source: &Source, gated: &[&TableName], m
 }
 
 /// Steps 3 and 6: marks the tables wanted asleep and clears the marks of awake tables,
-/// in one transaction; then reads `X` for the new marks and makes them pending.
-async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut Marks) {
-    let Some(pid) = marks.pid else { return };
+/// in one transaction; then reads `X` for the new marks and makes them pending. Returns
+/// when the first table it left unmarked for a crowd of writers may be marked.
+async fn mark(
+    wakes: &Wakes,
+    source: &Source,
+    names: &[&TableName],
+    marks: &mut Marks,
+) -> Option<Instant> {
+    let pid = marks.pid?;
     let generation = marks.generation;
+    let now = Instant::now();
+    let mut crowd_ends: Option<Instant> = None;
     // To mark; to clear; marked, and waiting for a horizon.
     let (mut to_sleep, mut to_wake, mut unsure) = (Vec::new(), Vec::new(), Vec::new());
     for (t, mark) in marks.tables.iter_mut().enumerate() {
+        let crowd = wakes.crowd_until(t, now);
         match wakes.sleep_of(t) {
+            // Kept awake for a crowd of writers: unmarked until the crowd time ends, the
+            // mark cleared if it was wanted again before the poller cleared it.
+            (Sleep::Wanted, g) if g == generation && crowd.is_some() => {
+                crowd_ends = crowd_ends.min(crowd).or(crowd);
+                if mark.asleep {
+                    to_wake.push(t);
+                }
+            }
             (Sleep::Wanted, g) if g == generation => match (mark.asleep, mark.horizon) {
                 (false, _) => to_sleep.push(t),
                 // Marked without a break since step 3 (woken, then wanted again before
@@ -219,7 +258,7 @@ async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut 
         }
     }
     if to_sleep.is_empty() && to_wake.is_empty() && unsure.is_empty() {
-        return;
+        return crowd_ends;
     }
     let pick = |ts: &[usize]| ts.iter().map(|&t| names[t]).collect::<Vec<_>>();
     let (sleep_names, wake_names) = (pick(&to_sleep), pick(&to_wake));
@@ -228,7 +267,7 @@ async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut 
         .await;
     if let Err(e) = marked {
         tracing::debug!(error = %e, "Could not mark tables asleep or awake; trying again at the next poll");
-        return;
+        return crowd_ends;
     }
     for &t in &to_wake {
         marks.tables[t] = Mark::default();
@@ -238,7 +277,7 @@ async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut 
     }
     unsure.extend(to_sleep);
     if unsure.is_empty() {
-        return;
+        return crowd_ends;
     }
     match source
         .in_transaction(async |tx| sleepers::horizon(tx).await)
@@ -255,6 +294,7 @@ async fn mark(wakes: &Wakes, source: &Source, names: &[&TableName], marks: &mut 
         // horizon for them (a later one is as good: the marks were committed before it).
         Err(e) => tracing::debug!(error = %e, "Could not read the transaction horizon"),
     }
+    crowd_ends
 }
 
 /// Rule 3's poll, with steps 4 and 5. Returns whether to poll again at once: a mark was

@@ -25,8 +25,12 @@
 //! 6. With this release's trigger, writers notify only while a relay is asleep on the
 //!    table ([`super::sleep`]). A table settled by rule 2 is *wanted* asleep; the poller
 //!    marks it so in the database (*pending*) and confirms it (*asleep*) by the sleep
-//!    protocol; only then does NOTIFY cover it. Anything that raises it wakes it: the
-//!    poller clears the mark, and writers stop notifying.
+//!    protocol; only then does NOTIFY cover it. A raise of an asleep table makes it
+//!    *busy*: due, with its mark kept, so a look that finds it empty again puts it back
+//!    to sleep without a transaction. A table is woken for good (the poller clears the
+//!    mark, and writers stop notifying) when its NOTIFYs come faster than
+//!    [`BUSY_NOTIFY_RATE`], and then not marked again for [`CROWD_AWAKE`]; or by a raise
+//!    while it is wanted or pending, a pause or a new LISTEN session.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -41,6 +45,16 @@ use crate::source::schema::WakeTrigger;
 pub(crate) const IDLE_RECHECK: Duration = Duration::from_secs(5);
 /// How long a table counts as active after its last sign of rows.
 pub(crate) const ACTIVE_FOR: Duration = Duration::from_secs(2);
+/// The NOTIFYs a second up to which a busy table keeps its sleep mark (rule 6). Below it,
+/// a writer's NOTIFY rarely meets another's at commit, so the notify lock costs next to
+/// nothing, and the relay is spared a mark and its clearing for every gap between
+/// commits. Above it, notifying commits queue on the lock: the mark is cleared and the
+/// writers commit as into a table without a trigger.
+pub(crate) const BUSY_NOTIFY_RATE: u32 = 200;
+/// How long a table whose writers notified faster than [`BUSY_NOTIFY_RATE`] stays awake
+/// and unmarked: a crowd of writers that keeps it busy then commits without a NOTIFY,
+/// instead of paying for one in every gap the relay finds between their commits.
+pub(crate) const CROWD_AWAKE: Duration = Duration::from_secs(2);
 
 /// The wake state of every table, and the signal idle workers wait on.
 pub(crate) struct Wakes {
@@ -59,7 +73,7 @@ pub(crate) struct Wakes {
     always: bool,
 }
 
-/// Where a table stands in the sleep protocol (rule 6), as the low two bits of
+/// Where a table stands in the sleep protocol (rule 6), as the low [`SLEEP_BITS`] bits of
 /// [`TableWake::sleep`]; the bits above hold the listener generation the state belongs to,
 /// so the poller cannot confirm a state a new LISTEN session has reset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,16 +86,29 @@ pub(crate) enum Sleep {
     Pending = 2,
     /// Asleep: NOTIFY covers it, nothing polls it.
     Asleep = 3,
+    /// Raised while asleep, its mark kept: NOTIFY still covers it, nothing polls it, and
+    /// a look that finds it empty makes it asleep again.
+    Busy = 4,
 }
+
+/// The bits of [`TableWake::sleep`] that hold the [`Sleep`] state.
+const SLEEP_BITS: u32 = 3;
+const SLEEP_MASK: u64 = (1 << SLEEP_BITS) - 1;
 
 impl Sleep {
     fn of(word: u64) -> Sleep {
-        match word & 3 {
+        match word & SLEEP_MASK {
             0 => Sleep::Awake,
             1 => Sleep::Wanted,
             2 => Sleep::Pending,
-            _ => Sleep::Asleep,
+            3 => Sleep::Asleep,
+            _ => Sleep::Busy,
         }
+    }
+
+    /// NOTIFY reaches this relay for the table: its mark is settled and in place.
+    fn covered(self) -> bool {
+        matches!(self, Sleep::Asleep | Sleep::Busy)
     }
 }
 
@@ -102,6 +129,16 @@ struct TableWake {
     keeper: Notify,
     /// Paused for every relay (rule 5).
     paused: AtomicBool,
+    /// The NOTIFYs heard in the current `poll_interval`: since when, and how many; and
+    /// until when the table stays awake for a crowd of writers (rule 6).
+    notifies: Mutex<Notifies>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Notifies {
+    since: Instant,
+    count: u32,
+    crowd_until: Option<Instant>,
 }
 
 /// A ticket from [`Wakes::begin`]: what a claim saw raised when it began.
@@ -132,6 +169,11 @@ impl Wakes {
                     last_active: Mutex::new(now),
                     keeper: Notify::new(),
                     paused: AtomicBool::new(false),
+                    notifies: Mutex::new(Notifies {
+                        since: now,
+                        count: 0,
+                        crowd_until: None,
+                    }),
                 })
                 .collect(),
             workers: Notify::new(),
@@ -168,7 +210,43 @@ impl Wakes {
     pub(crate) fn rows_committed(&self, payload: &str) {
         if let Some(t) = self.tables.iter().position(|t| t.name == payload) {
             self.raise(t, true);
+            if self.crowd_notifies(t) {
+                self.wake_for_good(t);
+            }
         }
+    }
+
+    /// Rule 6: counts a NOTIFY of gated table `t`; whether they came faster than
+    /// [`BUSY_NOTIFY_RATE`] in the current `poll_interval`, which keeps the table awake
+    /// for [`CROWD_AWAKE`]. The count spans the table's turns between busy and asleep:
+    /// under many writers it turns every few commits.
+    fn crowd_notifies(&self, t: usize) -> bool {
+        let table = &self.tables[t];
+        if table.trigger != WakeTrigger::Gated {
+            return false;
+        }
+        let limit = (u128::from(BUSY_NOTIFY_RATE) * self.poll_interval.as_millis())
+            .div_ceil(1000)
+            .max(1);
+        let now = Instant::now();
+        let mut notifies = table.notifies.lock().unwrap();
+        if now.duration_since(notifies.since) >= self.poll_interval {
+            notifies.since = now;
+            notifies.count = 0;
+        }
+        notifies.count += 1;
+        let crowd = u128::from(notifies.count) > limit;
+        if crowd {
+            notifies.crowd_until = Some(now + CROWD_AWAKE);
+        }
+        crowd
+    }
+
+    /// Rule 6: until when table `t` stays awake for a crowd of writers, if it does now:
+    /// the poller does not mark it before then.
+    pub(crate) fn crowd_until(&self, t: usize, now: Instant) -> Option<Instant> {
+        let notifies = self.tables[t].notifies.lock().unwrap();
+        notifies.crowd_until.filter(|&until| until > now)
     }
 
     /// LISTEN subscribed with the session of backend `pid`, or lost its connection
@@ -180,7 +258,9 @@ impl Wakes {
             listener.0 += 1;
             listener.1 = pid;
             for table in &self.tables {
-                table.sleep.store(listener.0 << 2, Ordering::Release);
+                table
+                    .sleep
+                    .store(listener.0 << SLEEP_BITS, Ordering::Release);
             }
         }
         self.listening.store(pid.is_some(), Ordering::Release);
@@ -195,9 +275,34 @@ impl Wakes {
         *self.listener.lock().unwrap()
     }
 
-    /// Rule 6: table `t` is awake; the poller hears of it when it was not.
+    /// Rule 6: table `t` was raised. Asleep, it becomes busy and keeps its mark; wanted
+    /// or pending, it is awake (the poller hears of it and clears the mark).
     fn wake_up(&self, t: usize) {
-        let was = self.tables[t].sleep.fetch_and(!3, Ordering::AcqRel);
+        let sleep = &self.tables[t].sleep;
+        let mut word = sleep.load(Ordering::Acquire);
+        loop {
+            let to = match Sleep::of(word) {
+                Sleep::Awake | Sleep::Busy => return,
+                Sleep::Asleep => Sleep::Busy,
+                Sleep::Wanted | Sleep::Pending => Sleep::Awake,
+            };
+            let new = (word & !SLEEP_MASK) | to as u64;
+            match sleep.compare_exchange(word, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => word = now,
+            }
+        }
+        if Sleep::of(word) != Sleep::Asleep {
+            self.sleep.notify_one();
+        }
+    }
+
+    /// Rule 6: table `t` is awake whatever it was; the poller hears of it when it was not
+    /// (and clears the mark).
+    fn wake_for_good(&self, t: usize) {
+        let was = self.tables[t]
+            .sleep
+            .fetch_and(!SLEEP_MASK, Ordering::AcqRel);
         if Sleep::of(was) != Sleep::Awake {
             self.sleep.notify_one();
         }
@@ -216,17 +321,18 @@ impl Wakes {
             return;
         }
         let word = table.sleep.load(Ordering::Acquire);
-        if Sleep::of(word) == Sleep::Awake
-            && table
-                .sleep
-                .compare_exchange(
-                    word,
-                    word | Sleep::Wanted as u64,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                )
-                .is_ok()
-        {
+        let to = match Sleep::of(word) {
+            Sleep::Awake => Sleep::Wanted,
+            // Its mark never lapsed: asleep again at once, with nothing to write.
+            Sleep::Busy => Sleep::Asleep,
+            Sleep::Wanted | Sleep::Pending | Sleep::Asleep => return,
+        };
+        let new = (word & !SLEEP_MASK) | to as u64;
+        let moved = table
+            .sleep
+            .compare_exchange(word, new, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if moved && to == Sleep::Wanted {
             self.sleep.notify_one();
         }
     }
@@ -234,13 +340,13 @@ impl Wakes {
     /// Where table `t` stands in the sleep protocol, and the listener generation of that.
     pub(crate) fn sleep_of(&self, t: usize) -> (Sleep, u64) {
         let word = self.tables[t].sleep.load(Ordering::Acquire);
-        (Sleep::of(word), word >> 2)
+        (Sleep::of(word), word >> SLEEP_BITS)
     }
 
     /// The poller moves table `t` from `from` to `to` in listener generation `generation`;
     /// `false` when the table moved meanwhile (woken, or a new LISTEN session).
     pub(crate) fn move_sleep(&self, t: usize, generation: u64, from: Sleep, to: Sleep) -> bool {
-        let base = generation << 2;
+        let base = generation << SLEEP_BITS;
         self.tables[t]
             .sleep
             .compare_exchange(
@@ -323,7 +429,7 @@ impl Wakes {
                         WakeTrigger::None => false,
                         WakeTrigger::Every => true,
                         WakeTrigger::Gated => {
-                            Sleep::of(table.sleep.load(Ordering::Acquire)) == Sleep::Asleep
+                            Sleep::of(table.sleep.load(Ordering::Acquire)).covered()
                         }
                     };
                 let skip = self.always || notified || table.paused.load(Ordering::Acquire);
@@ -367,7 +473,7 @@ impl Wakes {
             self.raise(t, true);
         } else if changed {
             // Nothing claims a paused table: its writers need not notify.
-            self.wake_up(t);
+            self.wake_for_good(t);
         }
         changed
     }
@@ -604,17 +710,21 @@ mod tests {
         assert_eq!(w.sleep_of(0).0, Sleep::Awake);
     }
 
-    #[test]
-    fn only_an_asleep_table_goes_unpolled_and_any_raise_wakes_it() {
-        let w = gated();
-        w.set_listening(Some(7));
-        settle(&w);
+    /// Table 0 of `w`, listening, through wanted and pending to asleep.
+    fn put_to_sleep(w: &Wakes) {
+        settle(w);
         let (_, generation) = w.sleep_of(0);
         assert!(w.move_sleep(0, generation, Sleep::Wanted, Sleep::Pending));
         assert!(w.poll_tickets()[0].is_some(), "pending: still polled");
         assert!(w.move_sleep(0, generation, Sleep::Pending, Sleep::Asleep));
+    }
+
+    #[test]
+    fn an_asleep_table_goes_unpolled_and_a_raise_makes_it_busy_with_its_mark_kept() {
+        let w = gated();
+        w.set_listening(Some(7));
+        put_to_sleep(&w);
         assert!(w.poll_tickets()[0].is_none(), "asleep: NOTIFY covers it");
-        // The poller hears of every wake-up of a table that was not awake.
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         assert!(
@@ -622,11 +732,76 @@ mod tests {
             "a permit left from the marks above"
         );
         w.rows_committed("public.g");
-        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
-        assert!(w.poll_tickets()[0].is_some());
+        assert_eq!(w.sleep_of(0).0, Sleep::Busy);
+        assert!(w.any_due(), "busy: claimed at once");
+        assert!(
+            w.poll_tickets()[0].is_none(),
+            "busy: NOTIFY still covers it"
+        );
+        let poked = w.sleep.notified();
+        tokio::pin!(poked);
+        assert!(!poked.as_mut().enable(), "no mark to clear");
+        // The claim that empties it puts it back to sleep, with nothing to write.
+        let ticket = w.begin(0, Instant::now()).expect("due");
+        w.found_nothing(0, ticket);
+        assert_eq!(w.sleep_of(0).0, Sleep::Asleep);
+        // ...unless a NOTIFY came during the claim.
+        let ticket = w
+            .begin(0, Instant::now() + IDLE_RECHECK * 8)
+            .expect("rechecked");
+        w.rows_committed("public.g");
+        w.found_nothing(0, ticket);
+        assert_eq!(w.sleep_of(0).0, Sleep::Busy);
+        assert!(w.any_due());
+    }
+
+    #[test]
+    fn a_busy_table_whose_writers_notify_faster_than_the_limit_is_woken_for_good() {
+        let w = gated();
+        w.set_listening(Some(7));
+        put_to_sleep(&w);
+        // 100 ms at BUSY_NOTIFY_RATE: 20 NOTIFYs keep the mark, the 21st clears it,
+        // however often the table turns asleep and busy between them.
+        let limit = (BUSY_NOTIFY_RATE / 10) as usize;
+        for n in 0..limit {
+            w.rows_committed("public.g");
+            assert_eq!(w.sleep_of(0).0, Sleep::Busy, "NOTIFY {n}");
+            w.found_nothing(0, w.begin(0, Instant::now()).expect("due"));
+            assert_eq!(w.sleep_of(0).0, Sleep::Asleep);
+        }
+        let poked = w.sleep.notified();
+        tokio::pin!(poked);
+        poked.as_mut().enable();
+        w.rows_committed("public.g");
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake, "too many NOTIFYs");
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         assert!(poked.as_mut().enable(), "told to clear the mark");
+        assert!(w.poll_tickets()[0].is_some(), "awake: polled again");
+    }
+
+    #[test]
+    fn a_raise_of_a_wanted_or_pending_table_or_a_pause_of_a_busy_one_wakes_it() {
+        let w = gated();
+        w.set_listening(Some(7));
+        settle(&w);
+        assert_eq!(w.sleep_of(0).0, Sleep::Wanted);
+        w.raise(0, false);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake);
+        settle(&w);
+        let (_, generation) = w.sleep_of(0);
+        assert!(w.move_sleep(0, generation, Sleep::Wanted, Sleep::Pending));
+        w.rows_committed("public.g");
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake, "pending: not settled yet");
+        put_to_sleep(&w);
+        w.rows_committed("public.g");
+        assert_eq!(w.sleep_of(0).0, Sleep::Busy);
+        w.set_paused(0, true);
+        assert_eq!(
+            w.sleep_of(0).0,
+            Sleep::Awake,
+            "a paused table needs no NOTIFY"
+        );
     }
 
     #[test]

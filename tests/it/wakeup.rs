@@ -142,15 +142,18 @@ async fn writers_notify_only_while_a_relay_sleeps() {
     wait_for_empty_outbox(&client, "the one row to be published", 5).await;
     wait_asleep(&client, 1).await;
 
-    // A burst: the first commits wake the relay, which clears its mark while it works;
-    // the commits after that pay nothing, until it sleeps again.
+    // A burst: its first commits wake the relay and, notifying faster than the busy
+    // limit, make it clear its mark; the commits after that pay nothing, until it sleeps
+    // again.
     let before = notified.load(Ordering::SeqCst);
-    let (writers, each) = (8, 100);
+    let (writers, each) = (8, 250);
+    let started = Instant::now();
     burst(&env, writers, each).await;
+    let took = started.elapsed();
     wait_for_empty_outbox(&client, "the burst to be published", 30).await;
     let during = notified.load(Ordering::SeqCst) - before;
     let commits = writers * each;
-    eprintln!("{commits} commits while the relay worked: {during} notified");
+    eprintln!("{commits} commits in {took:?} while the relay worked: {during} notified");
     assert!(
         during >= 1,
         "the sleeping relay was woken by the burst's first commits"
@@ -210,6 +213,78 @@ async fn a_relay_killed_while_asleep_leaves_no_mark_that_makes_writers_pay() {
         before,
         "no relay left, no NOTIFY"
     );
+}
+
+/// Counts the rows the relays write to their sleep marks, from a trigger of the test's.
+const COUNT_MARK_WRITES: &str = "
+CREATE TABLE public.mark_writes (n bigint NOT NULL);
+INSERT INTO public.mark_writes VALUES (0);
+CREATE FUNCTION public.count_mark_write() RETURNS trigger LANGUAGE plpgsql
+SECURITY DEFINER SET search_path = pg_catalog AS $$
+BEGIN
+    UPDATE public.mark_writes SET n = n + 1;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER count_mark_write AFTER INSERT OR UPDATE OR DELETE
+    ON public.outbox_relay_sleepers FOR EACH ROW EXECUTE FUNCTION public.count_mark_write();
+";
+
+/// A steady writer (one commit every 20 ms: 50 a second, well under the busy limit)
+/// wakes the relay with each commit. The relay keeps its one mark through the whole run:
+/// every row is still published within a fraction of a second, and the relay writes no
+/// mark and no clearing for each gap between commits (a relay that did would write two
+/// rows a commit, about 200 here).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_steady_writer_wakes_a_relay_that_keeps_its_sleep_mark() {
+    let env = Env::new(relay().poll_interval("100ms")).await;
+    let client = env.client().await;
+    client.batch_execute(COUNT_MARK_WRITES).await.unwrap();
+    let notified = count_notifications(&env).await;
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_asleep(&client, 1).await;
+    let writes_before = count(&client, "SELECT n FROM public.mark_writes").await;
+    let commits = 100;
+    let mut slowest = Duration::ZERO;
+    for i in 0..commits {
+        let id = insert_one(&client, &format!("k{}", i % 5)).await;
+        let committed = Instant::now();
+        wait_until(
+            Detailed(&format!("row {id} to be published"), log_of(&log)),
+            Duration::from_secs(5),
+            async || {
+                count(
+                    &client,
+                    &format!("SELECT count(*) FROM public.outbox WHERE id = {id}"),
+                )
+                .await
+                    == 0
+            },
+        )
+        .await;
+        slowest = slowest.max(committed.elapsed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let writes = count(&client, "SELECT n FROM public.mark_writes").await - writes_before;
+    let notifies = notified.load(Ordering::SeqCst);
+    eprintln!(
+        "{commits} commits: {notifies} notified, {writes} mark rows written, slowest row {slowest:?}"
+    );
+    assert!(
+        notifies * 2 >= commits,
+        "{notifies} of {commits} commits notified: the relay did not stay asleep between them"
+    );
+    assert!(
+        writes <= 10,
+        "{writes} mark rows written for {commits} commits: the relay marked and cleared \
+         its sleep for the gaps between commits"
+    );
+    assert!(
+        slowest <= PROMPT,
+        "a row took {slowest:?} to be published, more than {PROMPT:?}"
+    );
+    assert_eq!(env.stored().await.len(), commits, "each row published once");
+    terminate_cleanly(&mut relay);
 }
 
 /// The sleep protocol's race (`src/relay/sleep.rs`): a writer whose trigger looked before
