@@ -936,39 +936,64 @@ fn steady_rate(stored: &[testkit::StoredMessage]) -> f64 {
     after as f64 / last.duration_since(from).unwrap().as_secs_f64()
 }
 
+/// The rows a `drain` says it published (`drained: N rows published ...`).
+fn published_by(out: &std::process::Output) -> usize {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("drained: ")?
+                .split_once(" rows published")?
+                .0
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no published count in the drain's output: {}", text(out)))
+}
+
 /// Contract section 4 (`max_rate`): a table's rate limit holds for all its relays
 /// together: one relay and two relays at once each publish at max_rate (within 25%), every
-/// row once and in key order.
+/// row once and in key order. With two, each drain publishes at least a quarter of the
+/// rows, so the combined rate is measured while both publish (one drain idle would hide a
+/// limit applied per process).
 #[tokio::test(flavor = "multi_thread")]
 async fn max_rate_holds_for_one_relay_and_for_two_together() {
     const RATE: f64 = 400.0;
+    const ROWS: usize = 2_400;
     let env = Env::new(relay()).await;
     env.table_option(&format!("max_rate = {RATE}"));
     let client = env.client().await;
     for relays in [1, 2] {
-        env.nats.client().await.unwrap();
         let before = env.stored().await.len();
-        seed(&client, 2_400, 30, 0).await;
+        seed(&client, ROWS as i64, 30, 0).await;
         let inserted = ids(&client).await;
+        let sent = watch_sends(&env.nats).await;
+        // At once, each on a thread of its own, every one bounded.
         let drains: Vec<_> = (0..relays)
-            .map(|_| {
-                env.command(&["drain", "--timeout", "60s"])
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
+            .map(|_| env.command(&["drain", "--timeout", "60s"]))
             .collect();
-        for d in drains {
-            let out = d.wait_with_output().unwrap();
+        let outs: Vec<_> = drains
+            .into_iter()
+            .map(|mut d| std::thread::spawn(move || d.output_within(RUN_LIMIT).unwrap()))
+            .collect();
+        let mut shares = Vec::new();
+        for out in outs {
+            let out = out.join().unwrap();
             assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+            shares.push(published_by(&out));
         }
+        assert_eq!(shares.iter().sum::<usize>(), ROWS, "{shares:?}");
+        assert!(
+            shares.iter().all(|&n| n >= ROWS / 4),
+            "{relays} relay(s): a drain published less than a quarter of the rows: {shares:?}"
+        );
+        assert_each_sent_once(&inserted, &sends_so_far(&env.nats, &sent).await);
         let stored = env.stored().await;
         let new = &stored[before..];
         let audit = audit(&inserted, new);
         audit.assert_nothing_lost_in_order();
+        assert_eq!(audit.duplicates, 0);
         let rate = steady_rate(new);
-        eprintln!("{relays} relay(s) at max_rate = {RATE}: {rate:.0} rows/s");
+        eprintln!("{relays} relay(s) at max_rate = {RATE}: {rate:.0} rows/s, each {shares:?}");
         assert!(
             (RATE * 0.75..=RATE * 1.25).contains(&rate),
             "{relays} relay(s): {rate:.0} rows/s against max_rate {RATE}"
