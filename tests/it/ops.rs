@@ -780,14 +780,24 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
         after_pause < Duration::from_millis(1200),
         "a row was published {after_pause:?} after the pause"
     );
-    // A relay restarted while the table is paused does not claim it either.
+    // A relay restarted while the table is paused does not claim it either: once it is
+    // ready (its workers started after it read the pause state), it publishes nothing
+    // for 2.5 s, while the writer keeps adding rows.
     stop_logged(&mut b, &other_log);
     let mut b = spawn(Some(b_port), &other_log);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let b_addr = format!("127.0.0.1:{b_port}");
+    wait_http(&b_addr, "/readyz", 200, Duration::from_secs(20)).await;
+    let pending_then = count(&env.client().await, "SELECT count(*) FROM public.outbox").await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(
         env.stored().await.len(),
         settled.len(),
-        "published while paused"
+        "published while paused, by the relay restarted while paused: {}",
+        std::fs::read_to_string(&other_log).unwrap_or_default()
+    );
+    assert!(
+        count(&env.client().await, "SELECT count(*) FROM public.outbox").await > pending_then,
+        "the writer kept writing while relay b watched"
     );
     let gauge = r#"outbox_relay_table_paused{table="public.outbox"}"#;
     assert_eq!(scrape(&addr, gauge), Some(1.0));
