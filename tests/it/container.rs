@@ -6,7 +6,7 @@
 //!
 //! Needs podman, runc and debootstrap (`scripts/install-deps --image`, which
 //! `scripts/test` runs). Without them the test says so loudly and passes, except under
-//! `CI=true`, where it fails.
+//! CI (`CI` set to anything but `false` or `0`, as CI services set it), where it fails.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -36,8 +36,24 @@ fn installed(program: &str) -> bool {
         .any(|dir| dir.join(program).is_file())
 }
 
+/// Whether `CI`'s value says the tests run under CI: set and not empty, `false` or `0`
+/// (GitHub, GitLab and most services set `true`; others `1` or `yes`).
+fn under_ci(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "false" | "0"))
+}
+
+#[test]
+fn any_ci_value_but_false_or_0_counts_as_ci() {
+    for value in ["true", "1", "yes", "TRUE", "on", "woodpecker"] {
+        assert!(under_ci(Some(value)), "CI={value:?} must count as CI");
+    }
+    for value in [None, Some(""), Some("false"), Some("0"), Some("False")] {
+        assert!(!under_ci(value), "CI={value:?} must not count as CI");
+    }
+}
+
 /// Whether the tools `scripts/image` and this test need are installed. When they are not,
-/// the test is skipped with a loud message, or fails under `CI=true`.
+/// the test is skipped with a loud message, or fails under CI ([`under_ci`]).
 fn tools_or_skip() -> bool {
     let missing: Vec<&str> = ["podman", "runc", "debootstrap"]
         .into_iter()
@@ -50,10 +66,10 @@ fn tools_or_skip() -> bool {
         "{} not installed (scripts/install-deps --image installs them)",
         missing.join(", ")
     );
-    assert_ne!(
-        std::env::var("CI").as_deref(),
-        Ok("true"),
-        "CI=true, so the container test may not be skipped: {why}"
+    let ci = std::env::var("CI").ok();
+    assert!(
+        !under_ci(ci.as_deref()),
+        "CI={ci:?}, so the container test may not be skipped: {why}"
     );
     // Past the test harness's capture, which hides what a passing test prints.
     use std::io::Write;

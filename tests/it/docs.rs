@@ -1,6 +1,7 @@
 //! The documentation keeps up with the code: the configuration reference lists exactly the
-//! keys the relay accepts, the example config is accepted and shows every key, and every
-//! relative link in the README and docs/ leads somewhere.
+//! keys the relay accepts, with the defaults the loader uses; the example config is
+//! accepted and shows every key; and every relative link in the README and docs/ leads
+//! somewhere.
 //!
 //! The accepted keys are not a list kept by hand: they are asked of the config loader
 //! itself. Its raw types reject unknown keys (`deny_unknown_fields`), and the error for an
@@ -208,16 +209,20 @@ fn repo_file(path: &str) -> String {
     std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
 }
 
-/// The reference's "## Every key" part: the first cell of each table row (`` `relay.workers` ``)
-/// and each `### `[section]`` heading.
-fn documented(reference: &str) -> (BTreeSet<String>, BTreeSet<String>) {
-    let (mut keys, mut sections) = (BTreeSet::new(), BTreeSet::new());
+/// The text of the reference's "## Every key" part.
+fn every_key_part(reference: &str) -> &str {
     let part = reference
         .split_once("\n## Every key\n")
         .expect("docs/configuration.md has a \"## Every key\" section")
         .1;
-    let part = part.split("\n## ").next().unwrap();
-    for line in part.lines() {
+    part.split("\n## ").next().unwrap()
+}
+
+/// The reference's "## Every key" part: the first cell of each table row (`` `relay.workers` ``)
+/// and each `### `[section]`` heading.
+fn documented(reference: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut keys, mut sections) = (BTreeSet::new(), BTreeSet::new());
+    for line in every_key_part(reference).lines() {
         if let Some(cell) = line.strip_prefix("| `") {
             let key = cell.split('`').next().unwrap();
             assert!(keys.insert(key.to_owned()), "{key} is documented twice");
@@ -258,6 +263,105 @@ fn every_config_key_is_documented_and_every_documented_key_is_accepted() {
     assert_eq!(
         documented_sections, sections,
         "{REFERENCE}: one `### \\`[section]\\`` heading per section"
+    );
+}
+
+/// The default the reference gives each key whose default cell is one TOML value
+/// (`` `8` ``, `` `"30s"` ``, `` `true` ``); defaults in words ("required", "none", "the id
+/// column", `` `"headers"` if present``) are left out.
+fn documented_defaults(reference: &str) -> Vec<(String, toml::Value)> {
+    every_key_part(reference)
+        .lines()
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.strip_prefix("| `")?.split(" | ").collect();
+            let key = cells[0].split('`').next()?;
+            let default = cells.get(1)?.strip_prefix('`')?.strip_suffix('`')?;
+            if default.contains('`') {
+                return None;
+            }
+            let mut parsed: toml::Table = toml::from_str(&format!("v = {default}")).ok()?;
+            Some((key.to_owned(), parsed.remove("v")?))
+        })
+        .collect()
+}
+
+/// `base()` with `key` (`relay.workers`, `tables.columns.id`) set to `value`; a key of
+/// `[sink.nats]` with `sink.kind = "nats"`, so that its section is read.
+fn with_key(key: &str, value: Option<toml::Value>) -> toml::Table {
+    let mut config = base();
+    if key.starts_with("sink.nats.") {
+        table_at(&mut config, &[Step::Key("sink".into())])
+            .insert("kind".into(), toml::Value::String("nats".into()));
+    }
+    let Some(value) = value else {
+        return config;
+    };
+    let mut path = Vec::new();
+    for name in key.split('.') {
+        path.push(Step::Key(name.to_owned()));
+        if name == "tables" && path.len() == 1 {
+            path.push(Step::First);
+        }
+    }
+    let (Some(Step::Key(name)), parent) = (path.last().cloned(), &path[..path.len() - 1]) else {
+        unreachable!("a key's path ends with its name")
+    };
+    table_at(&mut config, parent).insert(name, value);
+    config
+}
+
+/// The config the loader makes of `config`, every field shown (`Debug`), or its refusal.
+fn loaded(config: &toml::Table) -> String {
+    match load(&toml::to_string(config).unwrap()) {
+        Ok(c) => format!("{c:#?}"),
+        Err(e) => format!("refused: {e}"),
+    }
+}
+
+#[test]
+fn every_documented_default_is_the_loaders_default() {
+    let defaults = documented_defaults(&repo_file(REFERENCE));
+    let read: BTreeSet<&str> = defaults.iter().map(|(k, _)| k.as_str()).collect();
+    eprintln!("{} documented defaults compared: {read:?}", read.len());
+    // The reading is sound: it finds defaults of every type and section.
+    for key in [
+        "postgres.pool_size",
+        "postgres.prepared_statements",
+        "relay.poll_interval",
+        "relay.max_batch_bytes",
+        "relay.ordering",
+        "sink.publish_timeout",
+        "sink.nats.url",
+        "tables.topic",
+        "tables.columns.id",
+        "shutdown.drain_timeout",
+    ] {
+        assert!(read.contains(key), "no default read for {key}: {read:?}");
+    }
+    // And the comparison tells a value that is not the default.
+    assert_ne!(
+        loaded(&with_key("relay.workers", None)),
+        loaded(&with_key("relay.workers", Some(toml::Value::Integer(5)))),
+        "the loaded config does not show relay.workers"
+    );
+    let wrong: Vec<String> = defaults
+        .iter()
+        .filter_map(|(key, value)| {
+            let plain = loaded(&with_key(key, None));
+            let set = loaded(&with_key(key, Some(value.clone())));
+            let changed: Vec<&str> = set
+                .lines()
+                .filter(|l| !plain.lines().any(|p| p == *l))
+                .map(str::trim)
+                .collect();
+            (set != plain).then(|| format!("{key} = {value}: {}", changed.join(" ")))
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{REFERENCE} gives defaults the loader does not use (setting the key to its documented \
+         default changes the loaded config):\n  {}",
+        wrong.join("\n  ")
     );
 }
 

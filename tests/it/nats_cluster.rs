@@ -3,7 +3,9 @@
 //! row is lost, no phantom appears, duplicates are dropped by `Nats-Msg-Id` and each key
 //! keeps its id order. Each test prints the stall it saw: the longest time in which no row
 //! left the outbox after the kill, how long the cluster took to name a live stream leader,
-//! and the difference (the relay's share).
+//! and the difference (the relay's share), which the tests that take the stream's leader
+//! down bound: the relay sends what the old leader dropped again when the new one is
+//! elected, long before its publish timeout.
 //!
 //! The tests run alone, each with the machine to itself (`common::alone`: they share two
 //! cores; the stall they measure would otherwise be the other tests' load).
@@ -22,6 +24,15 @@ const KEYS: i64 = 50;
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
 /// The relay's NATS connection name, as the servers' `/connz` shows it.
 const CLIENT_NAME: &str = "outbox-relay";
+/// The relay's `sink.publish_timeout` here: far above the stalls the tests allow, so only
+/// the resend on a leader election gets the drain going again in time, not the timeout.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long after the cluster named a new stream leader the relay may take to publish
+/// again when the old one stepped down (a graceful stop, lame-duck mode): it sends the
+/// unacknowledged messages again at the election's advisory.
+const RESUME_AFTER_STEP_DOWN: Duration = Duration::from_secs(2);
+/// The same when the old leader froze (and the cluster took seconds to notice).
+const RESUME_AFTER_CRASH: Duration = Duration::from_secs(1);
 
 /// Which server a test kills mid-drain.
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +50,9 @@ enum Down {
     Stopped,
     /// SIGUSR2: lame-duck mode (`nats-server --signal ldm`), then the server exits.
     LameDuck,
+    /// SIGSTOP: the server hangs with its connections open (a paused VM, a long GC pause):
+    /// what it received is neither stored nor answered, and nothing tells the relay.
+    Frozen,
 }
 
 /// What a drain through a kill saw.
@@ -59,11 +73,43 @@ struct Crash {
     was_meta_leader: bool,
 }
 
+impl Crash {
+    /// How much longer than the election the relay stalled: its own share.
+    fn beyond_election(&self) -> Duration {
+        self.stall.saturating_sub(self.election)
+    }
+
+    /// Fails unless the relay stalled at most `bound` beyond the election, and the outbox
+    /// emptied before [`PUBLISH_TIMEOUT`]: the publishes the old leader dropped were sent
+    /// again at the new leader's advisory, not after the timeout. (The stall alone does
+    /// not tell: one worker waiting out the timeout stalls only its own keys, and the
+    /// others' rows keep leaving the outbox.)
+    fn assert_resumed_within(&self, bound: Duration) {
+        assert!(
+            self.drain_after_kill < PUBLISH_TIMEOUT,
+            "the outbox emptied {:?} after the leader went down, past the publish timeout \
+             ({PUBLISH_TIMEOUT:?}): a publish the old leader dropped waited it out: {self:?}",
+            self.drain_after_kill
+        );
+        assert!(
+            self.beyond_election() < bound,
+            "stalled {:?}, {:?} beyond the election of a new stream leader (bound {bound:?}): \
+             the dropped publishes were not sent again at the election: {self:?}",
+            self.stall,
+            self.beyond_election()
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn stream_leader_killed_mid_drain_loses_no_row_and_keeps_key_order() {
     let _alone = alone();
     let crash = drain_through_a_crash(Victim::StreamLeader, Down::Killed).await;
     assert!(crash.was_leader && !crash.was_relays_server);
+    // Not bounded yet (issue 53): in one run of five the relay waited out its publish
+    // timeout after the leader's SIGKILL though the cluster elected a new leader in 5 s,
+    // a gap in the relay rather than in this test; the frozen leader's test below bounds
+    // the resend.
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -71,6 +117,7 @@ async fn stream_leader_stopped_gracefully_mid_drain_loses_no_row_and_keeps_key_o
     let _alone = alone();
     let crash = drain_through_a_crash(Victim::StreamLeader, Down::Stopped).await;
     assert!(crash.was_leader && !crash.was_relays_server);
+    crash.assert_resumed_within(RESUME_AFTER_STEP_DOWN);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -78,6 +125,18 @@ async fn stream_leader_in_lame_duck_mode_mid_drain_loses_no_row_and_keeps_key_or
     let _alone = alone();
     let crash = drain_through_a_crash(Victim::StreamLeader, Down::LameDuck).await;
     assert!(crash.was_leader && !crash.was_relays_server);
+    crash.assert_resumed_within(RESUME_AFTER_STEP_DOWN);
+}
+
+/// The one case where only the resend gets the relay going before its publish timeout:
+/// the frozen leader holds the publishes in flight unanswered, and the relay learns of the
+/// new leader only from the election's advisory.
+#[tokio::test(flavor = "multi_thread")]
+async fn stream_leader_frozen_mid_drain_loses_no_row_and_resumes_when_a_leader_is_elected() {
+    let _alone = alone();
+    let crash = drain_through_a_crash(Victim::StreamLeader, Down::Frozen).await;
+    assert!(crash.was_leader && !crash.was_relays_server);
+    crash.assert_resumed_within(RESUME_AFTER_CRASH);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -105,7 +164,13 @@ async fn drain_through_a_crash(victim: Victim, down: Down) -> Crash {
         .await
         .expect("create a stream with three replicas");
     // Env also starts a lone nats-server; the relay is pointed past it, at the cluster.
-    let env = Env::new(relay().workers(4).batch_size(200)).await;
+    let env = Env::new(
+        relay()
+            .workers(4)
+            .batch_size(200)
+            .publish_timeout(&format!("{}s", PUBLISH_TIMEOUT.as_secs())),
+    )
+    .await;
     let client = env.client().await;
     seed(&client, ROWS, KEYS, 0).await;
     let inserted = ids(&client).await;
@@ -151,6 +216,7 @@ async fn drain_through_a_crash(victim: Victim, down: Down) -> Crash {
         Down::Killed => cluster.kill(killed),
         Down::Stopped => cluster.stop(killed, Signal::Term).expect("SIGTERM"),
         Down::LameDuck => cluster.stop(killed, Signal::Usr2).expect("SIGUSR2"),
+        Down::Frozen => cluster.stop(killed, Signal::Stop).expect("SIGSTOP"),
     }
     let new_leader = async {
         // Only to tell the cluster's share of the stall from the relay's.
@@ -168,7 +234,7 @@ async fn drain_through_a_crash(victim: Victim, down: Down) -> Crash {
     );
     let drain_after_kill = killed_at.elapsed();
     terminate_cleanly(&mut relay);
-    if !matches!(down, Down::Killed) {
+    if matches!(down, Down::Stopped | Down::LameDuck) {
         cluster
             .wait_stopped(killed)
             .await

@@ -780,14 +780,24 @@ async fn pause_stops_every_relay_of_the_table_within_a_second_until_resume() {
         after_pause < Duration::from_millis(1200),
         "a row was published {after_pause:?} after the pause"
     );
-    // A relay restarted while the table is paused does not claim it either.
+    // A relay restarted while the table is paused does not claim it either: once it is
+    // ready (its workers started after it read the pause state), it publishes nothing
+    // for 2.5 s, while the writer keeps adding rows.
     stop_logged(&mut b, &other_log);
     let mut b = spawn(Some(b_port), &other_log);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    let b_addr = format!("127.0.0.1:{b_port}");
+    wait_http(&b_addr, "/readyz", 200, Duration::from_secs(20)).await;
+    let pending_then = count(&env.client().await, "SELECT count(*) FROM public.outbox").await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(
         env.stored().await.len(),
         settled.len(),
-        "published while paused"
+        "published while paused, by the relay restarted while paused: {}",
+        std::fs::read_to_string(&other_log).unwrap_or_default()
+    );
+    assert!(
+        count(&env.client().await, "SELECT count(*) FROM public.outbox").await > pending_then,
+        "the writer kept writing while relay b watched"
     );
     let gauge = r#"outbox_relay_table_paused{table="public.outbox"}"#;
     assert_eq!(scrape(&addr, gauge), Some(1.0));
@@ -865,12 +875,42 @@ async fn drain_does_not_wait_for_a_paused_table_and_exits_3_while_its_rows_remai
 }
 
 /// Contract section 3: `status --format json` prints one JSON document `{"tables": [...]}`
-/// with the contract's fields; the pause fields appear while paused.
+/// with the contract's fields, each counted apart: a table seeded with 7 pending rows (3
+/// of them failing, 2 of those waiting for a retry), 4 held back, 1 dead, 5 kept as
+/// published and its oldest pending row an hour old shows exactly these numbers and the
+/// held rows, oldest first; the pause fields appear while paused.
 #[tokio::test(flavor = "multi_thread")]
 async fn status_as_json_is_one_document_with_the_contract_fields() {
     let env = Env::new(relay()).await;
     let client = env.client().await;
-    seed(&client, 7, 3, 0).await;
+    // Key a: a dead row holding back two; key b: a row waiting an hour for its retry,
+    // holding back two; key c: one waiting two hours, holding back none; key d: a failed
+    // row due again (failing, not waiting); five published rows.
+    let seeded: Vec<i64> = column(
+        &client,
+        "INSERT INTO public.outbox \
+           (topic, key, payload, created_at, attempts, last_error, dead_at, next_attempt_at, \
+            published_at) VALUES \
+           ('events.a', 'a', 'x', now() - interval '2 hours', 5, 'dead a', \
+            now() - interval '10 minutes', NULL, NULL), \
+           ('events.a', 'a', 'x', now() - interval '1 hour', 0, NULL, NULL, NULL, NULL), \
+           ('events.a', 'a', 'x', now(), 0, NULL, NULL, NULL, NULL), \
+           ('events.b', 'b', 'x', now(), 2, 'timeout b', NULL, now() + interval '1 hour', NULL), \
+           ('events.b', 'b', 'x', now(), 0, NULL, NULL, NULL, NULL), \
+           ('events.b', 'b', 'x', now(), 0, NULL, NULL, NULL, NULL), \
+           ('events.c', 'c', 'x', now(), 1, 'timeout c', NULL, now() + interval '2 hours', NULL), \
+           ('events.d', 'd', 'x', now(), 3, 'timeout d', NULL, now() - interval '1 minute', NULL) \
+         RETURNING id",
+        &[],
+    )
+    .await;
+    client
+        .batch_execute(
+            "INSERT INTO public.outbox (topic, key, payload, published_at) \
+             SELECT 'events.p', NULL, 'x', now() FROM generate_series(1, 5)",
+        )
+        .await
+        .unwrap();
     assert!(env
         .relay(&["pause", "--reason", "broker upgrade"])
         .status
@@ -884,14 +924,47 @@ async fn status_as_json_is_one_document_with_the_contract_fields() {
     let doc = parse(env.relay(&["status", "--format", "json"]));
     let t = &doc["tables"][0];
     assert_eq!(t["table"], "public.outbox", "{doc}");
-    assert_eq!(t["pending"], 7, "{doc}");
-    assert!(
-        t["oldest_pending_age_seconds"].as_f64().unwrap() >= 0.0,
-        "{doc}"
-    );
-    for (field, value) in [("failing", 0), ("waiting_retry", 0), ("dead", 0)] {
+    for (field, value) in [
+        ("pending", 7),
+        ("failing", 3),
+        ("waiting_retry", 2),
+        ("held_back", 4),
+        ("dead", 1),
+        ("published", 5),
+    ] {
         assert_eq!(t[field], value, "{field}: {doc}");
     }
+    let age = t["oldest_pending_age_seconds"].as_f64().unwrap();
+    assert!(
+        (3_600.0..3_660.0).contains(&age),
+        "oldest pending age {age}: {doc}"
+    );
+    let held = t["held_rows"].as_array().unwrap();
+    let shown: Vec<_> = held
+        .iter()
+        .map(|r| {
+            (
+                r["id"].as_i64().unwrap(),
+                r["attempts"].as_i64().unwrap(),
+                r["key"].as_str().unwrap(),
+                r["holds_back"].as_i64().unwrap(),
+                r["last_error"].as_str().unwrap(),
+                r["dead_at"].is_string(),
+                r["next_attempt_at"].is_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            (seeded[0], 5, "a", 2, "dead a", true, false),
+            (seeded[3], 2, "b", 2, "timeout b", false, true),
+            (seeded[6], 1, "c", 0, "timeout c", false, true),
+        ],
+        "held rows: {doc}"
+    );
+    // The next attempt due is key b's, an hour away.
+    assert_eq!(t["next_attempt_at"], held[1]["next_attempt_at"], "{doc}");
     assert_eq!(t["paused"], true, "{doc}");
     assert_eq!(t["paused_reason"], "broker upgrade", "{doc}");
     assert!(t["paused_at"].as_str().unwrap().starts_with("20"), "{doc}");
