@@ -16,6 +16,7 @@ mod config_errors;
 mod container;
 mod distant;
 mod docs;
+mod durability;
 mod failover;
 mod faults;
 mod flat_cost;
