@@ -63,17 +63,20 @@ impl Destination {
         })
     }
 
-    /// The settings on one line: `replicas 3, storage file, ...`.
+    /// The settings on one line: `replicas 3, storage file, sync_interval 2m (how known)`.
     pub(crate) fn summary(&self) -> String {
-        self.settings
-            .iter()
-            .map(|(k, v)| match v {
-                Value::Null => format!("{k} unknown"),
-                Value::String(s) => format!("{k} {s}"),
-                other => format!("{k} {other}"),
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
+        let mut parts: Vec<String> = Vec::new();
+        for (k, v) in &self.settings {
+            match (k.strip_suffix("_source"), v, parts.last_mut()) {
+                // Where the previous setting's value came from, beside it.
+                (Some(_), Value::String(s), Some(last)) => last.push_str(&format!(" ({s})")),
+                (Some(_), _, _) => {}
+                (None, Value::Null, _) => parts.push(format!("{k} unknown")),
+                (None, Value::String(s), _) => parts.push(format!("{k} {s}")),
+                (None, other, _) => parts.push(format!("{k} {other}")),
+            }
+        }
+        parts.join(", ")
     }
 }
 
@@ -192,7 +195,7 @@ pub(crate) fn judge_topic(t: &TopicSettings, brokers: &str) -> Destination {
     let unread = |setting: &'static str, want: &str| Warning {
         setting,
         message: format!(
-            "topic {name}: {setting} could not be read ({}): see it with `{configs} \
+            "{setting} of topic {name} could not be read ({}): see it with `{configs} \
              --describe`; it should be {want}",
             t.configs_unread
                 .as_deref()

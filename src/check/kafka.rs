@@ -64,12 +64,8 @@ pub(super) async fn check_kafka(
                 continue;
             }
             match topics.get(topic) {
-                Some(partitions) => {
-                    out.push(
-                        Level::Ok,
-                        format!("topic {topic}"),
-                        format!("{partitions} partitions"),
-                    );
+                // Its partitions are reported with its durability, below.
+                Some(_) => {
                     existing.insert(topic.clone());
                 }
                 None => out.push(
@@ -92,10 +88,20 @@ pub(super) async fn check_kafka(
                 out.durability(subject, judge_topic(&t, &kafka.brokers));
             }
         }
-        Err(e) => out.push(
-            Level::Warn,
-            "kafka topics",
-            format!("their durability settings could not be read: {e}"),
-        ),
+        Err(e) => {
+            for topic in &existing {
+                let partitions = topics.get(topic).copied().unwrap_or_default();
+                out.push(
+                    Level::Ok,
+                    format!("topic {topic}"),
+                    format!("partitions {partitions}"),
+                );
+            }
+            out.push(
+                Level::Warn,
+                "kafka topics",
+                format!("their durability settings could not be read: {e}"),
+            )
+        }
     }
 }

@@ -49,7 +49,7 @@ async fn one_replica_and_memory_storage_are_warnings_naming_the_setting_and_exit
     assert_eq!(out.status.code(), Some(0), "warnings only: {all}");
     let lines = stdout(&out);
     assert!(
-        lines.contains("ok   stream OUTBOX: replicas 1, storage file, sync_interval"),
+        lines.contains("ok   stream OUTBOX: replicas 1, storage file, sync_interval "),
         "{all}"
     );
     assert!(
@@ -215,7 +215,7 @@ async fn a_kafka_topic_with_replication_factor_1_is_a_warning_naming_it() {
     // The mock cluster does not answer DescribeConfigs: the two configs are unknown, and
     // said to be, not taken as safe.
     assert!(
-        all.contains("WARN topic triple: topic triple: min.insync.replicas could not be read"),
+        all.contains("WARN topic triple: min.insync.replicas of topic triple could not be read"),
         "{all}"
     );
 

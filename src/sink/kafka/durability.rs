@@ -134,7 +134,13 @@ async fn replication(
                 Some(TopicSettings {
                     name: name.clone(),
                     partitions: t.partitions().len(),
-                    replication_factor: t.partitions().iter().map(|p| p.replicas().len()).min(),
+                    // A broker that lists no replicas says nothing of them.
+                    replication_factor: t
+                        .partitions()
+                        .iter()
+                        .map(|p| p.replicas().len())
+                        .min()
+                        .filter(|&n| n > 0),
                     min_insync_replicas: None,
                     unclean_leader_election: None,
                     configs_unread: None,
