@@ -32,6 +32,7 @@ mod ops;
 mod ordering;
 mod pgbouncer;
 mod pgbouncer_harness;
+mod recovery;
 mod replay;
 mod retention;
 mod security;
