@@ -164,6 +164,13 @@ async fn varz_sync(sink: &NatsSink) -> Option<SyncPolicy> {
     .ok()?
     .ok()?;
     let varz: serde_json::Value = serde_json::from_slice(&reply.payload).ok()?;
+    sync_from_varz(&varz)
+}
+
+/// The sync policy in a `$SYS.REQ.SERVER.PING.VARZ` answer (`{"data": {"jetstream":
+/// {"config": {"sync_interval": <ns>, "sync_always": <bool>}}}}`; nats-server 2.10+ leaves
+/// out a field at its default).
+fn sync_from_varz(varz: &serde_json::Value) -> Option<SyncPolicy> {
     let config = varz.get("data")?.get("jetstream")?.get("config")?;
     if config.get("sync_always").and_then(|v| v.as_bool()) == Some(true) {
         return Some(SyncPolicy::Always);
@@ -194,7 +201,36 @@ fn before_2_10(version: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::before_2_10;
+    use super::*;
+
+    #[test]
+    fn varz_says_always_an_interval_or_nothing_for_the_default() {
+        let varz = |config: serde_json::Value| {
+            sync_from_varz(&serde_json::json!({"data": {"jetstream": {"config": config}}}))
+        };
+        assert_eq!(
+            varz(serde_json::json!({"sync_always": true})),
+            Some(SyncPolicy::Always)
+        );
+        let every = |p: Option<SyncPolicy>| match p {
+            Some(SyncPolicy::Every { interval, .. }) => interval,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            every(varz(
+                serde_json::json!({"sync_interval": 10_000_000_000u64})
+            )),
+            Duration::from_secs(10)
+        );
+        assert_eq!(
+            every(varz(serde_json::json!({"max_memory": 1}))),
+            NATS_DEFAULT_SYNC
+        );
+        assert_eq!(
+            sync_from_varz(&serde_json::json!({"error": "denied"})),
+            None
+        );
+    }
 
     #[test]
     fn sync_interval_is_fixed_before_nats_server_2_10() {
