@@ -97,8 +97,7 @@ pub(super) async fn check_kafka(
                     format!("partitions {partitions}"),
                 );
             }
-            out.push(
-                Level::Warn,
+            out.unverified(
                 "kafka topics",
                 format!("their durability settings could not be read: {e}"),
             )

@@ -101,6 +101,17 @@ impl Report {
         });
     }
 
+    /// A destination whose durability could not be read: a warning, a failure with
+    /// `--strict` (what cannot be verified is not taken as safe).
+    fn unverified(&mut self, subject: impl Into<String>, message: impl Into<String>) {
+        let level = if self.strict {
+            Level::Fail
+        } else {
+            Level::Warn
+        };
+        self.push(level, subject, message);
+    }
+
     /// A destination's settings on one line, then a line per warning (a failure with
     /// `--strict`).
     fn durability(&mut self, subject: String, destination: Destination) {

@@ -88,12 +88,12 @@ pub(super) async fn check_streams(
                 Ok(mut stream) => match stream.info().await {
                     Ok(info) => info.config.clone(),
                     Err(e) => {
-                        out.push(Level::Warn, subject, e.to_string());
+                        out.unverified(subject, format!("its settings could not be read: {e}"));
                         continue;
                     }
                 },
                 Err(e) => {
-                    out.push(Level::Warn, subject, e.to_string());
+                    out.unverified(subject, format!("its settings could not be read: {e}"));
                     continue;
                 }
             };
