@@ -43,7 +43,7 @@ pub(super) async fn check_streams(
         "jetstream",
         format!("enabled (nats-server {})", info.version),
     );
-    let mut sync = None;
+    let mut sync: Option<SyncPolicy> = None;
     let mut streams_judged = BTreeSet::new();
     for (table, set) in subjects {
         if set.is_empty() {
@@ -114,17 +114,17 @@ pub(super) async fn check_streams(
                     format!("duplicate window {:?}", config.duplicate_window),
                 );
             }
-            if sync.is_none() {
-                sync = Some(server_sync(sink, &info.version).await);
-            }
+            // The connected server's; asked once, and only when there is a stream.
+            let policy = match &sync {
+                Some(policy) => policy.clone(),
+                None => sync.insert(server_sync(sink, &info.version).await).clone(),
+            };
             let settings = StreamSettings {
                 name: name.clone(),
                 // The server reports 1 for a stream created without a replica count.
                 replicas: config.num_replicas.max(1),
                 memory: config.storage == async_nats::jetstream::stream::StorageType::Memory,
-                sync: sync.clone().unwrap_or(SyncPolicy::Unseen {
-                    why: "not asked".into(),
-                }),
+                sync: policy,
             };
             out.durability(subject, judge_stream(&settings));
         }
