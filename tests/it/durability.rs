@@ -244,3 +244,89 @@ async fn a_kafka_topic_with_replication_factor_1_is_a_warning_naming_it() {
     let strict = outbox_relay::check::check(&m.config, true).await;
     assert!(strict.failed(), "--strict makes the warnings failures");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn tansu_reports_min_insync_replicas_and_unclean_election_and_each_unsafe_one_warns() {
+    let broker = testkit::KafkaBroker::start().expect("start tansu");
+    broker
+        .create_topic_with_config(
+            "loose",
+            1,
+            &[
+                ("min.insync.replicas", "1"),
+                ("unclean.leader.election.enable", "true"),
+            ],
+        )
+        .unwrap();
+    broker
+        .create_topic_with_config(
+            "careful",
+            1,
+            &[
+                ("min.insync.replicas", "2"),
+                ("unclean.leader.election.enable", "false"),
+            ],
+        )
+        .unwrap();
+    let m = kafka_outbox(&broker.bootstrap(), relay()).await;
+    m.client
+        .execute(
+            "INSERT INTO public.outbox (topic, key, payload) VALUES ('loose', 'k', 'x'), ('careful', 'k', 'y')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let report = outbox_relay::check::check(&m.config, false).await;
+    let all: String = report.findings.iter().map(|f| format!("{f}\n")).collect();
+    assert!(!report.failed(), "{all}");
+    assert!(
+        all.contains("ok   topic loose: partitions 1, replication.factor 1, min.insync.replicas 1, unclean.leader.election.enable true"),
+        "{all}"
+    );
+    assert!(
+        all.contains("WARN topic loose: topic loose has min.insync.replicas 1: ")
+            && all.contains("--alter --add-config min.insync.replicas=2"),
+        "{all}"
+    );
+    assert!(
+        all.contains("WARN topic loose: topic loose allows unclean leader election: ")
+            && all.contains("--add-config unclean.leader.election.enable=false"),
+        "{all}"
+    );
+    // One broker: replication factor 1 is the one warning a careful topic still gets.
+    let careful: Vec<&str> = all
+        .lines()
+        .filter(|l| l.starts_with("WARN topic careful"))
+        .collect();
+    assert_eq!(careful.len(), 1, "{all}");
+    assert!(careful[0].contains("replication factor 1"), "{all}");
+
+    let doc = report.to_json();
+    let loose = doc["destinations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "loose")
+        .unwrap_or_else(|| panic!("{doc:#}"))
+        .clone();
+    assert_eq!(loose["settings"]["min.insync.replicas"], 1, "{loose:#}");
+    assert_eq!(
+        loose["settings"]["unclean.leader.election.enable"], true,
+        "{loose:#}"
+    );
+    let warned: Vec<&str> = loose["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["setting"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        warned,
+        [
+            "replication.factor",
+            "min.insync.replicas",
+            "unclean.leader.election.enable"
+        ],
+        "{loose:#}"
+    );
+}
