@@ -36,6 +36,12 @@ pub enum StatusFormat {
     Json,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CheckFormat {
+    Text,
+    Json,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Relay until SIGTERM/SIGINT, then drain in-flight batches and exit
@@ -54,8 +60,18 @@ pub enum Command {
         #[arg(long)]
         no_notify: bool,
     },
-    /// Validate the config, reach PostgreSQL and the broker, verify tables and streams
-    Check,
+    /// Validate the config, reach PostgreSQL and the broker, verify tables and streams, and
+    /// report each destination's durability (exit 1 if anything failed)
+    Check {
+        /// text: one line per finding; json: one document with the findings and, per
+        /// stream or topic, its durability settings and warnings
+        #[arg(long, value_enum, default_value_t = CheckFormat::Text)]
+        format: CheckFormat,
+        /// A durability warning (a setting that lets the broker lose an acknowledged
+        /// message) is a failure: exit 1
+        #[arg(long)]
+        strict: bool,
+    },
     /// Per table: pending rows and the oldest one's age, failing rows, dead rows, paused
     Status {
         /// text: one line per table (and its held rows); json: one document

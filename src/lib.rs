@@ -25,7 +25,8 @@
 //!   breaker, the run's state and report, and the background tasks it awaits at the end.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.
-//! - [`check`]: the `check` command's findings.
+//! - [`check`]: the `check` command's findings, each destination's durability among them
+//!   (`check::durability`: a stream's or topic's settings -> warnings naming the fix).
 //! - [`admin`]: the `status`, `requeue`, `replay` and `pause`/`resume` commands.
 //! - `error`: the three classes every error falls into: transient, bad row, fatal.
 //! - `retry`: the one capped exponential backoff with full jitter everyone uses.

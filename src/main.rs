@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use outbox_relay::cli::{Cli, Command, LogFormat, StatusFormat};
+use outbox_relay::cli::{CheckFormat, Cli, Command, LogFormat, StatusFormat};
 use outbox_relay::config::{self, Config};
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
@@ -56,7 +56,7 @@ async fn execute(command: Command, config: Config) -> u8 {
             relay_until_stopped(&config, Mode::Drain, limit).await
         }
         Command::Migrate { no_notify } => run_migrate(&config, !no_notify).await,
-        Command::Check => run_check(&config).await,
+        Command::Check { format, strict } => run_check(&config, format, strict).await,
         Command::Status { format } => match admin::status(&config).await {
             Ok(tables) => {
                 match format {
@@ -135,13 +135,15 @@ async fn run_replay(
     }
 }
 
-/// `check`: one line per finding; exit 1 if any failed.
-async fn run_check(config: &Config) -> u8 {
-    let findings = check::check(config).await;
-    for f in &findings {
-        say(&f.to_string());
+/// `check`: one line per finding (or one JSON document); exit 1 if any failed (with
+/// `--strict`, a durability warning is a failure).
+async fn run_check(config: &Config, format: CheckFormat, strict: bool) -> u8 {
+    let report = check::check(config, strict).await;
+    match format {
+        CheckFormat::Text => report.findings.iter().for_each(|f| say(&f.to_string())),
+        CheckFormat::Json => say(&report.to_json().to_string()),
     }
-    if findings.iter().any(|f| f.level == check::Level::Fail) {
+    if report.failed() {
         EXIT_FAILURE
     } else {
         EXIT_OK

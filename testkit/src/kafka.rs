@@ -197,15 +197,30 @@ impl KafkaBroker {
 
     /// Creates a topic (tansu does not auto-create them).
     pub fn create_topic(&self, name: &str, partitions: u32) -> Result<()> {
-        let out = Command::new(tansu_bin())
-            .args([
-                "topic",
-                "create",
-                name,
-                "--partitions",
-                &partitions.to_string(),
-                "--broker",
-            ])
+        self.create_topic_with_config(name, partitions, &[])
+    }
+
+    /// Creates a topic with topic configs (`min.insync.replicas`, ...), which tansu then
+    /// reports in DescribeConfigs.
+    pub fn create_topic_with_config(
+        &self,
+        name: &str,
+        partitions: u32,
+        config: &[(&str, &str)],
+    ) -> Result<()> {
+        let mut cmd = Command::new(tansu_bin());
+        cmd.args([
+            "topic",
+            "create",
+            name,
+            "--partitions",
+            &partitions.to_string(),
+        ]);
+        for (key, value) in config {
+            cmd.arg("--config").arg(format!("{key}={value}"));
+        }
+        let out = cmd
+            .arg("--broker")
             .arg(format!("tcp://127.0.0.1:{}", self.port))
             .output()
             .context("run tansu topic create")?;

@@ -272,7 +272,7 @@ async fn kafka_check_reads_metadata_and_refuses_unsafe_properties() {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
-        stdout.contains("ok   topic events.0: 3 partitions"),
+        stdout.contains("ok   topic events.0: partitions 3, replication.factor "),
         "{stdout}"
     );
     assert!(

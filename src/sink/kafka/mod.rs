@@ -22,11 +22,13 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::{scrub, Message, NotNow, SinkError, SinkService};
 
+mod durability;
 mod errors;
 mod health;
 
 use crate::config::kafka::{is_secret, max_message_bytes, refused_properties, PRODUCER_DEFAULTS};
 use crate::config::KafkaConfig;
+pub(crate) use durability::{topic_settings, TopicSettings};
 pub(crate) use errors::check_topic;
 use errors::{classify_code, missing_topic, Class};
 use health::{Health, HealthContext};

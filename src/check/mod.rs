@@ -1,28 +1,45 @@
 //! `outbox-relay check`: everything the relay needs, verified before it runs, one line per
 //! finding, each saying what to fix. Used as systemd's `ExecStartPre`.
+//!
+//! Besides reachability and permissions it reports each destination's durability
+//! ([`durability`]): a setting that lets the broker lose a message it acknowledged is a
+//! warning naming the setting and the fix (a failure with `--strict`). `--format json`
+//! gives the same as one document ([`Report::to_json`]).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::config::kafka::refused_properties;
-use crate::config::{Config, KafkaConfig, SinkTarget, TableConfig};
-use crate::sink::kafka::{check_topic, KafkaSink};
-use crate::sink::nats::{check_subject, NatsSink};
+use serde_json::json;
+
+use crate::config::{Config, SinkTarget, TableConfig};
+use crate::sink::nats::NatsSink;
 use crate::source::{describe, schema, session, SessionLimits, SessionMode, SourceError};
+use durability::Destination;
 use tokio_postgres::GenericClient;
+
+mod durability;
+mod kafka;
+mod nats;
 
 /// The longest `check` waits to connect to NATS (the publish timeout, if shorter): a
 /// check must answer soon, and a server that is up answers well within it.
 const CHECK_CONNECT: Duration = Duration::from_secs(5);
-/// JetStream de-duplicates re-sent messages only inside this window; shorter windows let
-/// duplicates through after a crash between publish and commit.
-const MIN_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Level {
     Ok,
     Warn,
     Fail,
+}
+
+impl Level {
+    fn as_str(self) -> &'static str {
+        match self {
+            Level::Ok => "ok",
+            Level::Warn => "warn",
+            Level::Fail => "fail",
+        }
+    }
 }
 
 /// One line of `check` output.
@@ -44,22 +61,80 @@ impl std::fmt::Display for Finding {
     }
 }
 
-#[derive(Default)]
-struct Findings(Vec<Finding>);
+/// What `check` found: its lines, and each destination's durability as data.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub findings: Vec<Finding>,
+    destinations: Vec<Destination>,
+    /// Durability warnings were made failures.
+    strict: bool,
+}
 
-impl Findings {
+impl Report {
+    /// Whether any finding failed (with `--strict`, durability warnings included): exit 1.
+    pub fn failed(&self) -> bool {
+        self.findings.iter().any(|f| f.level == Level::Fail)
+    }
+
+    /// `check --format json`: `{"ok", "strict", "findings": [{level, subject, message}],
+    /// "destinations": [{kind, name, settings: {...}, warnings: [{setting, message}]}]}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let findings: Vec<_> = self
+            .findings
+            .iter()
+            .map(|f| json!({"level": f.level.as_str(), "subject": f.subject, "message": f.message}))
+            .collect();
+        let destinations: Vec<_> = self.destinations.iter().map(Destination::to_json).collect();
+        json!({
+            "ok": !self.failed(),
+            "strict": self.strict,
+            "findings": findings,
+            "destinations": destinations,
+        })
+    }
+
     fn push(&mut self, level: Level, subject: impl Into<String>, message: impl Into<String>) {
-        self.0.push(Finding {
+        self.findings.push(Finding {
             level,
             subject: subject.into(),
             message: message.into(),
         });
     }
+
+    /// A destination whose durability could not be read: a warning, a failure with
+    /// `--strict` (what cannot be verified is not taken as safe).
+    fn unverified(&mut self, subject: impl Into<String>, message: impl Into<String>) {
+        let level = if self.strict {
+            Level::Fail
+        } else {
+            Level::Warn
+        };
+        self.push(level, subject, message);
+    }
+
+    /// A destination's settings on one line, then a line per warning (a failure with
+    /// `--strict`).
+    fn durability(&mut self, subject: String, destination: Destination) {
+        self.push(Level::Ok, subject.clone(), destination.summary());
+        let level = if self.strict {
+            Level::Fail
+        } else {
+            Level::Warn
+        };
+        for w in &destination.warnings {
+            self.push(level, subject.clone(), w.message.clone());
+        }
+        self.destinations.push(destination);
+    }
 }
 
-/// Runs every check. The configuration is already valid (it was loaded).
-pub async fn check(config: &Config) -> Vec<Finding> {
-    let mut out = Findings::default();
+/// Runs every check. The configuration is already valid (it was loaded). `strict`: a
+/// durability warning is a failure.
+pub async fn check(config: &Config, strict: bool) -> Report {
+    let mut out = Report {
+        strict,
+        ..Report::default()
+    };
     out.push(Level::Ok, "config", "valid");
     let subjects = check_postgres(config, &mut out).await;
     match &config.sink.target {
@@ -67,7 +142,7 @@ pub async fn check(config: &Config) -> Vec<Finding> {
             match NatsSink::connect(nats, config.sink.publish_timeout.min(CHECK_CONNECT)).await {
                 Ok(sink) => {
                     out.push(Level::Ok, format!("nats {}", nats.redacted()), "reachable");
-                    check_streams(&sink, &subjects, &mut out).await;
+                    nats::check_streams(&sink, &subjects, &mut out).await;
                 }
                 Err(e) => out.push(
                     Level::Fail,
@@ -76,16 +151,16 @@ pub async fn check(config: &Config) -> Vec<Finding> {
                 ),
             }
         }
-        SinkTarget::Kafka(kafka) => check_kafka(kafka, config, &subjects, &mut out).await,
+        SinkTarget::Kafka(kafka) => kafka::check_kafka(kafka, config, &subjects, &mut out).await,
         SinkTarget::Stdout => out.push(Level::Ok, "sink", "stdout needs no checks"),
     }
     check_tracing(config, &mut out).await;
-    out.0
+    out
 }
 
 /// With trace export on: does the collector accept an (empty) OTLP/HTTP export? A WARN at
 /// worst, never a failure: relaying does not depend on it.
-async fn check_tracing(config: &Config, out: &mut Findings) {
+async fn check_tracing(config: &Config, out: &mut Report) {
     let Some(url) = crate::ops::otel::traces_url(&config.tracing) else {
         return;
     };
@@ -110,7 +185,7 @@ async fn check_tracing(config: &Config, out: &mut Findings) {
 
 /// Checks the database and each table; returns the subjects to look for in the broker,
 /// per table.
-async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTreeSet<String>)> {
+async fn check_postgres(config: &Config, out: &mut Report) -> Vec<(String, BTreeSet<String>)> {
     let target = format!("postgres {}", config.postgres.redacted());
     let limits = SessionLimits::one_shot(&config.postgres);
     let connected = tokio::time::timeout(
@@ -185,7 +260,7 @@ async fn check_postgres(config: &Config, out: &mut Findings) -> Vec<(String, BTr
 
 /// What the relay needs behind a pooler in transaction mode (PgBouncer), and whether the
 /// configuration gives it.
-fn pooler_findings(config: &Config, target: &str, out: &mut Findings) {
+fn pooler_findings(config: &Config, target: &str, out: &mut Report) {
     out.push(
         Level::Warn,
         target.to_owned(),
@@ -242,151 +317,4 @@ async fn table_subjects(client: &impl GenericClient, table: &TableConfig) -> BTr
             table.topic.render(&values).ok().map(|t| t.to_string())
         })
         .collect()
-}
-
-async fn check_streams(
-    sink: &NatsSink,
-    subjects: &[(String, BTreeSet<String>)],
-    out: &mut Findings,
-) {
-    let js = sink.jetstream();
-    let info = sink.server_info();
-    if !info.jetstream {
-        out.push(
-            Level::Fail,
-            "jetstream",
-            format!(
-                "server {} has JetStream disabled: start it with -js (or jetstream {{}} in its config)",
-                info.version
-            ),
-        );
-        return;
-    }
-    out.push(
-        Level::Ok,
-        "jetstream",
-        format!("enabled (nats-server {})", info.version),
-    );
-    for (table, set) in subjects {
-        if set.is_empty() {
-            out.push(
-                Level::Ok,
-                format!("table {table}"),
-                "subjects depend on row data and no row is pending; nothing to match to a stream yet",
-            );
-        }
-        let mut streams_seen = BTreeSet::new();
-        for subject in set {
-            if let Err(e) = check_subject(subject) {
-                out.push(Level::Fail, format!("subject {subject:?}"), e);
-                continue;
-            }
-            match js.stream_by_subject(subject.clone()).await {
-                Ok(stream) => {
-                    out.push(
-                        Level::Ok,
-                        format!("subject {subject}"),
-                        format!("stored by stream {stream}"),
-                    );
-                    streams_seen.insert(stream);
-                }
-                Err(_) => out.push(
-                    Level::Fail,
-                    format!("subject {subject}"),
-                    "no JetStream stream captures it: create one, e.g. \
-                     `nats stream add OUTBOX --subjects '<subject or wildcard>' --dupe-window 2m`",
-                ),
-            }
-        }
-        for name in streams_seen {
-            match js.get_stream(&name).await {
-                Ok(mut stream) => match stream.info().await {
-                    Ok(info) if info.config.duplicate_window < MIN_DUPLICATE_WINDOW => out.push(
-                        Level::Warn,
-                        format!("stream {name}"),
-                        format!(
-                            "duplicate window is {:?}; under 2m a re-send after a crash may not \
-                             be de-duplicated: raise it (--dupe-window 2m)",
-                            info.config.duplicate_window
-                        ),
-                    ),
-                    Ok(info) => out.push(
-                        Level::Ok,
-                        format!("stream {name}"),
-                        format!("duplicate window {:?}", info.config.duplicate_window),
-                    ),
-                    Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
-                },
-                Err(e) => out.push(Level::Warn, format!("stream {name}"), e.to_string()),
-            }
-        }
-    }
-}
-
-async fn check_kafka(
-    kafka: &KafkaConfig,
-    config: &Config,
-    subjects: &[(String, BTreeSet<String>)],
-    out: &mut Findings,
-) {
-    let target = format!("kafka {}", kafka.brokers);
-    let problems: Vec<String> = refused_properties(&kafka.properties)
-        .iter()
-        .map(|r| r.short())
-        .collect();
-    for p in &problems {
-        out.push(Level::Fail, "sink.kafka.properties", p.clone());
-    }
-    if !problems.is_empty() {
-        return;
-    }
-    let sink = match KafkaSink::connect(kafka, config.sink.publish_timeout) {
-        Ok(sink) => sink,
-        Err(e) => return out.push(Level::Fail, target, e.to_string()),
-    };
-    let topics = match sink.metadata(None).await {
-        Ok(topics) => {
-            out.push(
-                Level::Ok,
-                target,
-                format!("reachable ({} topics)", topics.len()),
-            );
-            topics
-        }
-        Err(e) => {
-            return out.push(
-                Level::Fail,
-                target,
-                format!("{e}: start the brokers or fix sink.kafka.brokers"),
-            )
-        }
-    };
-    for (table, set) in subjects {
-        if set.is_empty() {
-            out.push(
-                Level::Ok,
-                format!("table {table}"),
-                "topics depend on row data and no row is pending; nothing to look up yet",
-            );
-        }
-        for topic in set {
-            if let Err(e) = check_topic(topic) {
-                out.push(Level::Fail, format!("topic {topic:?}"), e);
-                continue;
-            }
-            match topics.get(topic) {
-                Some(partitions) => out.push(
-                    Level::Ok,
-                    format!("topic {topic}"),
-                    format!("{partitions} partitions"),
-                ),
-                None => out.push(
-                    Level::Warn,
-                    format!("topic {topic}"),
-                    "does not exist; unless the brokers auto-create topics, rows for it wait \
-                     (retried, never dead-lettered) until it is created",
-                ),
-            }
-        }
-    }
 }

@@ -1,0 +1,161 @@
+//! The broker lost what it had acknowledged (issue 54): with `on_publish = "mark"` and a
+//! retention, `replay --since` puts every retained row back, once, in key order, with its
+//! original message id, within the table's `max_rate`, while `run` keeps relaying.
+
+use std::time::Duration;
+
+use crate::common::*;
+
+/// Rows published before the loss, over [`KEYS`] keys.
+const ROWS: i64 = 10_000;
+const KEYS: i64 = 100;
+/// Rows committed after the replay, while the replayed ones are still going out.
+const LIVE: i64 = 500;
+/// The table's `max_rate` (rows/s, all relays together).
+const MAX_RATE: i64 = 2_000;
+
+const UNPUBLISHED: &str = "SELECT count(*) FROM public.outbox WHERE published_at IS NULL";
+
+/// A second before now, as RFC 3339 (UTC): before every row seeded after it.
+async fn a_second_ago(client: &tokio_postgres::Client) -> String {
+    client
+        .query_one(
+            "SELECT to_char((now() - interval '1 second') AT TIME ZONE 'UTC', \
+             'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// Deletes the stream and creates it again, empty: the broker "lost" everything.
+async fn lose_everything(env: &Env) {
+    let js = async_nats::jetstream::new(env.nats.client().await.unwrap());
+    js.delete_stream(STREAM).await.expect("delete the stream");
+    env.nats
+        .create_stream(STREAM, &["events.>"])
+        .await
+        .expect("create it again");
+    assert_eq!(env.nats.stream_state(STREAM).await.unwrap().0, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_restores_every_retained_row_once_in_key_order_with_its_id_within_max_rate() {
+    let env = Env::new(
+        relay()
+            .on_publish("mark")
+            .retention("1h")
+            .batch_size(200)
+            .workers(4),
+    )
+    .await;
+    env.table_option(&format!("max_rate = {MAX_RATE}"));
+    let client = env.client().await;
+    let since = a_second_ago(&client).await;
+    let (mut run, log) = env.spawn_run_logged();
+    seed(&client, ROWS, KEYS, 0).await;
+    wait_until(
+        Detailed("the first publish", log_of(&log)),
+        Duration::from_secs(90),
+        async || count(&client, UNPUBLISHED).await == 0,
+    )
+    .await;
+    assert_eq!(env.nats.stream_state(STREAM).await.unwrap().0, ROWS as u64);
+
+    lose_everything(&env).await;
+
+    let out = env.relay(&["replay", "--since", &since, "--dry-run"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("would replay {ROWS} published rows")),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        count(&client, UNPUBLISHED).await,
+        0,
+        "a dry run changes nothing"
+    );
+    assert_eq!(env.nats.stream_state(STREAM).await.unwrap().0, 0);
+
+    let out = env.relay(&["replay", "--since", &since]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("replayed {ROWS} published rows")),
+        "{}",
+        text(&out)
+    );
+    // Live rows of the same keys keep coming while the replayed ones go out.
+    seed(&client, LIVE, KEYS, 0).await;
+    wait_until(
+        Detailed(
+            "the replayed and the live rows to be published",
+            log_of(&log),
+        ),
+        Duration::from_secs(90),
+        async || count(&client, UNPUBLISHED).await == 0,
+    )
+    .await;
+    terminate_cleanly(&mut run);
+
+    let stored = env.stored().await;
+    let delivery = analyse(&stored);
+    assert_eq!(delivery.duplicates(), 0, "each row once");
+    assert_eq!(
+        delivery.counts.len() as i64,
+        ROWS + LIVE,
+        "every retained row and every live row"
+    );
+    for id in 1..=ROWS + LIVE {
+        let msg_id = format!("public.outbox:{id}");
+        assert_eq!(delivery.counts.get(&msg_id), Some(&1), "{msg_id}");
+    }
+    // Per key: the replayed rows in id order, then the live rows committed after the replay.
+    assert!(
+        delivery.order_violations().is_empty(),
+        "{:?}",
+        delivery.order_violations()
+    );
+    // Within max_rate: the bucket holds one second's worth, so N rows take at least
+    // (N - MAX_RATE) / MAX_RATE seconds from the first to the last.
+    let first = stored.iter().map(|m| m.stored_at).min().unwrap();
+    let last = stored.iter().map(|m| m.stored_at).max().unwrap();
+    let took = last.duration_since(first).unwrap();
+    let floor = Duration::from_secs_f64((ROWS + LIVE - MAX_RATE) as f64 / MAX_RATE as f64);
+    assert!(
+        took >= floor.mul_f64(0.9),
+        "{} rows in {took:?}: faster than max_rate {MAX_RATE} allows (at least {floor:?})",
+        ROWS + LIVE
+    );
+    println!(
+        "replayed {ROWS} rows and relayed {LIVE} live ones in {took:?} at max_rate {MAX_RATE}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_of_rows_the_stream_still_has_adds_no_duplicate_inside_its_window() {
+    let env = Env::new(relay().on_publish("mark").retention("1h")).await;
+    let client = env.client().await;
+    let since = a_second_ago(&client).await;
+    let mut run = env.spawn_run();
+    seed(&client, 300, 10, 0).await;
+    wait_until("the first publish", Duration::from_secs(60), async || {
+        count(&client, UNPUBLISHED).await == 0
+    })
+    .await;
+    let out = env.relay(&["replay", "--since", &since]);
+    assert!(
+        text(&out).contains("replayed 300 published rows"),
+        "{}",
+        text(&out)
+    );
+    wait_until("the replay", Duration::from_secs(60), async || {
+        count(&client, UNPUBLISHED).await == 0
+    })
+    .await;
+    terminate_cleanly(&mut run);
+    // The stream's 2-minute duplicate window drops the re-sent ids.
+    assert_eq!(env.nats.stream_state(STREAM).await.unwrap().0, 300);
+    assert_eq!(analyse(&env.stored().await).duplicates(), 0);
+}
