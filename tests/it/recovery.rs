@@ -288,3 +288,68 @@ async fn rows_committed_while_a_replay_runs_follow_their_keys_replayed_rows() {
         text(&out)
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_stopped_part_way_holds_its_keys_until_run_again_which_finishes_it_in_order() {
+    let env = Env::new(
+        relay()
+            .on_publish("mark")
+            .retention("1h")
+            .batch_size(200)
+            .workers(4),
+    )
+    .await;
+    let client = env.client().await;
+    let since = a_second_ago(&client).await;
+    let mut run = env.spawn_run();
+    seed(&client, ROWS, KEYS, 0).await;
+    wait_until("the first publish", Duration::from_secs(90), async || {
+        count(&client, UNPUBLISHED).await == 0
+    })
+    .await;
+    lose_everything(&env).await;
+
+    // The replay waits for the locked row longer than its 5 s lock timeout and fails after
+    // its first batch.
+    let locker = env.client().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM public.outbox WHERE id = {LOCKED} FOR UPDATE"
+        ))
+        .await
+        .unwrap();
+    let out = env.relay(&["replay", "--since", &since]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    seed(&client, KEYS, KEYS, 0).await;
+    // Its held rows hold every replayed key back: the rows it made pending and the live
+    // ones wait.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let held = "SELECT count(*) FROM public.outbox WHERE published_at IS NULL \
+                AND next_attempt_at = '9999-12-31 00:00:00+00'";
+    assert_eq!(count(&client, held).await, KEYS, "one held row per key");
+    assert_eq!(
+        env.nats.stream_state(STREAM).await.unwrap().0,
+        0,
+        "nothing of a held key published"
+    );
+
+    let out = env.relay(&["replay", "--since", &since]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    wait_until(
+        "the replay to be published",
+        Duration::from_secs(90),
+        async || count(&client, UNPUBLISHED).await == 0,
+    )
+    .await;
+    terminate_cleanly(&mut run);
+    assert_eq!(count(&client, held).await, 0, "released");
+    let delivery = analyse(&env.stored().await);
+    assert_eq!(delivery.duplicates(), 0, "each row once");
+    assert_eq!(delivery.counts.len() as i64, ROWS + KEYS, "every row");
+    assert!(
+        delivery.order_violations().is_empty(),
+        "{:?}",
+        delivery.order_violations()
+    );
+}
