@@ -6,7 +6,9 @@
 //! Both read the tables the way the relay does (mapped columns included) and hold no lock
 //! longer than one statement. `requeue` then sends the NOTIFY that wakes idle relays.
 
+use std::collections::HashSet;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use crate::config::{Config, TableName};
@@ -486,15 +488,40 @@ impl ReplayReport {
 /// Rows per replay transaction: each holds its rows' locks only this long.
 const REPLAY_BATCH: i64 = 1_000;
 
-/// Makes rows kept as published (mark mode) pending and due again, in id order, in one
-/// short transaction per [`REPLAY_BATCH`] rows, waking idle relays after each; dead rows
-/// are left alone. Running relays publish them again, each ahead of its key's later
-/// pending rows (see `sql::TableSql::replay_ids`). `dry_run`: counts only.
+/// How far a `replay` has come, for a progress line: rows made pending again so far, of
+/// how many to replay (known once counted; rows kept as published then, so a row that
+/// retention deletes meanwhile is not replayed and not counted in `done`).
+#[derive(Debug, Default)]
+pub struct ReplayProgress {
+    pub done: AtomicU64,
+    pub total: AtomicU64,
+}
+
+/// Makes rows kept as published (mark mode) pending and due again, dead rows left alone,
+/// and reports how far it has come in `progress`. `dry_run`: counts only.
+///
+/// With key order a key's replayed rows and the rows committed while the replay runs go
+/// out in id order, in three steps:
+///
+/// 1. One transaction makes the first row to replay of each key pending, but held
+///    (`next_attempt_at` far in the future, see `sql::TableSql::replay_hold_range`):
+///    from its commit on, a claim takes none of the key's later rows, neither the ones
+///    replayed next nor the ones committed meanwhile, since a held row holds back every
+///    later row of its key (`source::claim`).
+/// 2. The rest are made pending and due, in id order, one short transaction per
+///    [`REPLAY_BATCH`] rows; each waits behind its key's held row.
+/// 3. One transaction makes every held row due and wakes idle relays, which publish each
+///    key's rows in id order, the replayed ones first.
+///
+/// A replay that stops between 1 and 3 (killed, the database gone) leaves its held rows
+/// holding their keys back: run it again (it finishes and releases them), or `requeue
+/// --waiting` releases them.
 pub async fn replay(
     config: &Config,
     table: Option<&str>,
     which: Replay,
     dry_run: bool,
+    progress: &ReplayProgress,
 ) -> Result<ReplayReport, AdminError> {
     let index = pick_table(config, table)?;
     if config.relay.on_publish == crate::config::OnPublish::Delete {
@@ -506,56 +533,112 @@ pub async fn replay(
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
     let name = table.config.name.to_string();
+    let notify = async |tx: &crate::source::Tx<'_>| {
+        tx.execute("SELECT pg_notify('outbox_relay', $1)", &[&name])
+            .await
+            .map(drop)
+    };
     let replay_batch = async |ids: &[i64]| -> Result<Vec<i64>, AdminError> {
         let ids = ids.to_vec();
-        Ok(source
+        let done: Vec<i64> = source
             .in_transaction(async |tx| {
                 let rows = tx.query(&table.sql.replay_ids, &[&ids, &dry_run]).await?;
                 if !dry_run && !rows.is_empty() {
-                    tx.execute("SELECT pg_notify('outbox_relay', $1)", &[&name])
-                        .await?;
+                    notify(tx).await?;
                 }
                 Ok(rows.iter().map(|r| r.get(0)).collect())
             })
-            .await?)
+            .await?;
+        progress.done.fetch_add(done.len() as u64, Relaxed);
+        Ok(done)
     };
-    let mut replayed = 0;
+    let hold = async |sql: &Option<String>,
+                      params: &[&(dyn tokio_postgres::types::ToSql + Sync)]|
+           -> Result<Vec<i64>, AdminError> {
+        let Some(sql) = sql.as_ref().filter(|_| !dry_run) else {
+            return Ok(Vec::new());
+        };
+        let held: Vec<i64> = source
+            .in_transaction(async |tx| {
+                Ok(tx
+                    .query(sql, params)
+                    .await?
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect())
+            })
+            .await?;
+        progress.done.fetch_add(held.len() as u64, Relaxed);
+        Ok(held)
+    };
     let mut not_published = Vec::new();
     match which {
         Replay::Ids(ids) => {
+            progress.total.store(ids.len() as u64, Relaxed);
+            let held: HashSet<i64> = hold(&table.sql.replay_hold_ids, &[&ids])
+                .await?
+                .into_iter()
+                .collect();
             for chunk in ids.chunks(REPLAY_BATCH as usize) {
                 let done = replay_batch(chunk).await?;
-                replayed += done.len();
-                not_published.extend(chunk.iter().filter(|id| !done.contains(id)));
+                not_published.extend(
+                    chunk
+                        .iter()
+                        .filter(|id| !done.contains(id) && !held.contains(id)),
+                );
             }
         }
         Replay::Created { since, until } => {
-            let Some(range) = &table.sql.replay_range else {
+            let (Some(range), Some(count)) = (&table.sql.replay_range, &table.sql.replay_count)
+            else {
                 return Err(AdminError::Usage(format!(
                     "{name} has no creation-time column to select by: use --id, or map \
                      tables.columns.created_at"
                 )));
             };
-            let mut after = i64::MIN;
-            loop {
-                let ids: Vec<i64> = source
-                    .in_transaction(async |tx| {
-                        let rows = tx
-                            .query(range, &[&since, &until, &after, &REPLAY_BATCH])
-                            .await?;
-                        Ok(rows.iter().map(|r| r.get(0)).collect())
-                    })
-                    .await?;
-                let Some(&last) = ids.last() else { break };
-                replayed += replay_batch(&ids).await?.len();
-                after = last;
+            // From here on `until` is no later than the replay's start.
+            let (total, until): (i64, String) = source
+                .in_transaction(async |tx| {
+                    let row = tx.query_one(count, &[&since, &until]).await?;
+                    Ok((row.get(0), row.get(1)))
+                })
+                .await?;
+            progress.total.store(total as u64, Relaxed);
+            if dry_run {
+                progress.done.store(total as u64, Relaxed);
+            } else {
+                hold(&table.sql.replay_hold_range, &[&since, &until]).await?;
+                let mut after = i64::MIN;
+                loop {
+                    let ids: Vec<i64> = source
+                        .in_transaction(async |tx| {
+                            let rows = tx
+                                .query(range, &[&since, &until, &after, &REPLAY_BATCH])
+                                .await?;
+                            Ok(rows.iter().map(|r| r.get(0)).collect())
+                        })
+                        .await?;
+                    let Some(&last) = ids.last() else { break };
+                    replay_batch(&ids).await?;
+                    after = last;
+                }
             }
         }
+    }
+    if !dry_run {
+        source
+            .in_transaction(async |tx| {
+                if !tx.query(&table.sql.replay_release, &[]).await?.is_empty() {
+                    notify(tx).await?;
+                }
+                Ok(())
+            })
+            .await?;
     }
     Ok(ReplayReport {
         table: name,
         dry_run,
-        replayed,
+        replayed: progress.done.load(Relaxed) as usize,
         not_published,
     })
 }

@@ -117,15 +117,26 @@ async fn execute(command: Command, config: Config) -> u8 {
     }
 }
 
-/// `replay`: how many rows were made pending again, and a warning naming ids that were not
-/// kept as published.
+/// `replay`: a progress line on stderr every second while it runs, how many rows were made
+/// pending again, and a warning naming ids that were not kept as published.
 async fn run_replay(
     config: &Config,
     table: Option<&str>,
     which: admin::Replay,
     dry_run: bool,
 ) -> u8 {
-    match admin::replay(config, table, which, dry_run).await {
+    let progress = admin::ReplayProgress::default();
+    let done = tokio_util::sync::CancellationToken::new();
+    let what = if dry_run { "counting" } else { "replaying" };
+    let (result, ()) = tokio::join!(
+        async {
+            let result = admin::replay(config, table, which, dry_run, &progress).await;
+            done.cancel();
+            result
+        },
+        outbox_relay::ops::progress::count_toward(what, &progress.done, &progress.total, &done)
+    );
+    match result {
         Ok(report) => {
             say(&report.summary());
             report.warning().inspect(|w| say_err(w));

@@ -1,6 +1,6 @@
-//! The live progress line `drain` draws on a terminal, and the log writer that keeps log
-//! lines from running into it: while the line is shown, every log line first erases it
-//! (the next refresh draws it again below the log line).
+//! The live progress lines `drain` and `replay` draw on a terminal, and the log writer that
+//! keeps log lines from running into them: while a line is shown, every log line first
+//! erases it (the next refresh draws it again below the log line).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -51,6 +51,53 @@ pub(crate) async fn show(
         ));
     }
     clear();
+}
+
+/// Draws `what`'s line every [`REDRAW`] until `done`, then once more: `done_rows` of
+/// `total` rows (0: not counted yet), the rate over the last [`REDRAW`]. On a terminal in
+/// place; otherwise (a pipe, a log collector) one line each.
+pub async fn count_toward(
+    what: &str,
+    done_rows: &AtomicU64,
+    total: &AtomicU64,
+    done: &CancellationToken,
+) {
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let started = Instant::now();
+    let mut last = (Instant::now(), 0u64);
+    let line = |last: &mut (Instant, u64)| {
+        let rows = done_rows.load(Relaxed);
+        let rate = rows.saturating_sub(last.1) as f64 / last.0.elapsed().as_secs_f64();
+        *last = (Instant::now(), rows);
+        let line = counted(what, rows, total.load(Relaxed), started.elapsed(), rate);
+        if terminal {
+            draw(&line);
+        } else {
+            eprintln!("{line}");
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => break,
+            _ = tokio::time::sleep(REDRAW) => line(&mut last),
+        }
+    }
+    if started.elapsed() >= REDRAW {
+        line(&mut last);
+    }
+    clear();
+}
+
+/// One line of [`count_toward`].
+fn counted(what: &str, rows: u64, total: u64, took: Duration, rate: f64) -> String {
+    let of = match total {
+        0 => String::new(),
+        total => format!(" of {total} ({:.0}%)", rows as f64 * 100.0 / total as f64),
+    };
+    format!(
+        "{what}: {rows}{of} rows in {:.0}s, {rate:.0} rows/s",
+        took.as_secs_f64()
+    )
 }
 
 /// Whether a progress line is on the terminal now.
@@ -106,5 +153,23 @@ impl Write for LossyStderr {
     fn flush(&mut self) -> std::io::Result<()> {
         let _ = self.0.flush();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_counted_line_says_how_many_of_how_many_and_how_fast() {
+        let took = Duration::from_secs(3);
+        assert_eq!(
+            counted("replaying", 2_500, 10_000, took, 812.4),
+            "replaying: 2500 of 10000 (25%) rows in 3s, 812 rows/s"
+        );
+        assert_eq!(
+            counted("replaying", 0, 0, took, 0.0),
+            "replaying: 0 rows in 3s, 0 rows/s"
+        );
     }
 }

@@ -16,8 +16,17 @@ pub(super) struct Admin {
     pub(crate) requeue_all: String,
     pub(crate) replay_ids: String,
     pub(crate) replay_range: Option<String>,
+    pub(crate) replay_count: Option<String>,
+    pub(crate) replay_hold_ids: Option<String>,
+    pub(crate) replay_hold_range: Option<String>,
+    pub(crate) replay_release: String,
     pub(crate) backlog: String,
 }
+
+/// The next attempt of a row `replay` holds: far enough never to come, finite so that
+/// `now()` can be subtracted from it (PostgreSQL before 17 cannot subtract an infinite
+/// timestamp), and a value no backoff ever sets, so a hold is told by it alone.
+const REPLAY_HOLD: &str = "'9999-12-31 00:00:00+00'::timestamptz";
 
 pub(super) fn statements(p: &Parts) -> Admin {
     let Parts {
@@ -107,6 +116,42 @@ pub(super) fn statements(p: &Parts) -> Admin {
              WHERE {id} IN (SELECT {id} FROM chosen) AND NOT $2::bool RETURNING {id}) \
              SELECT {id}::bigint FROM chosen ORDER BY 1"
         ),
+        // The first of `replay`'s transactions: each key's first row to replay is pending
+        // and held (waiting for an attempt that never comes), so that from its commit on
+        // every later row of the key, the ones replay makes pending next and the ones
+        // committed while it runs, is held back behind it (`held`, see
+        // `Parts::not_held_back`) until `replay_release`. Rows without a key carry no
+        // order, and without key order nothing is held back: neither is held.
+        replay_hold_ids: (*ordering == Ordering::Key)
+            .then(|| hold(p, &format!("{id} = ANY($1::bigint[])"))),
+        replay_hold_range: match (ordering, created_at) {
+            (Ordering::Key, Some(c)) => Some(hold(
+                p,
+                &format!(
+                    "{c} >= $1::text::timestamptz AND {c} < $2::text::timestamptz",
+                    c = c.quoted()
+                ),
+            )),
+            _ => None,
+        },
+        // The last: every held row is due now. Every hold, this replay's and one a replay
+        // that stopped part way left (run it again to finish it): see docs/operations.md.
+        replay_release: format!(
+            "UPDATE {t} SET {next} = now() WHERE {pending} AND {next} = {REPLAY_HOLD} \
+             RETURNING {id}::bigint"
+        ),
+        // `until` is never later than now, the replay's start: rows committed while it
+        // runs are not replayed (those of keys it does not hold could be published by then).
+        replay_count: created_at.as_ref().map(|c| {
+            format!(
+                "SELECT count(*), to_char(LEAST($2::text::timestamptz, now()) \
+                 AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
+                 FROM {t} WHERE {published_at} IS NOT NULL AND {dead_at} IS NULL \
+                 AND {c} >= $1::text::timestamptz \
+                 AND {c} < LEAST($2::text::timestamptz, now())",
+                c = c.quoted()
+            )
+        }),
         replay_range: created_at.as_ref().map(|c| {
             format!(
                 "SELECT {id}::bigint FROM {t} WHERE {published_at} IS NOT NULL \
@@ -134,4 +179,28 @@ pub(super) fn statements(p: &Parts) -> Admin {
             }
         ),
     }
+}
+
+/// `replay`'s hold: the first row of each key among the rows kept as published (not dead)
+/// that `candidates` selects is pending again and waits for [`REPLAY_HOLD`]; returns their
+/// order values.
+fn hold(p: &Parts, candidates: &str) -> String {
+    let Parts {
+        t,
+        id,
+        key,
+        published_at,
+        dead_at,
+        attempts,
+        last_error,
+        next,
+        ..
+    } = p;
+    let kept = format!("{published_at} IS NOT NULL AND {dead_at} IS NULL");
+    format!(
+        "UPDATE {t} SET {published_at} = NULL, {attempts} = 0, {last_error} = NULL, \
+         {next} = {REPLAY_HOLD} WHERE {id} IN (SELECT DISTINCT ON ({key}) {id} FROM {t} \
+         WHERE {candidates} AND {kept} AND {key} IS NOT NULL ORDER BY {key}, {id}) \
+         AND {kept} RETURNING {id}::bigint"
+    )
 }

@@ -174,6 +174,20 @@ pub struct TableSql {
     /// published (not dead) created in [`$1`, `$2`) (RFC 3339 text), in order. `None`
     /// without a creation-time column.
     pub(crate) replay_range: Option<String>,
+    /// `replay --since/--until`: how many rows kept as published (not dead) were created in
+    /// [`$1`, `$2`), `$2` no later than now, and that end as RFC 3339 text (UTC), for the
+    /// statements that follow. `None` without a creation-time column.
+    pub(crate) replay_count: Option<String>,
+    /// `replay`, first: the first row of each key among the rows `$1` kept as published
+    /// (not dead) is pending again, held (`next_attempt_at` far in the future), so its
+    /// key's later rows wait behind it; returns their order values. `None` without key
+    /// order.
+    pub(crate) replay_hold_ids: Option<String>,
+    /// The same for the rows created in [`$1`, `$2`). `None` without key order or a
+    /// creation-time column.
+    pub(crate) replay_hold_range: Option<String>,
+    /// `replay`, last: every row a replay holds is due now; returns their order values.
+    pub(crate) replay_release: String,
     /// Metrics: pending rows and the oldest pending row's age in seconds (0 when none or
     /// without a creation-time column), read like a claim from the floor `$1` and below it
     /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
@@ -281,6 +295,10 @@ impl TableSql {
             requeue_waiting: admin.requeue_waiting,
             replay_ids: admin.replay_ids,
             replay_range: admin.replay_range,
+            replay_count: admin.replay_count,
+            replay_hold_ids: admin.replay_hold_ids,
+            replay_hold_range: admin.replay_hold_range,
+            replay_release: admin.replay_release,
             backlog: admin.backlog,
             retire: retention.retire,
             layout: p.layout,
