@@ -104,7 +104,8 @@ struct Row {
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
 /// Inserts the payload kinds: a JSON object (with a traceparent), bytes that are not
-/// JSON, an empty payload; `topic` for all.
+/// JSON, an empty payload; `topic` for all, keys of their own (`<topic>.k<n>`: a dead row
+/// holds its key back).
 async fn insert_kinds(client: &tokio_postgres::Client, topic: &str) -> Vec<Row> {
     let kinds: [(&[u8], Option<&str>); 3] = [
         (br#"{"order":42,"items":["a","b"]}"#, Some(TRACEPARENT)),
@@ -121,7 +122,7 @@ async fn insert_kinds(client: &tokio_postgres::Client, topic: &str) -> Vec<Row> 
                  RETURNING id, floor(extract(epoch FROM created_at) * 1000)::int8",
                 &[
                     &topic,
-                    &format!("k{n}"),
+                    &format!("{topic}.k{n}"),
                     &payload,
                     &headers.map(|h| h.to_string()),
                 ],
@@ -131,7 +132,7 @@ async fn insert_kinds(client: &tokio_postgres::Client, topic: &str) -> Vec<Row> 
         rows.push(Row {
             id: row.get(0),
             topic: topic.to_owned(),
-            key: Some(format!("k{n}")),
+            key: Some(format!("{topic}.k{n}")),
             payload: Some(payload.to_vec()),
             traceparent: traceparent.map(str::to_owned),
             created_ms: row.get(1),
@@ -298,7 +299,7 @@ impl KafkaEnv {
             broker,
             url,
         };
-        env.write_config("");
+        env.write_config("", "");
         let out = env
             .command(&["migrate"])
             .env("OUTBOX_RELAY__POSTGRES__URL", &env.url)
@@ -309,10 +310,10 @@ impl KafkaEnv {
         env
     }
 
-    /// The config with `table` lines added to the `[[tables]]` entry.
-    fn write_config(&self, table: &str) {
+    /// The config with `relay` lines added to `[relay]`, `table` lines to `[[tables]]`.
+    fn write_config(&self, relay: &str, table: &str) {
         let toml = format!(
-            "[postgres]\nurl = \"{}\"\n[relay]\npoll_interval = \"50ms\"\nmax_attempts = 1\n\
+            "[postgres]\nurl = \"{}\"\n[relay]\npoll_interval = \"50ms\"\nmax_attempts = 1\n{relay}\n\
              [sink]\nkind = \"kafka\"\npublish_timeout = \"10s\"\n\
              [sink.kafka]\nbrokers = \"{}\"\n[sink.kafka.properties]\n\"linger.ms\" = 5\n\
              [[tables]]\nname = \"public.outbox\"\n{table}\n",
@@ -364,11 +365,11 @@ fn wire_of(record: &testkit::KafkaRecord) -> Wire {
 async fn kafka_events_in_both_modes_decode_with_the_sdk_to_the_same_event() {
     let env = KafkaEnv::new().await;
     let client = env.client().await;
-    env.write_config(&envelope("binary"));
+    env.write_config("", &envelope("binary"));
     let rows = insert_kinds(&client, "events.binary").await;
     env.drain();
     // The same rows again (same id, time, topic), published in structured mode.
-    env.write_config(&envelope("structured"));
+    env.write_config("", &envelope("structured"));
     for row in &rows {
         client
             .execute(
@@ -424,10 +425,13 @@ async fn kafka_events_in_both_modes_decode_with_the_sdk_to_the_same_event() {
 async fn kafka_a_tombstone_has_no_envelope_and_a_null_template_column_dead_letters_only_its_row() {
     let env = KafkaEnv::new().await;
     let client = env.client().await;
-    env.write_config(&format!(
-        "dead_letter_topic = \"events.dead\"\n{}",
-        envelope("binary")
-    ));
+    env.write_config(
+        "",
+        &format!(
+            "dead_letter_topic = \"events.dead\"\n{}",
+            envelope("binary")
+        ),
+    );
     let insert = "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.binary', $1, $2)";
     for (key, payload) in [
         (Some("k1"), None),
@@ -482,4 +486,75 @@ async fn kafka_a_tombstone_has_no_envelope_and_a_null_template_column_dead_lette
         .unwrap()
         .get(0);
     assert!(last_error.contains("column key"), "{last_error}");
+}
+
+/// A row the broker refuses for its own sake (a subject no stream captures) is dead-lettered
+/// with the event it was first published as: binary headers or the structured body, the
+/// same id and attributes, plus `outbox-error`.
+#[tokio::test(flavor = "multi_thread")]
+async fn nats_a_dead_letter_carries_the_first_publishs_envelope_in_both_modes() {
+    let env = Env::new(relay().max_attempts(1)).await;
+    let client = env.client().await;
+    for mode in ["binary", "structured"] {
+        env.write_config(&relay().max_attempts(1));
+        env.table_option(&format!(
+            "dead_letter_topic = \"events.dead\"\n{}",
+            envelope(mode)
+        ));
+        let rows = insert_kinds(&client, &format!("nowhere.{mode}")).await;
+        let out = env.relay(&["drain"]);
+        assert!(out.status.success(), "drain: {}", text(&out));
+        let stored = env.stored().await;
+        for row in &rows {
+            let id = format!("public.outbox:{}", row.id);
+            let m = stored
+                .iter()
+                .find(|m| m.header("Nats-Msg-Id") == Some(&id))
+                .unwrap_or_else(|| panic!("{mode}: no dead letter {id}: {stored:?}"));
+            assert_eq!(m.subject, "events.dead");
+            assert!(m.header("outbox-error").is_some());
+            let wire = Wire {
+                headers: m.headers.clone(),
+                payload: Some(m.payload.clone()),
+            };
+            if mode == "structured" {
+                assert_structured_data(&m.payload, row);
+            } else {
+                assert_eq!(m.payload, row.payload.clone().unwrap());
+            }
+            assert_event_of(&decode(&wire, "ce-"), row, m.header("Nats-Msg-Id"));
+        }
+    }
+}
+
+/// `replay` publishes a kept row again as the same event, `id` included (Kafka: no
+/// broker-side dedupe, so both copies arrive).
+#[tokio::test(flavor = "multi_thread")]
+async fn kafka_a_replayed_row_is_the_same_event() {
+    let env = KafkaEnv::new().await;
+    let client = env.client().await;
+    env.write_config("on_publish = \"mark\"", &envelope("structured"));
+    let rows = insert_kinds(&client, "events.structured").await;
+    env.drain();
+    let ids: Vec<String> = rows.iter().map(|r| r.id.to_string()).collect();
+    let mut args = vec!["replay"];
+    for id in &ids {
+        args.extend(["--id", id]);
+    }
+    let out = env.command(&args).output_within(RUN_LIMIT).unwrap();
+    assert!(out.status.success(), "replay: {}", text(&out));
+    env.drain();
+    let records = env.read();
+    assert_eq!(records.len(), 2 * rows.len(), "{records:?}");
+    for row in &rows {
+        let id = format!("public.outbox:{}", row.id);
+        let copies: Vec<Event> = records
+            .iter()
+            .filter(|r| r.header("outbox-id") == Some(&id))
+            .map(|r| decode(&wire_of(r), "ce_"))
+            .collect();
+        assert_eq!(copies.len(), 2, "{id}");
+        assert_event_of(&copies[0], row, Some(&id));
+        assert_eq!(copies[0], copies[1], "the replay is the same event");
+    }
 }
