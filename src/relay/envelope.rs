@@ -379,4 +379,36 @@ mod tests {
         assert_eq!(e["data"], serde_json::json!({"a": 1}));
         assert_eq!(e["traceparent"], "00-1-2-01");
     }
+
+    #[test]
+    fn datacontenttype_from_a_column_is_content_type_in_binary_mode_and_left_out_when_null() {
+        let text = "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"stdout\"\n\
+                    [[tables]]\nname = \"public.outbox\"\nenvelope = \"cloudevents\"\n\
+                    [tables.cloudevents]\ntype = \"t\"\nsource = \"s\"\n\
+                    datacontenttype = \"{ct}\"\n";
+        let config = crate::config::from_str(text, |_| None, Vec::new()).unwrap();
+        let table = &config.tables[0];
+        for (ct, expected) in [(Some("text/plain"), Some("text/plain")), (None, None)] {
+            let mut row = crate::source::claim::ClaimedRow {
+                payload: Some(b"x".to_vec()),
+                headers: Some(r#"{"Content-Type":"old"}"#.to_owned()),
+                topic_values: vec![Some("events.a".to_owned())],
+                envelope_values: vec![ct.map(str::to_owned)],
+                ..Default::default()
+            };
+            let mut topics = crate::config::RecentTopics::default();
+            let m = super::super::message::to_message(table, &mut row, &mut topics).unwrap();
+            let content_types: Vec<&str> = m
+                .headers
+                .iter()
+                .filter(|(n, _)| n.eq_ignore_ascii_case("content-type"))
+                .map(|(_, v)| v.as_str())
+                .collect();
+            match expected {
+                Some(ct) => assert_eq!(content_types, [ct], "replaces the row's own"),
+                None => assert_eq!(content_types, ["old"], "left as the row had it"),
+            }
+            assert_eq!(header(&m, "ce_type"), Some("t"));
+        }
+    }
 }
