@@ -11,8 +11,9 @@
 //!
 //! One file per section: [`postgres`] (URL, TLS parameters, pool), [`kafka`] and [`nats`]
 //! (one per sink, with the Kafka property policy), [`tables`] (`[[tables]]`, columns,
-//! headers); `[relay]`, `[http]` and `[shutdown]` are checked below.
+//! headers, and the [`cloudevents`] envelope); `[relay]`, `[http]` and `[shutdown]` are checked below.
 
+pub(crate) mod cloudevents;
 mod env;
 mod error;
 mod explain;
@@ -185,7 +186,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     let relay = relay(raw.relay)?;
     let postgres = postgres::validate(raw.postgres, connection, relay.workers)?;
     let sink = sink(raw.sink)?;
-    let tables = tables::validate(raw.tables)?;
+    let tables = tables::validate(raw.tables, &sink.target)?;
     let http = http(raw.http)?;
     let shutdown = ShutdownConfig {
         drain_timeout: positive("shutdown.drain_timeout", raw.shutdown.drain_timeout)?,

@@ -263,6 +263,28 @@ pub(crate) struct RawTable {
     pub(crate) max_rate: Option<f64>,
     /// A template like `topic`: a dead-lettered row is also published there once.
     pub(crate) dead_letter_topic: Option<String>,
+    /// `none` (the payload as is) or `cloudevents`. Default `none`.
+    pub(crate) envelope: Option<String>,
+    /// `[tables.cloudevents]`: the CloudEvents attributes, with `envelope = "cloudevents"`.
+    pub(crate) cloudevents: Option<RawCloudEvents>,
+}
+
+/// `[tables.cloudevents]`: how a row becomes a CloudEvents 1.0 event.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawCloudEvents {
+    /// `binary` (attributes as headers) or `structured` (a JSON event body). Default
+    /// `binary`.
+    pub(crate) mode: Option<String>,
+    /// Template for the `type` attribute. Required.
+    #[serde(rename = "type")]
+    pub(crate) type_: Option<String>,
+    /// Template for the `source` attribute. Required.
+    pub(crate) source: Option<String>,
+    /// Template for the `subject` attribute. Optional.
+    pub(crate) subject: Option<String>,
+    /// Template for the `datacontenttype` attribute. Optional.
+    pub(crate) datacontenttype: Option<String>,
 }
 
 /// Column names per role; each defaults to the role's name in the default table.

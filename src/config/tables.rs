@@ -3,8 +3,9 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::cloudevents::{self, CloudEvents};
 use super::raw::{RawColumns, RawTable};
-use super::{headers, ConfigError, Ident, TableName, Template};
+use super::{headers, ConfigError, Ident, SinkTarget, TableName, Template};
 
 /// One `[[tables]]` entry.
 #[derive(Debug, Clone)]
@@ -23,6 +24,8 @@ pub struct TableConfig {
     pub(crate) max_rate: Option<f64>,
     /// `dead_letter_topic`: where a dead-lettered row is also published once.
     pub(crate) dead_letter_topic: Option<Template>,
+    /// `envelope = "cloudevents"` and `[tables.cloudevents]`; `None`: the payload as is.
+    pub(crate) cloudevents: Option<CloudEvents>,
 }
 
 /// The columns the relay reads and writes. The default is the contract's table
@@ -186,7 +189,10 @@ impl Columns {
 }
 
 /// Validates every `[[tables]]` entry: at least one, none listed twice.
-pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigError> {
+pub(super) fn validate(
+    raw: Vec<RawTable>,
+    sink: &SinkTarget,
+) -> Result<Vec<TableConfig>, ConfigError> {
     if raw.is_empty() {
         return Err(ConfigError::new(
             "tables",
@@ -227,6 +233,7 @@ pub(super) fn validate(raw: Vec<RawTable>) -> Result<Vec<TableConfig>, ConfigErr
                 .map(|d| Template::parse(&d))
                 .transpose()
                 .map_err(|e| ConfigError::new(at("dead_letter_topic"), e))?,
+            cloudevents: cloudevents::validate(t.envelope, t.cloudevents, sink, &at)?,
         });
     }
     Ok(tables)

@@ -1,5 +1,5 @@
 //! Turning a claimed row into a [`Message`]: topic from the template, headers from the
-//! JSON column. A row that cannot become a message is a bad row, caught before sending.
+//! JSON column, the CloudEvents envelope where the table has one. A row that cannot become a message is a bad row, caught before sending.
 //!
 //! This runs once per row, so it allocates only what a message owns alone: its id, its
 //! headers' values and the names read from the JSON column. A constant topic, the key and
@@ -36,14 +36,22 @@ pub(crate) fn to_message(
             headers.push((name.clone(), value));
         }
     }
-    Ok(Message {
+    let mut message = Message {
         id: message_id(table, row),
         topic,
         key: row.key.clone(),
         payload: row.payload.take().map(Bytes::from),
         headers,
         timestamp_ms: row.created_ms,
-    })
+    };
+    if let Some(ce) = &table.cloudevents {
+        if let Err(e) = super::envelope::wrap(ce, &row.envelope_values, &mut message) {
+            // The row is bad: its payload goes back, for the dead-letter topic.
+            row.payload = message.payload.take().map(Vec::from);
+            return Err(e);
+        }
+    }
+    Ok(message)
 }
 
 /// `<schema>.<table>:<id>`, the message id column's value or the order column's, in one

@@ -9,6 +9,7 @@
 mod batch;
 mod breaker;
 mod drain;
+mod envelope;
 mod error;
 mod held;
 mod message;

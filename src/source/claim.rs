@@ -224,6 +224,9 @@ pub struct ClaimedRow {
     pub(crate) header_values: Vec<Option<String>>,
     /// Values of the dead-letter topic template's columns, in template order.
     pub(crate) dead_letter_values: Vec<Option<String>>,
+    /// Values of the CloudEvents templates' columns, in their order (type, source,
+    /// subject, datacontenttype).
+    pub(crate) envelope_values: Vec<Option<String>>,
 }
 
 impl ClaimedRow {
@@ -240,6 +243,10 @@ impl ClaimedRow {
         let dead_letter_values = (i..i + layout.dead_letter_columns)
             .map(|n| row.get(n))
             .collect();
+        i += layout.dead_letter_columns;
+        let envelope_values = (i..i + layout.envelope_columns)
+            .map(|n| row.get(n))
+            .collect();
         ClaimedRow {
             id: row.get(0),
             message_id,
@@ -253,6 +260,7 @@ impl ClaimedRow {
             topic_values,
             header_values,
             dead_letter_values,
+            envelope_values,
         }
     }
 }

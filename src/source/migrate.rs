@@ -498,6 +498,7 @@ mod tests {
             header_columns: Vec::new(),
             max_rate: None,
             dead_letter_topic: None,
+            cloudevents: None,
         };
         for sql in MIGRATIONS
             .iter()

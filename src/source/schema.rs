@@ -364,6 +364,9 @@ fn check_columns(
             &[],
         );
     }
+    for column in table.cloudevents.iter().flat_map(|ce| ce.columns()) {
+        expect(column.as_str(), "used in a cloudevents template", &[]);
+    }
     // (A mapped creation-time column that is missing is reported above.)
     if relay.retention.is_some()
         && created_at.is_none()

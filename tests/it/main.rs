@@ -12,6 +12,7 @@
 
 mod common;
 
+mod cloudevents;
 mod config_errors;
 mod container;
 mod distant;

@@ -240,6 +240,8 @@ pub(crate) struct RowLayout {
     pub(crate) topic_columns: usize,
     pub(crate) header_columns: usize,
     pub(crate) dead_letter_columns: usize,
+    /// The CloudEvents templates' columns (type, source, subject, datacontenttype).
+    pub(crate) envelope_columns: usize,
 }
 
 impl RowLayout {
@@ -249,6 +251,7 @@ impl RowLayout {
             + self.topic_columns
             + self.header_columns
             + self.dead_letter_columns
+            + self.envelope_columns
     }
 }
 

@@ -286,6 +286,7 @@ fn returned_columns(table: &TableConfig, shape: &TableShape) -> (String, RowLayo
             .dead_letter_topic
             .as_ref()
             .map_or(0, |d| d.columns().len()),
+        envelope_columns: table.cloudevents.iter().flat_map(|ce| ce.columns()).count(),
     };
     // Then the row's age when read (for the delivery-lag histogram: NULL without a
     // creation-time column) and whether `replay` made it pending again (the one writer
@@ -313,7 +314,8 @@ fn returned_columns(table: &TableConfig, shape: &TableShape) -> (String, RowLayo
         .into_iter()
         .chain(table.topic.columns())
         .chain(table.header_columns.iter().map(|(_, column)| column))
-        .chain(table.dead_letter_topic.iter().flat_map(|d| d.columns()));
+        .chain(table.dead_letter_topic.iter().flat_map(|d| d.columns()))
+        .chain(table.cloudevents.iter().flat_map(|ce| ce.columns()));
     for column in extra {
         columns.push_str(&format!(", {}::text", column.quoted()));
     }
