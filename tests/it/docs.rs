@@ -286,12 +286,28 @@ fn documented_defaults(reference: &str) -> Vec<(String, toml::Value)> {
 }
 
 /// `base()` with `key` (`relay.workers`, `tables.columns.id`) set to `value`; a key of
-/// `[sink.nats]` with `sink.kind = "nats"`, so that its section is read.
+/// `[sink.nats]` with `sink.kind = "nats"`, so that its section is read, and one of
+/// `[tables.cloudevents]` on a table with that envelope and its required templates.
 fn with_key(key: &str, value: Option<toml::Value>) -> toml::Table {
     let mut config = base();
     if key.starts_with("sink.nats.") {
         table_at(&mut config, &[Step::Key("sink".into())])
             .insert("kind".into(), toml::Value::String("nats".into()));
+    }
+    if key.starts_with("tables.cloudevents.") {
+        let table = table_at(&mut config, &[Step::Key("tables".into()), Step::First]);
+        table.insert("envelope".into(), toml::Value::String("cloudevents".into()));
+        let envelope = table_at(
+            &mut config,
+            &[
+                Step::Key("tables".into()),
+                Step::First,
+                Step::Key("cloudevents".into()),
+            ],
+        );
+        for (name, template) in [("type", "com.example.event"), ("source", "/outbox")] {
+            envelope.insert(name.into(), toml::Value::String(template.into()));
+        }
     }
     let Some(value) = value else {
         return config;
