@@ -61,6 +61,10 @@ pub(crate) struct Args {
     /// see `write_path.rs`.
     #[arg(long)]
     pub(crate) write_path: bool,
+    /// Only the envelope's cost: V (the NATS key-ordered drain without an envelope and with
+    /// `envelope = "cloudevents"` in binary mode, alternated, three rounds each).
+    #[arg(long)]
+    pub(crate) envelope: bool,
     /// With `--write-path`: seconds of each pgbench run.
     #[arg(long, value_name = "N", default_value_t = 12,
           value_parser = clap::value_parser!(u64).range(1..))]

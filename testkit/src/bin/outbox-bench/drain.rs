@@ -240,6 +240,30 @@ impl Bench {
         Ok((off, on))
     }
 
+    /// V: C (nats, key) without an envelope and with CloudEvents in binary mode, in turn,
+    /// `rounds` times each, every drain on a freshly seeded table; the rows in run order.
+    pub(crate) async fn envelope_cost(&self, rounds: usize) -> Result<Vec<Row>> {
+        const CLOUDEVENTS: &str = "envelope = \"cloudevents\"\n[tables.cloudevents]\n\
+             type = \"com.example.{topic}\"\nsource = \"/orders\"\nsubject = \"{key}\"\n";
+        let mut rows = Vec::new();
+        for round in 1..=rounds {
+            for (name, extra) in [
+                ("V0. no envelope", ""),
+                ("V1. cloudevents, binary", CLOUDEVENTS),
+            ] {
+                self.seed(0).await?;
+                self.reset_nats().await?;
+                let mut row = self
+                    .timed_drain_with_config("nats", "key", self.a.rows, extra, 0)
+                    .await?;
+                row.name = format!("{name}, round {round}");
+                eprintln!("    {}: {:.0} rows/s", row.name, row.rate());
+                rows.push(row);
+            }
+        }
+        Ok(rows)
+    }
+
     /// `outbox-relay drain` as a process, timed from its start to its exit (start-up and
     /// connecting included), on what the table holds now.
     async fn timed_drain(&self, sink: &'static str, ordering: &'static str) -> Result<Row> {

@@ -41,6 +41,7 @@
 //!
 //! `--scale` runs only S, R, I and E3 (`scale.rs`), `--partial` only K (`partial.rs`),
 //! `--distant` only L (`distant.rs`: the database behind a proxy adding 1-20 ms),
+//! `--envelope` only V (CloudEvents in binary mode against no envelope, `drain.rs`),
 //! `--write-path` only W (`write_path.rs`: the application's commit rate under pgbench
 //! writers, run by `pgbench.rs`, on a bare table, on the table `migrate` leaves, and with
 //! a relay draining it with and without the NOTIFY trigger; `--write-secs`,
@@ -275,6 +276,33 @@ async fn main() -> Result<()> {
         let settings = report::settings(&bench.pg).await?;
         let _ = std::fs::remove_dir_all(&bench.dir);
         write_path::print(&bench.a, &runs, &settings);
+        return Ok(());
+    }
+    if bench.a.envelope {
+        let runs = bench.envelope_cost(3).await?;
+        let _ = std::fs::remove_dir_all(&bench.dir);
+        let mean = |prefix: &str| {
+            let rates: Vec<f64> = runs
+                .iter()
+                .filter(|r| r.name.starts_with(prefix))
+                .map(Row::rate)
+                .collect();
+            rates.iter().sum::<f64>() / rates.len() as f64
+        };
+        println!("| V. NATS drain, key order | rows | s | rows/s |\n|---|---:|---:|---:|");
+        for row in &runs {
+            println!(
+                "| {} | {} | {:.2} | {:.0} |",
+                row.name,
+                row.rows,
+                row.secs,
+                row.rate()
+            );
+        }
+        println!(
+            "\nV1 / V0, means of the rounds: {:.3}",
+            mean("V1") / mean("V0")
+        );
         return Ok(());
     }
     if bench.a.distant {
