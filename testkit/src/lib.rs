@@ -26,6 +26,8 @@
 //!   export into [`ReceivedSpan`]s (the collector the tracing tests export to).
 //! - `proxy`: [`Proxy`], a TCP proxy that freezes, drops or delays connections ([`Fault`]).
 //! - `tls`: [`TestCa`], a throwaway certificate authority made with `openssl`.
+//! - `ports`: [`ReservedPorts`], ports the kernel must not give to new connections (a
+//!   mock Kafka broker's, while a test takes it down and up again).
 //! - `process`: what they share: [`free_port`], [`die_with_parent`], scratch directories,
 //!   waiting for a port, [`wait_with_usage`] for timing a relay child ([`ChildUsage`]:
 //!   peak RSS, CPU), and [`http_get`] for the relay's and nats-server's endpoints
@@ -36,6 +38,7 @@ mod nats;
 mod nats_cluster;
 pub mod otlp;
 mod pgbouncer;
+mod ports;
 mod postgres;
 mod process;
 mod proxy;
@@ -47,6 +50,7 @@ pub use nats::{NatsServer, StoredMessage};
 pub use nats_cluster::NatsCluster;
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
+pub use ports::ReservedPorts;
 pub use postgres::{pg_bin, Postgres};
 pub use process::{
     die_with_parent, free_port, http_get, sample, scrape, send_signal, wait_with_usage, ChildUsage,

@@ -16,8 +16,6 @@ use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
 use outbox_relay::sink::kafka::partition_of;
-use rdkafka::mocking::MockCluster;
-use rdkafka::producer::DefaultProducerContext;
 use testkit::KafkaRecord;
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
@@ -26,11 +24,11 @@ const BROKERS: i32 = 3;
 /// Each test's whole stream, seeded to drained, ends within this.
 const LIMIT: Duration = Duration::from_secs(60);
 
-type Mock = MockCluster<'static, DefaultProducerContext>;
+type Mock = MockBrokers;
 
 /// Three brokers; partition `p` of every topic led by broker `p % 3 + 1`.
 fn cluster() -> Mock {
-    let mock = MockCluster::new(BROKERS).unwrap();
+    let mock = MockBrokers::new(BROKERS);
     for topic in TOPICS {
         mock.create_topic(topic, PARTITIONS, BROKERS).unwrap();
         for p in 0..PARTITIONS {

@@ -8,13 +8,12 @@ use crate::common::*;
 use outbox_relay::config;
 use outbox_relay::relay::{self, Mode, Report};
 use outbox_relay::shutdown::Shutdown;
-use rdkafka::mocking::MockCluster;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
 const TOPICS: [&str; 3] = ["events.0", "events.1", "events.2"];
 
-fn cluster() -> MockCluster<'static, rdkafka::producer::DefaultProducerContext> {
-    let mock = MockCluster::new(3).unwrap();
+fn cluster() -> MockBrokers {
+    let mock = MockBrokers::new(3);
     for topic in TOPICS {
         mock.create_topic(topic, 4, 3).unwrap();
     }
@@ -31,7 +30,7 @@ async fn drain(config: &config::Config) -> Report {
     .expect("drain succeeded")
 }
 
-fn read(mock: &MockCluster<'static, rdkafka::producer::DefaultProducerContext>) -> KafkaDelivery {
+fn read(mock: &MockBrokers) -> KafkaDelivery {
     let records =
         testkit::kafka_read_all(&mock.bootstrap_servers(), &TOPICS, Duration::from_secs(3))
             .unwrap();

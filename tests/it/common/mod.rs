@@ -801,3 +801,31 @@ pub fn run_in_process(
     };
     (shutdown, run)
 }
+
+/// A librdkafka mock cluster whose brokers' ports stay out of the kernel's ephemeral
+/// ports while it lives, so that a broker a test takes down can listen on its port again
+/// ([`testkit::ReservedPorts`]: otherwise a connection given that port meanwhile makes
+/// librdkafka abort the whole test binary).
+pub struct MockBrokers {
+    cluster: rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    _ports: testkit::ReservedPorts,
+}
+
+impl MockBrokers {
+    pub fn new(brokers: i32) -> MockBrokers {
+        let cluster = rdkafka::mocking::MockCluster::new(brokers).unwrap();
+        let ports = testkit::ReservedPorts::of(&cluster.bootstrap_servers());
+        MockBrokers {
+            cluster,
+            _ports: ports,
+        }
+    }
+}
+
+impl std::ops::Deref for MockBrokers {
+    type Target = rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.cluster
+    }
+}
