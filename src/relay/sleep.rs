@@ -234,16 +234,22 @@ async fn mark(
     // To mark; to clear; marked, and waiting for a horizon.
     let (mut to_sleep, mut to_wake, mut unsure) = (Vec::new(), Vec::new(), Vec::new());
     for (t, mark) in marks.tables.iter_mut().enumerate() {
-        let crowd = wakes.crowd_until(t, now);
-        match wakes.sleep_of(t) {
-            // Kept awake for a crowd of writers: unmarked until the crowd time ends, the
-            // mark cleared if it was wanted again before the poller cleared it.
-            (Sleep::Wanted, g) if g == generation && crowd.is_some() => {
-                crowd_ends = crowd_ends.min(crowd).or(crowd);
-                if mark.asleep {
-                    to_wake.push(t);
-                }
+        let sleep = wakes.sleep_of(t);
+        // Only a table wanted asleep can be held awake for a crowd of writers.
+        let crowd = match sleep {
+            (Sleep::Wanted, g) if g == generation => wakes.crowd_until(t, now),
+            _ => None,
+        };
+        // Kept awake for a crowd of writers: unmarked until the crowd time ends, the mark
+        // cleared if it was wanted again before the poller cleared it.
+        if let Some(until) = crowd {
+            crowd_ends = Some(crowd_ends.map_or(until, |end| end.min(until)));
+            if mark.asleep {
+                to_wake.push(t);
             }
+            continue;
+        }
+        match sleep {
             (Sleep::Wanted, g) if g == generation => match (mark.asleep, mark.horizon) {
                 (false, _) => to_sleep.push(t),
                 // Marked without a break since step 3 (woken, then wanted again before
