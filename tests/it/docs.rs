@@ -1,7 +1,7 @@
 //! The documentation keeps up with the code: the configuration reference lists exactly the
 //! keys the relay accepts, with the defaults the loader uses; the example config is
-//! accepted and shows every key; and every relative link in the README and docs/ leads
-//! somewhere.
+//! accepted and shows every key; every relative link in the README and docs/ leads
+//! somewhere; and every command they show runs, or is marked as an example ([`commands`]).
 //!
 //! The accepted keys are not a list kept by hand: they are asked of the config loader
 //! itself. Its raw types reject unknown keys (`deny_unknown_fields`), and the error for an
@@ -9,6 +9,10 @@
 //! tells a section (unknown key inside it), a list of sections (`[[tables]]`), a plain
 //! value (a type error on the key itself) and a free-form table such as
 //! `[sink.kafka.properties]` (any name accepted) apart.
+
+mod commands;
+mod services;
+mod shown;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
