@@ -40,6 +40,9 @@ pub(crate) struct HeaderNames {
     pub(crate) time: Arc<str>,
     pub(crate) subject: Arc<str>,
     pub(crate) traceparent: Arc<str>,
+    /// `content-type`, the binding's own header (no prefix): `datacontenttype` in binary
+    /// mode, the event format's media type in structured mode.
+    pub(crate) content_type: Arc<str>,
 }
 
 impl CloudEvents {
@@ -134,6 +137,7 @@ fn checked(
             time: name("time"),
             subject: name("subject"),
             traceparent: name("traceparent"),
+            content_type: Arc::from("content-type"),
         }),
     })
 }

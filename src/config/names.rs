@@ -129,8 +129,9 @@ pub(crate) struct Template {
     constant: Option<Arc<str>>,
 }
 
-/// The distinct topics rendered last (at most [`RecentTopics::CAP`]): a batch's rows mostly
-/// share a few topics, and each is allocated once for all of them.
+/// The distinct strings rendered last (at most [`RecentTopics::CAP`]): a batch's rows mostly
+/// share a few topics (and CloudEvents types and sources), and each is allocated once for
+/// all of them.
 #[derive(Debug, Default)]
 pub(crate) struct RecentTopics(Vec<Arc<str>>);
 
@@ -245,6 +246,12 @@ impl Template {
     /// The columns referenced, in the order [`Template::render`] expects their values.
     pub(crate) fn columns(&self) -> &[Ident] {
         &self.columns
+    }
+
+    /// Whether the template is one column reference and nothing else (`{key}`): its
+    /// value is the column's, as it is.
+    pub(crate) fn is_one_column(&self) -> bool {
+        matches!(self.parts[..], [Part::Column(0)])
     }
 
     /// Renders the template from the values of [`Template::columns`]; a NULL value is an

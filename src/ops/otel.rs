@@ -38,7 +38,7 @@ use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider, Span};
 use opentelemetry_sdk::Resource;
 
 use crate::config::TracingConfig;
-use crate::sink::Message;
+use crate::sink::{HeaderValue, Message};
 
 /// The W3C header that carries a span's identity.
 pub(crate) const TRACEPARENT: &str = "traceparent";
@@ -334,7 +334,7 @@ impl BatchTrace<'_> {
 }
 
 /// Replaces (or adds) the message's `traceparent` with `span`'s.
-fn set_traceparent(headers: &mut Vec<(Arc<str>, String)>, span: &SpanContext) {
+fn set_traceparent(headers: &mut Vec<(Arc<str>, HeaderValue)>, span: &SpanContext) {
     let value = format!(
         "00-{}-{}-{:02x}",
         span.trace_id(),
@@ -345,13 +345,13 @@ fn set_traceparent(headers: &mut Vec<(Arc<str>, String)>, span: &SpanContext) {
         .iter_mut()
         .find(|(name, _)| name.eq_ignore_ascii_case(TRACEPARENT))
     {
-        Some((_, old)) => *old = value,
-        None => headers.push((Arc::from(TRACEPARENT), value)),
+        Some((_, old)) => *old = value.into(),
+        None => headers.push((Arc::from(TRACEPARENT), value.into())),
     }
 }
 
 /// A message's headers as the propagator reads them (names without regard to case).
-struct Headers<'a>(&'a [(Arc<str>, String)]);
+struct Headers<'a>(&'a [(Arc<str>, HeaderValue)]);
 
 impl Extractor for Headers<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -370,10 +370,10 @@ impl Extractor for Headers<'_> {
 mod tests {
     use super::*;
 
-    fn headers(pairs: &[(&str, &str)]) -> Vec<(Arc<str>, String)> {
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(Arc<str>, HeaderValue)> {
         pairs
             .iter()
-            .map(|(n, v)| (Arc::from(*n), v.to_string()))
+            .map(|(n, v)| (Arc::from(*n), v.to_string().into()))
             .collect()
     }
 
@@ -477,7 +477,7 @@ mod tests {
             none[1],
             (
                 Arc::from("traceparent"),
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00".to_owned()
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00".into()
             )
         );
     }

@@ -727,9 +727,12 @@ fn letters(
         };
         let topic = template.render(&row.dead_letter_values);
         let mut headers = original.headers;
-        headers.push((Arc::from("outbox-error"), error.clone()));
-        headers.push((Arc::from("outbox-attempts"), (row.attempts + 1).to_string()));
-        headers.push((Arc::from("outbox-topic"), original.topic.to_string()));
+        headers.push((Arc::from("outbox-error"), error.clone().into()));
+        headers.push((
+            Arc::from("outbox-attempts"),
+            (row.attempts + 1).to_string().into(),
+        ));
+        headers.push((Arc::from("outbox-topic"), original.topic.to_string().into()));
         let letter = topic.map(|topic| Message {
             topic,
             headers,

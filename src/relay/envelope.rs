@@ -11,45 +11,63 @@
 //! 4. A NULL payload (a Kafka tombstone) gets no envelope: a tombstone deletes its key, it
 //!    is not an event. An empty payload is an event without data.
 
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use bytes::Bytes;
 
-use crate::config::cloudevents::{CeMode, CloudEvents};
-use crate::config::Template;
-use crate::sink::{Message, SinkError};
+use crate::config::cloudevents::{CeMode, CloudEvents, HeaderNames};
+use crate::config::{NullColumn, RecentTopics, Template};
+use crate::sink::{HeaderValue, Message, SinkError};
 
-/// The binding's content type header (Kafka and NATS alike).
-const CONTENT_TYPE: &str = "content-type";
 /// Structured mode's content type.
 const STRUCTURED: &str = "application/cloudevents+json; charset=UTF-8";
 
 /// One event's attributes, filled from the row.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Attributes {
-    pub(crate) type_: Arc<str>,
-    pub(crate) source: Arc<str>,
-    pub(crate) subject: Option<Arc<str>>,
-    pub(crate) datacontenttype: Option<Arc<str>>,
+    pub(crate) type_: HeaderValue,
+    pub(crate) source: HeaderValue,
+    pub(crate) subject: Option<HeaderValue>,
+    pub(crate) datacontenttype: Option<HeaderValue>,
     pub(crate) time: Option<String>,
-    pub(crate) traceparent: Option<String>,
+    pub(crate) traceparent: Option<HeaderValue>,
 }
 
 /// Fills the attributes from `values` (the templates' columns, in
 /// [`CloudEvents::templates`] order) and the message built so far.
+///
+/// This runs once a row, so it copies as little as it can: a template that is one column
+/// (`{key}`) takes that column's value as it is; `type`, `source` and `datacontenttype`,
+/// which a batch's rows mostly share, are rendered once for all of them through `recent`
+/// (the batch's topics and such); `subject`, mostly one per row, is rendered on its own.
 pub(crate) fn attributes(
     ce: &CloudEvents,
-    values: &[Option<String>],
+    values: &mut [Option<String>],
     message: &Message,
+    recent: &mut RecentTopics,
 ) -> Result<Attributes, SinkError> {
     let mut rest = values;
-    let mut next = |t: &Template| {
-        let (mine, after) = rest.split_at(t.columns().len().min(rest.len()));
+    let mut next = |t: &Template, shared: bool| {
+        let n = t.columns().len().min(rest.len());
+        let (mine, after) = std::mem::take(&mut rest).split_at_mut(n);
         rest = after;
-        t.render(mine)
+        if t.is_one_column() {
+            return match mine.first_mut().and_then(Option::take) {
+                Some(value) => Ok(HeaderValue::Owned(value)),
+                None => Err(NullColumn {
+                    column: t.columns()[0].clone(),
+                }),
+            };
+        }
+        match shared {
+            true => t.render_shared(mine, recent),
+            false => t.render(mine),
+        }
+        .map(HeaderValue::Shared)
     };
-    let required = |name: &str, value: Result<Arc<str>, crate::config::NullColumn>| match value {
+    let required = |name: &str, value: Result<HeaderValue, NullColumn>| match value {
         Ok(v) if !v.is_empty() => Ok(v),
         Ok(_) => Err(SinkError::bad_row(format!(
             "the CloudEvents {name} would be empty; it must not be"
@@ -59,15 +77,15 @@ pub(crate) fn attributes(
             e.column
         ))),
     };
-    let type_ = required("type", next(&ce.type_))?;
-    let source = required("source", next(&ce.source))?;
-    let mut optional = |t: &Option<Template>| {
+    let type_ = required("type", next(&ce.type_, true))?;
+    let source = required("source", next(&ce.source, true))?;
+    let mut optional = |t: &Option<Template>, shared: bool| {
         t.as_ref()
-            .and_then(|t| next(t).ok())
+            .and_then(|t| next(t, shared).ok())
             .filter(|v| !v.is_empty())
     };
-    let subject = optional(&ce.subject);
-    let datacontenttype = optional(&ce.datacontenttype);
+    let subject = optional(&ce.subject, false);
+    let datacontenttype = optional(&ce.datacontenttype, true);
     let traceparent = message
         .headers
         .iter()
@@ -84,22 +102,25 @@ pub(crate) fn attributes(
 }
 
 /// Makes `message` (built from a row of a table with `ce`) a CloudEvent; `values` are the
-/// templates' columns. A tombstone stays as it is.
+/// templates' columns (taken where a template is one column), `recent` the batch's shared
+/// strings. A tombstone stays as it is.
 pub(crate) fn wrap(
     ce: &CloudEvents,
-    values: &[Option<String>],
+    values: &mut [Option<String>],
     message: &mut Message,
+    recent: &mut RecentTopics,
 ) -> Result<(), SinkError> {
     if message.payload.is_none() {
         return Ok(());
     }
-    let attributes = attributes(ce, values, message)?;
+    let attributes = attributes(ce, values, message, recent)?;
+    let names = &ce.header_names;
     match ce.mode {
-        CeMode::Binary => binary(ce, attributes, message),
+        CeMode::Binary => binary(names, attributes, message),
         CeMode::Structured => {
             let body = structured(&message.id, &attributes, message.payload.as_deref());
             message.payload = Some(Bytes::from(body));
-            set_content_type(&mut message.headers, STRUCTURED.to_owned());
+            set_content_type(&mut message.headers, names, STRUCTURED.into());
         }
     }
     Ok(())
@@ -107,32 +128,35 @@ pub(crate) fn wrap(
 
 /// Binary mode: each attribute a header with the binding's prefix, `datacontenttype` as
 /// `content-type`.
-fn binary(ce: &CloudEvents, a: Attributes, message: &mut Message) {
-    let names = &ce.header_names;
+fn binary(names: &HeaderNames, a: Attributes, message: &mut Message) {
     let headers = &mut message.headers;
     headers.reserve(7);
-    headers.push((names.specversion.clone(), "1.0".to_owned()));
-    headers.push((names.id.clone(), message.id.clone()));
-    headers.push((names.source.clone(), a.source.to_string()));
-    headers.push((names.type_.clone(), a.type_.to_string()));
+    headers.push((names.specversion.clone(), "1.0".into()));
+    headers.push((names.id.clone(), message.id.clone().into()));
+    headers.push((names.source.clone(), a.source));
+    headers.push((names.type_.clone(), a.type_));
     if let Some(time) = a.time {
-        headers.push((names.time.clone(), time));
+        headers.push((names.time.clone(), time.into()));
     }
     if let Some(subject) = a.subject {
-        headers.push((names.subject.clone(), subject.to_string()));
+        headers.push((names.subject.clone(), subject));
     }
     if let Some(traceparent) = a.traceparent {
         headers.push((names.traceparent.clone(), traceparent));
     }
     if let Some(content_type) = a.datacontenttype {
-        set_content_type(headers, content_type.to_string());
+        set_content_type(headers, names, content_type);
     }
 }
 
 /// Replaces any `content-type` header (whatever its case) with `value`.
-fn set_content_type(headers: &mut Vec<(Arc<str>, String)>, value: String) {
-    headers.retain(|(name, _)| !name.eq_ignore_ascii_case(CONTENT_TYPE));
-    headers.push((Arc::from(CONTENT_TYPE), value));
+fn set_content_type(
+    headers: &mut Vec<(Arc<str>, HeaderValue)>,
+    names: &HeaderNames,
+    value: HeaderValue,
+) {
+    headers.retain(|(name, _)| !name.eq_ignore_ascii_case(&names.content_type));
+    headers.push((names.content_type.clone(), value));
 }
 
 /// Structured mode: the JSON event format. The payload is `data` (as JSON) when it is
@@ -211,7 +235,9 @@ fn rfc3339(ms: i64) -> String {
         Ok(ms) => UNIX_EPOCH + Duration::from_millis(ms),
         Err(_) => UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs()),
     };
-    humantime::format_rfc3339_millis(time).to_string()
+    let mut out = String::with_capacity("2026-11-28T05:40:00.123Z".len());
+    write!(out, "{}", humantime::format_rfc3339_millis(time)).expect("a String takes any text");
+    out
 }
 
 #[cfg(test)]
@@ -253,10 +279,10 @@ mod tests {
 
     fn attributes(content_type: Option<&str>) -> Attributes {
         Attributes {
-            type_: Arc::from("com.x.created"),
-            source: Arc::from("/orders"),
-            subject: Some(Arc::from("k\"1")),
-            datacontenttype: content_type.map(Arc::from),
+            type_: "com.x.created".into(),
+            source: "/orders".into(),
+            subject: Some("k\"1".into()),
+            datacontenttype: content_type.map(|t| HeaderValue::Owned(t.to_owned())),
             time: None,
             traceparent: None,
         }

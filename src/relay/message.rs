@@ -13,7 +13,7 @@ use bytes::Bytes;
 use serde::de::{self, Deserializer as _, MapAccess, Visitor};
 
 use crate::config::{RecentTopics, TableConfig};
-use crate::sink::{Message, SinkError};
+use crate::sink::{HeaderValue, Message, SinkError};
 use crate::source::claim::ClaimedRow;
 
 /// Builds the message for `row` of `table`. Consumes the payload without copying it; a
@@ -33,7 +33,7 @@ pub(crate) fn to_message(
     };
     for ((name, _), value) in table.header_columns.iter().zip(&mut row.header_values) {
         if let Some(value) = value.take() {
-            headers.push((name.clone(), value));
+            headers.push((name.clone(), value.into()));
         }
     }
     let mut message = Message {
@@ -45,7 +45,7 @@ pub(crate) fn to_message(
         timestamp_ms: row.created_ms,
     };
     if let Some(ce) = &table.cloudevents {
-        if let Err(e) = super::envelope::wrap(ce, &row.envelope_values, &mut message) {
+        if let Err(e) = super::envelope::wrap(ce, &mut row.envelope_values, &mut message, topics) {
             // The row is bad: its payload goes back, for the dead-letter topic.
             row.payload = message.payload.take().map(Vec::from);
             return Err(e);
@@ -85,7 +85,7 @@ pub(crate) enum HeadersError {
 
 /// Parses the headers column: a JSON object whose values are all strings, or JSON null.
 /// Headers keep the object's order; a name given twice keeps its last value.
-pub(crate) fn parse_headers(text: &str) -> Result<Vec<(Arc<str>, String)>, HeadersError> {
+pub(crate) fn parse_headers(text: &str) -> Result<Vec<(Arc<str>, HeaderValue)>, HeadersError> {
     let mut de = serde_json::Deserializer::from_str(text);
     let column = de
         .deserialize_any(ValueVisitor { column: true })
@@ -104,7 +104,7 @@ pub(crate) fn parse_headers(text: &str) -> Result<Vec<(Arc<str>, String)>, Heade
 enum Value {
     /// The column itself, an object (or null): its entries, in order, or what is wrong
     /// with them (the first value that is not a string).
-    Headers(Result<Vec<(Arc<str>, String)>, String>),
+    Headers(Result<Vec<(Arc<str>, HeaderValue)>, String>),
     /// A string (taken).
     String(String),
     /// Anything else: its kind (skipped).
@@ -163,15 +163,16 @@ impl<'de> Visitor<'de> for ValueVisitor {
             {}
             return Ok(Value::Other("an object"));
         }
-        let mut headers: Vec<(Arc<str>, String)> = Vec::with_capacity(map.size_hint().unwrap_or(4));
+        let mut headers: Vec<(Arc<str>, HeaderValue)> =
+            Vec::with_capacity(map.size_hint().unwrap_or(4));
         let mut wrong = None;
         while let Some(name) = map.next_key::<Name>()? {
             let value = map.next_value::<Value>()?;
             match (value, &wrong) {
                 (Value::String(value), None) => {
                     match headers.iter_mut().find(|(n, _)| **n == *name.0) {
-                        Some(earlier) => earlier.1 = value,
-                        None => headers.push((name.0, value)),
+                        Some(earlier) => earlier.1 = value.into(),
+                        None => headers.push((name.0, value.into())),
                     }
                 }
                 (Value::Other(kind), None) => {
@@ -214,7 +215,7 @@ impl<'de> de::Deserialize<'de> for Name {
 mod tests {
     use super::*;
 
-    fn names(headers: &[(Arc<str>, String)]) -> Vec<(&str, &str)> {
+    fn names(headers: &[(Arc<str>, HeaderValue)]) -> Vec<(&str, &str)> {
         headers.iter().map(|(n, v)| (&**n, v.as_str())).collect()
     }
 

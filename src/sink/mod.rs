@@ -45,11 +45,72 @@ pub struct Message {
     /// The body, sent as bytes. `None` (a NULL payload column): a Kafka tombstone (a
     /// record with a null value, so log compaction deletes its key), an empty NATS body.
     pub payload: Option<Bytes>,
-    /// From the row's `headers` column in the column's order, then the header columns.
-    pub headers: Vec<(Arc<str>, String)>,
+    /// From the row's `headers` column in the column's order, then the header columns,
+    /// then the CloudEvents attributes (binary mode).
+    pub headers: Vec<(Arc<str>, HeaderValue)>,
     /// The row's creation time in milliseconds since the Unix epoch: the Kafka record's
     /// timestamp (`None`: the producer's clock).
     pub timestamp_ms: Option<i64>,
+}
+
+/// A header's value: the message's own, or one that many messages share (a constant, a
+/// value rendered once for a batch), which costs a reference count instead of a copy.
+/// Values compare by their text, whatever holds it.
+#[derive(Debug, Clone)]
+pub enum HeaderValue {
+    Owned(String),
+    Shared(Arc<str>),
+    Static(&'static str),
+}
+
+impl HeaderValue {
+    pub fn as_str(&self) -> &str {
+        match self {
+            HeaderValue::Owned(s) => s,
+            HeaderValue::Shared(s) => s,
+            HeaderValue::Static(s) => s,
+        }
+    }
+}
+
+impl std::ops::Deref for HeaderValue {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl PartialEq for HeaderValue {
+    fn eq(&self, other: &HeaderValue) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for HeaderValue {}
+
+impl fmt::Display for HeaderValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<String> for HeaderValue {
+    fn from(s: String) -> HeaderValue {
+        HeaderValue::Owned(s)
+    }
+}
+
+impl From<Arc<str>> for HeaderValue {
+    fn from(s: Arc<str>) -> HeaderValue {
+        HeaderValue::Shared(s)
+    }
+}
+
+impl From<&'static str> for HeaderValue {
+    fn from(s: &'static str) -> HeaderValue {
+        HeaderValue::Static(s)
+    }
 }
 
 /// A publish failure with its class.

@@ -501,7 +501,7 @@ async fn a_dead_letter_topic_that_is_down_postpones_the_row_and_never_blocks_oth
     assert!(
         dead[0]
             .headers
-            .contains(&("outbox-attempts".into(), "2".to_owned())),
+            .contains(&("outbox-attempts".into(), "2".into())),
         "{:?}",
         dead[0].headers
     );

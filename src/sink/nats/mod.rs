@@ -39,6 +39,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_nats::header::{HeaderName, IntoHeaderName};
 use async_nats::jetstream::context::{ContextBuilder, PublishError, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::publish::PublishAck;
@@ -137,10 +138,10 @@ impl NatsSink {
     }
 
     /// Sends `message` to JetStream; the ack is awaited separately.
-    async fn send(&self, subjects: &mut Subjects, message: &Message) -> Result<Ack, PublishError> {
+    async fn send(&self, names: &mut Names, message: &Message) -> Result<Ack, PublishError> {
         let mut headers = HeaderMap::new();
         for (name, value) in &message.headers {
-            headers.insert(&**name, value.as_str());
+            headers.insert(names.header(name), value.as_str());
         }
         headers.insert(header::NATS_MESSAGE_ID, message.id.as_str());
         let publish = PublishMessage::build()
@@ -148,7 +149,7 @@ impl NatsSink {
             .headers(headers);
         let ack = self
             .js
-            .send_publish(subjects.of(&message.topic), publish)
+            .send_publish(names.subject(&message.topic), publish)
             .await?;
         Ok(ack.into_future())
     }
@@ -273,16 +274,25 @@ impl NatsSink {
     }
 }
 
-/// The subjects of one batch, each made once from its message's topic and shared by the
-/// messages that follow with the same topic (a batch mostly has few): the subject holds
-/// the topic's string itself, so making and cloning one copies nothing.
+/// What one batch makes once and shares between its messages.
+///
+/// - Subjects, from the messages' topics (a batch mostly has few): a subject holds the
+///   topic's string itself, so making and cloning one copies nothing.
+/// - Header names: a table's header columns and CloudEvents attributes name every
+///   message's headers alike, so each name is checked and copied once a batch, not once
+///   a message (at most [`Names::HEADERS`] kept; rarer names are made each time).
 #[derive(Default)]
-struct Subjects(Vec<(Arc<str>, Subject)>);
+struct Names {
+    subjects: Vec<(Arc<str>, Subject)>,
+    headers: Vec<(Arc<str>, HeaderName)>,
+}
 
-impl Subjects {
-    fn of(&mut self, topic: &Arc<str>) -> Subject {
+impl Names {
+    const HEADERS: usize = 32;
+
+    fn subject(&mut self, topic: &Arc<str>) -> Subject {
         let known = self
-            .0
+            .subjects
             .iter()
             .find(|(t, _)| Arc::ptr_eq(t, topic) || t == topic);
         if let Some((_, subject)) = known {
@@ -290,10 +300,43 @@ impl Subjects {
         }
         let bytes = bytes::Bytes::from_owner(Topic(topic.clone()));
         let subject = Subject::from_utf8(bytes).expect("a topic is a str");
-        self.0.push((topic.clone(), subject.clone()));
+        self.subjects.push((topic.clone(), subject.clone()));
         subject
     }
+
+    /// `name` as a NATS header name; [`SinkService::check`] has refused a message with a
+    /// name NATS does not allow. The messages of a batch mostly carry the very same
+    /// strings as names, so those are looked for first, by address.
+    fn header(&mut self, name: &Arc<str>) -> HeaderName {
+        let known = (self.headers.iter().find(|(n, _)| Arc::ptr_eq(n, name)))
+            .or_else(|| self.headers.iter().find(|(n, _)| n == name));
+        if let Some((_, header)) = known {
+            return header.clone();
+        }
+        let header = match STATIC_NAMES.iter().find(|s| **s == &**name) {
+            Some(s) => HeaderName::from_static(s),
+            None => (&**name).into_header_name(),
+        };
+        if self.headers.len() < Names::HEADERS {
+            self.headers.push((name.clone(), header.clone()));
+        }
+        header
+    }
 }
+
+/// Header names every message of a table with CloudEvents in binary mode carries: made
+/// from static strings, a clone of one costs nothing.
+const STATIC_NAMES: [&str; 9] = [
+    "ce-specversion",
+    "ce-id",
+    "ce-source",
+    "ce-type",
+    "ce-time",
+    "ce-subject",
+    "ce-traceparent",
+    "content-type",
+    "traceparent",
+];
 
 /// A topic's shared string as the bytes a [`Subject`] is made of.
 struct Topic(Arc<str>);
@@ -327,7 +370,7 @@ impl SinkService for NatsSink {
                     "header name {name:?} is not allowed in NATS (printable ASCII, no ':')"
                 )));
             }
-            if value.contains(['\r', '\n']) {
+            if value.bytes().any(|b| b == b'\r' || b == b'\n') {
                 return Err(SinkError::bad_row(format!(
                     "value of header {name:?} contains a line break"
                 )));
@@ -351,7 +394,7 @@ impl SinkService for NatsSink {
     async fn publish_batch(&self, messages: &[&Message]) -> Vec<Result<(), SinkError>> {
         let mut results: Vec<Result<(), SinkError>> = Vec::with_capacity(messages.len());
         let mut acks: Vec<Option<Ack>> = Vec::with_capacity(messages.len());
-        let mut subjects = Subjects::default();
+        let mut names = Names::default();
         let mut elections = self.elections.clone();
         elections.borrow_and_update();
         for message in messages {
@@ -360,7 +403,7 @@ impl SinkService for NatsSink {
                 results.push(Err(denied_error(&message.topic)));
                 continue;
             }
-            match self.send(&mut subjects, message).await {
+            match self.send(&mut names, message).await {
                 Ok(ack) => {
                     acks.push(Some(ack));
                     results.push(Ok(()));
@@ -398,7 +441,7 @@ impl SinkService for NatsSink {
                         if acks[j].is_none() {
                             continue;
                         }
-                        acks[j] = match self.send(&mut subjects, messages[j]).await {
+                        acks[j] = match self.send(&mut names, messages[j]).await {
                             Ok(ack) => Some(ack),
                             Err(e) => {
                                 let topic = &messages[j].topic;
@@ -651,17 +694,52 @@ mod tests {
 
     #[test]
     fn a_batchs_subjects_are_its_topics_strings_made_once() {
-        let mut subjects = Subjects::default();
+        let mut names = Names::default();
         let (a, b) = (Arc::<str>::from("events.a"), Arc::<str>::from("events.b"));
-        let first = subjects.of(&a);
+        let first = names.subject(&a);
         assert_eq!(first.as_str(), "events.a");
         // The subject is the topic's own string, not a copy of it.
         assert_eq!(first.as_str().as_ptr(), a.as_ptr());
-        assert_eq!(subjects.of(&b).as_str(), "events.b");
+        assert_eq!(names.subject(&b).as_str(), "events.b");
         // An equal topic from another string finds the subject made first.
-        let again = subjects.of(&Arc::from("events.a"));
+        let again = names.subject(&Arc::from("events.a"));
         assert_eq!(again.as_str().as_ptr(), a.as_ptr());
-        assert_eq!(subjects.0.len(), 2);
+        assert_eq!(names.subjects.len(), 2);
+    }
+
+    #[test]
+    fn the_cloudevents_header_names_on_nats_are_made_from_static_strings() {
+        let text = "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"nats\"\n\
+                    [sink.nats]\nurl = \"nats://n:4222\"\n[[tables]]\nname = \"public.outbox\"\n\
+                    envelope = \"cloudevents\"\n[tables.cloudevents]\ntype = \"t\"\nsource = \"s\"\n";
+        let config = crate::config::from_str(text, |_| None, Vec::new()).unwrap();
+        let ce = config.tables[0].cloudevents.as_ref().unwrap();
+        let n = &ce.header_names;
+        for name in [
+            &n.specversion,
+            &n.id,
+            &n.source,
+            &n.type_,
+            &n.time,
+            &n.subject,
+            &n.traceparent,
+            &n.content_type,
+        ] {
+            assert!(STATIC_NAMES.contains(&&**name), "{name} is not static");
+        }
+    }
+
+    #[test]
+    fn a_batchs_header_names_are_made_once_and_a_crowd_of_names_is_not_kept() {
+        let mut names = Names::default();
+        let a = Arc::<str>::from("ce-type");
+        assert_eq!(names.header(&a), names.header(&Arc::from("ce-type")));
+        assert_eq!(names.headers.len(), 1);
+        for i in 0..2 * Names::HEADERS {
+            let name = Arc::<str>::from(format!("x-{i}"));
+            assert_eq!(names.header(&name).to_string(), *name);
+        }
+        assert_eq!(names.headers.len(), Names::HEADERS);
     }
 
     #[test]

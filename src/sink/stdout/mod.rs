@@ -71,7 +71,7 @@ fn line(m: &Message) -> serde_json::Value {
     let headers: serde_json::Map<String, serde_json::Value> = m
         .headers
         .iter()
-        .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.clone())))
+        .map(|(k, v)| (k.to_string(), serde_json::Value::String(v.to_string())))
         .collect();
     // Payloads that are not UTF-8 are shown as a list of bytes rather than mangled; a NULL
     // payload as null.

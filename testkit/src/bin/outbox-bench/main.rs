@@ -281,27 +281,33 @@ async fn main() -> Result<()> {
     if bench.a.envelope {
         let runs = bench.envelope_cost(3).await?;
         let _ = std::fs::remove_dir_all(&bench.dir);
-        let mean = |prefix: &str| {
-            let rates: Vec<f64> = runs
+        let mean = |prefix: &str, of: fn(&Row) -> f64| {
+            let values: Vec<f64> = runs
                 .iter()
                 .filter(|r| r.name.starts_with(prefix))
-                .map(Row::rate)
+                .map(of)
                 .collect();
-            rates.iter().sum::<f64>() / rates.len() as f64
+            values.iter().sum::<f64>() / values.len() as f64
         };
-        println!("| V. NATS drain, key order | rows | s | rows/s |\n|---|---:|---:|---:|");
+        let cpu = |r: &Row| r.cpu_per_100k.unwrap_or(f64::NAN);
+        println!(
+            "| V. NATS drain, key order | rows | s | rows/s | relay CPU s / 100k rows |\n\
+             |---|---:|---:|---:|---:|"
+        );
         for row in &runs {
             println!(
-                "| {} | {} | {:.2} | {:.0} |",
+                "| {} | {} | {:.2} | {:.0} | {:.2} |",
                 row.name,
                 row.rows,
                 row.secs,
-                row.rate()
+                row.rate(),
+                cpu(row)
             );
         }
         println!(
-            "\nV1 / V0, means of the rounds: {:.3}",
-            mean("V1") / mean("V0")
+            "\nV1 / V0, means of the rounds: {:.3} of the rate; the relay's CPU a row {:.3}",
+            mean("V1", Row::rate) / mean("V0", Row::rate),
+            mean("V1", cpu) / mean("V0", cpu)
         );
         return Ok(());
     }
