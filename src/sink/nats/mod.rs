@@ -29,9 +29,14 @@
 //! comes for them. The relay follows JetStream's advisory that a stream elected a leader
 //! (`$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.<stream>`); a publish still waiting for its
 //! ack when one arrives is sent again, to the new leader, instead of waiting out
-//! `sink.publish_timeout`. A copy the old leader did store comes back as a duplicate
-//! (same `Nats-Msg-Id`), acknowledged and not stored twice; a key has at most one message
-//! in flight, so sending it again cannot reorder the key.
+//! `sink.publish_timeout`. A reconnect counts as an election: the advisories sent while
+//! the connection was down are lost, and so are the publishes in flight on it. After
+//! either, what is still unacknowledged is sent again every [`RESEND_EVERY`] until it is
+//! acknowledged or times out, since a publish that reached a leader not yet serving, or a
+//! server whose routes had not yet learnt of it, is dropped as silently as the first. A
+//! copy the old leader did store comes back as a duplicate (same `Nats-Msg-Id`),
+//! acknowledged and not stored twice; a key has at most one message in flight, so sending
+//! it again cannot reorder the key.
 
 use std::collections::HashMap;
 use std::future::{Future, IntoFuture};
@@ -69,6 +74,9 @@ pub(crate) const DENIED_TTL: Duration = Duration::from_secs(30);
 const REPLY_LIMIT: Duration = Duration::from_secs(2);
 /// JetStream's advisories that a replicated stream elected a leader, one subject a stream.
 const LEADER_ELECTED: &str = "$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.>";
+/// After a stream leader election or a reconnect, how often a batch sends again what is
+/// still unacknowledged (module doc, *A stream leader change*).
+const RESEND_EVERY: Duration = Duration::from_secs(1);
 
 /// A sent publish's acknowledgement to come.
 type Ack = Pin<Box<dyn Future<Output = Result<PublishAck, PublishError>> + Send>>;
@@ -101,7 +109,8 @@ pub struct NatsSink {
     /// The stream that acknowledged the latest batch: what [`SinkService::healthcheck`]
     /// asks about once there is one.
     last_stream: Mutex<Option<String>>,
-    /// Counts the stream leader elections announced since connect ([`follow_elections`]).
+    /// Counts the stream leader elections announced since connect ([`follow_elections`]),
+    /// and the reconnects ([`on_event`]).
     elections: watch::Receiver<u64>,
 }
 
@@ -115,16 +124,18 @@ impl NatsSink {
         let options = connect_options(config, &addrs, &mut secrets).await?;
         let denied: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
         let (connected_tx, connected) = tokio::sync::watch::channel(true);
+        let (elections_tx, elections) = watch::channel(0);
+        let elections_tx = Arc::new(elections_tx);
         let client = options
             .name("outbox-relay")
             .connection_timeout(timeout)
             .max_reconnects(None)
-            .event_callback(on_event(denied.clone(), connected_tx))
+            .event_callback(on_event(denied.clone(), connected_tx, elections_tx.clone()))
             .connect(addrs)
             .await
             .map_err(|e| connect_error(config, e, &secrets))?;
         let js = ContextBuilder::new().timeout(timeout).build(client.clone());
-        let elections = follow_elections(&client).await;
+        follow_elections(&client, elections_tx).await;
         Ok(NatsSink {
             client,
             js,
@@ -152,6 +163,33 @@ impl NatsSink {
             .send_publish(names.subject(&message.topic), publish)
             .await?;
         Ok(ack.into_future())
+    }
+
+    /// Sends again each of `messages` still waiting for its ack (`acks`); a send that fails
+    /// ends the message with its error in `results`. Returns how many were sent.
+    async fn send_again(
+        &self,
+        messages: &[&Message],
+        acks: &mut [Option<Ack>],
+        results: &mut [Result<(), SinkError>],
+        names: &mut Names,
+        elections: &watch::Receiver<u64>,
+    ) -> usize {
+        let mut again = 0;
+        for ((message, ack), result) in messages.iter().zip(acks).zip(results) {
+            if ack.is_none() {
+                continue;
+            }
+            *ack = match self.send(names, message).await {
+                Ok(ack) => Some(ack),
+                Err(e) => {
+                    *result = Err(self.classify(&message.topic, e, elections).await);
+                    None
+                }
+            };
+            again += 1;
+        }
+        again
     }
 
     /// Whether the server refused a publish to `subject` within [`DENIED_TTL`].
@@ -271,6 +309,14 @@ impl NatsSink {
             ErrorClass::Transient => SinkError::transient(text),
         };
         error.caused_by(e)
+    }
+}
+
+/// Sleeps until `at`; never ends without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -415,6 +461,7 @@ impl SinkService for NatsSink {
             }
         }
         let mut acked_by = None;
+        let mut resend_at = None;
         let mut i = 0;
         while i < acks.len() {
             let Some(ack) = acks[i].as_mut() else {
@@ -436,25 +483,22 @@ impl SinkService for NatsSink {
                 }
                 // (Never again once the advisories' follower has stopped.)
                 Ok(()) = elections.changed() => {
-                    let mut again = 0;
-                    for j in i..acks.len() {
-                        if acks[j].is_none() {
-                            continue;
-                        }
-                        acks[j] = match self.send(&mut names, messages[j]).await {
-                            Ok(ack) => Some(ack),
-                            Err(e) => {
-                                let topic = &messages[j].topic;
-                                results[j] = Err(self.classify(topic, e, &elections).await);
-                                None
-                            }
-                        };
-                        again += 1;
-                    }
+                    let again = self
+                        .send_again(&messages[i..], &mut acks[i..], &mut results[i..], &mut names, &elections)
+                        .await;
                     tracing::debug!(
                         again,
-                        "A JetStream stream elected a leader: unacknowledged messages sent again"
+                        "A JetStream stream elected a leader, or the connection came back: \
+                         unacknowledged messages sent again"
                     );
+                    resend_at = Some(tokio::time::Instant::now() + RESEND_EVERY);
+                }
+                () = sleep_until_some(resend_at) => {
+                    let again = self
+                        .send_again(&messages[i..], &mut acks[i..], &mut results[i..], &mut names, &elections)
+                        .await;
+                    tracing::debug!(again, "Unacknowledged messages sent again since an election");
+                    resend_at = Some(tokio::time::Instant::now() + RESEND_EVERY);
                 }
             }
         }
@@ -588,12 +632,11 @@ async fn connect_options(
     Ok(options)
 }
 
-/// Counts JetStream's stream leader elections, from their advisories ([`LEADER_ELECTED`]),
-/// until every receiver is gone. A user who may not subscribe to them gets none (the
-/// server refuses asynchronously): the count stays 0, and a publish the old leader dropped
-/// waits out its timeout.
-async fn follow_elections(client: &async_nats::Client) -> watch::Receiver<u64> {
-    let (count, elections) = watch::channel(0);
+/// Counts JetStream's stream leader elections into `count`, from their advisories
+/// ([`LEADER_ELECTED`]), until every receiver is gone. A user who may not subscribe to them
+/// gets none (the server refuses asynchronously): only reconnects count then, and a
+/// publish the old leader dropped waits out its timeout.
+async fn follow_elections(client: &async_nats::Client, count: Arc<watch::Sender<u64>>) {
     match client.subscribe(LEADER_ELECTED).await {
         Ok(mut advisories) => {
             tokio::spawn(async move {
@@ -614,19 +657,22 @@ async fn follow_elections(client: &async_nats::Client) -> watch::Receiver<u64> {
         }
         Err(e) => tracing::debug!(error = %e, "Not following JetStream's leader elections"),
     }
-    elections
 }
 
-/// Follows the connection's events: up or down into `connected`, subjects the server
-/// refused a publish to into `denied`.
+/// Follows the connection's events: up or down into `connected`, a reconnect into
+/// `elections`, subjects the server refused a publish to into `denied`.
 fn on_event(
     denied: Arc<Mutex<HashMap<String, Instant>>>,
     connected: tokio::sync::watch::Sender<bool>,
+    elections: Arc<watch::Sender<u64>>,
 ) -> impl Fn(async_nats::Event) -> std::future::Ready<()> {
     move |event: async_nats::Event| {
         match &event {
             async_nats::Event::Connected => {
-                connected.send_replace(true);
+                let was_connected = connected.send_replace(true);
+                if !was_connected {
+                    elections.send_modify(|n| *n += 1);
+                }
             }
             async_nats::Event::Disconnected | async_nats::Event::Closed => {
                 connected.send_replace(false);
@@ -705,6 +751,25 @@ mod tests {
         let again = names.subject(&Arc::from("events.a"));
         assert_eq!(again.as_str().as_ptr(), a.as_ptr());
         assert_eq!(names.subjects.len(), 2);
+    }
+
+    #[test]
+    fn a_reconnect_counts_as_an_election_and_the_first_connect_does_not() {
+        let (connected_tx, connected) = watch::channel(true);
+        let (elections_tx, elections) = watch::channel(0);
+        let on = on_event(Arc::default(), connected_tx, Arc::new(elections_tx));
+        let () = on(async_nats::Event::Connected).into_inner();
+        assert_eq!(*elections.borrow(), 0, "connected from the start");
+        let () = on(async_nats::Event::Disconnected).into_inner();
+        assert!(!*connected.borrow());
+        assert_eq!(*elections.borrow(), 0);
+        let () = on(async_nats::Event::Connected).into_inner();
+        assert!(*connected.borrow());
+        assert_eq!(
+            *elections.borrow(),
+            1,
+            "what was in flight on the old connection is lost"
+        );
     }
 
     #[test]
