@@ -1,6 +1,6 @@
 //! Which tables a worker claims from, and when: an idle table costs next to nothing.
 //!
-//! Rules (`run`; a `drain` looks at every table in every round, as it must end):
+//! Rules (`run`; for `drain`, see the last one):
 //!
 //! 1. A table is *due* after something says it may have rows: a NOTIFY naming it, the
 //!    LISTEN connection (re)subscribing (rows may have committed unheard), a batch of it
@@ -31,6 +31,12 @@
 //!    mark, and writers stop notifying) when its NOTIFYs come faster than
 //!    [`BUSY_NOTIFY_RATE`], and then not marked again for [`CROWD_AWAKE`]; or by a raise
 //!    while it is wanted or pending, a pause or a new LISTEN session.
+//! 7. `drain` has no LISTEN and no poller, and must end: every table starts due, a table
+//!    settled by rule 2 stays settled while other tables keep the workers busy, and a
+//!    round that finds nothing makes every table due again ([`Wakes::rearm`]) unless
+//!    nothing publishable is left. So a busy table among idle ones is claimed back to
+//!    back, not after a look at every idle table, and a row committed to a settled table
+//!    is found by the next round that finds nothing else.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -69,7 +75,7 @@ pub(crate) struct Wakes {
     /// Pokes the poller: a table is wanted asleep, or must be woken in the database.
     pub(crate) sleep: Notify,
     poll_interval: Duration,
-    /// `drain`: every table is always due.
+    /// `drain`: rule 7 instead of rules 3 and 6.
     always: bool,
 }
 
@@ -371,7 +377,7 @@ impl Wakes {
             return None;
         }
         let raised = table.raised.load(Ordering::Acquire);
-        if self.always || raised > table.settled.load(Ordering::Acquire) {
+        if raised > table.settled.load(Ordering::Acquire) {
             return Some(Ticket(raised));
         }
         {
@@ -381,12 +387,22 @@ impl Wakes {
                 return Some(Ticket(raised));
             }
         }
+        if self.always {
+            return None; // `drain`: until `rearm` (rule 7)
+        }
         let mut next = table.next_check.lock().unwrap();
         if now < *next {
             return None;
         }
         *next = now + IDLE_RECHECK;
         Some(Ticket(raised))
+    }
+
+    /// `drain`: every table is due again (rule 7), without waking a worker.
+    pub(crate) fn rearm(&self) {
+        for table in &self.tables {
+            table.raised.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// Whether a table is due by rule 1 (raised since it last settled) and not paused.
@@ -580,13 +596,40 @@ mod tests {
             w.begin(1, now).is_none(),
             "settled by a poll that found nothing"
         );
-        // `drain` claims from every table in every round: nothing to poll.
+        // `drain` has no poller (rule 7).
         let drain = Wakes::new(
             vec![("public.b".into(), WakeTrigger::None)],
             Duration::from_millis(100),
             true,
         );
         assert!(drain.poll_tickets().iter().all(Option::is_none));
+    }
+
+    #[test]
+    fn a_drain_skips_a_table_found_empty_until_a_round_finds_nothing() {
+        let w = Wakes::new(
+            vec![
+                ("public.busy".into(), WakeTrigger::Gated),
+                ("public.idle".into(), WakeTrigger::Gated),
+            ],
+            Duration::from_millis(100),
+            true,
+        );
+        let now = Instant::now();
+        assert!(w.begin(0, now).is_some(), "every table starts due");
+        w.found_nothing(1, w.begin(1, now).expect("every table starts due"));
+        // The busy table published rows: due again at once; the idle one is skipped,
+        // however much time passes.
+        w.raise(0, false);
+        let later = now + IDLE_RECHECK * 4;
+        assert!(w.begin(0, later).is_some());
+        assert!(
+            w.begin(1, later).is_none(),
+            "found empty, not looked at again"
+        );
+        // A round that found nothing (and rows left somewhere): every table again.
+        w.rearm();
+        assert!(w.begin(1, later).is_some());
     }
 
     #[test]

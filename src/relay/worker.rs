@@ -122,10 +122,14 @@ impl Worker {
     /// a look (`wake`; a poll interval in `drain`), or `stop` (`false`).
     async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         let shared = &self.shared;
-        if shared.drain && shared.nothing_publishable().await {
-            shared.state.set_drained(true);
-            shared.shutdown.request_stop();
-            return false;
+        if shared.drain {
+            if shared.nothing_publishable().await {
+                shared.state.set_drained(true);
+                shared.shutdown.request_stop();
+                return false;
+            }
+            // Rows are left, maybe in a table found empty earlier (`wake`, rule 7).
+            shared.wakes.rearm();
         }
         // A table raised after the ticket of the claim that found it empty is still due
         // (`wake`, rule 2): a batch's own "there may be more" comes after the ticket of

@@ -1,5 +1,5 @@
-//! S, R, I and E3: the shapes of real deployments (issue 27) rather than one process on one
-//! table. `outbox-bench --scale` runs only these.
+//! S, R, I, E3 and M: the shapes of real deployments rather than one process on one
+//! table. `outbox-bench --scale` runs only these (M only when named in `--scale-parts`).
 //!
 //! - S. Replicas and workers: `R` `outbox-relay drain` processes of `W` workers each,
 //!   started at once on one table of 200,000 rows, on 2,000 keys and on 20 hot keys; the
@@ -19,6 +19,9 @@
 //!   batches of 1,000); the table is analyzed empty, as autovacuum does after such a
 //!   drain; 300,000 more are inserted and drained by a new `drain` process, behind the
 //!   deleted rows VACUUM cannot remove, with no ANALYZE between the fill and the drain.
+//! - M. One busy table among idle ones: a `drain` (4 workers, batches of 500) of 200,000
+//!   rows over 2,000 keys, alone and with 49 (then 499) empty tables configured after it,
+//!   alternated, two rounds each; the rate with them as a ratio to the rate alone.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -36,6 +39,9 @@ const S_ROWS: i64 = 200_000;
 const SHAPES: [(usize, usize); 6] = [(1, 4), (1, 16), (2, 4), (4, 4), (8, 4), (1, 1)];
 /// How long I measures an idle relay.
 const IDLE_SECS: u64 = 15;
+/// Rows of each M drain, and its rounds.
+const M_ROWS: i64 = 200_000;
+const M_ROUNDS: usize = 2;
 /// Rows of each E3 drain.
 const E3_ROWS: i64 = 300_000;
 
@@ -118,6 +124,8 @@ pub(crate) struct Scale {
     pub(crate) idle: Vec<Idle>,
     /// E3: the first drain's rate, the new process's rate.
     pub(crate) history: (f64, f64),
+    /// M: idle tables, and each round's (alone, among them) drain rates.
+    pub(crate) among: Vec<(usize, Vec<(f64, f64)>)>,
 }
 
 /// CPU seconds so far of some processes (summed) and of every PostgreSQL process: two
@@ -257,9 +265,25 @@ impl Bench {
         batch: usize,
         rows: i64,
     ) -> Result<Drained> {
+        self.drains_among(relays, workers, batch, rows, &[]).await
+    }
+
+    /// [`Bench::drains_at_once`] with the empty tables `idle` configured after
+    /// `public.outbox`.
+    async fn drains_among(
+        &self,
+        relays: usize,
+        workers: usize,
+        batch: usize,
+        rows: i64,
+        idle: &[String],
+    ) -> Result<Drained> {
         self.reset_nats().await?;
-        let path = self.dir.join(format!("scale-{relays}x{workers}.toml"));
-        let tables = ["public.outbox".to_owned()];
+        let path = self
+            .dir
+            .join(format!("scale-{relays}x{workers}-{}.toml", idle.len()));
+        let mut tables = vec!["public.outbox".to_owned()];
+        tables.extend_from_slice(idle);
         std::fs::write(&path, self.scale_config(workers, batch, &tables))?;
         let stats = self.pg.connect("app").await?;
         let profile = self.statements(&stats, None).await?;
@@ -691,6 +715,29 @@ impl Bench {
         })
     }
 
+    /// M: one drain of 1 x 4 on [`M_ROWS`] rows over 2,000 keys, alone and with `n` empty
+    /// tables configured after it, alternated, [`M_ROUNDS`] rounds: (alone, among) rates.
+    async fn busy_among_idle(&self, n: usize) -> Result<Vec<(f64, f64)>> {
+        let idle: Vec<String> = (0..n).map(|i| format!("public.idle_{i}")).collect();
+        let path = self.dir.join(format!("among-{n}.toml"));
+        std::fs::write(&path, self.scale_config(4, 500, &idle))?;
+        self.migrate(&path, true)?;
+        let mut rounds = Vec::new();
+        for _ in 0..M_ROUNDS {
+            self.fill(M_ROWS, 2_000, 200).await?;
+            let alone = self.drains_among(1, 4, 500, M_ROWS, &[]).await?.rate;
+            self.fill(M_ROWS, 2_000, 200).await?;
+            let among = self.drains_among(1, 4, 500, M_ROWS, &idle).await?.rate;
+            eprintln!("    M. {n} idle tables: {alone:.0} rows/s alone, {among:.0} among them");
+            rounds.push((alone, among));
+        }
+        let client = self.pg.connect("app").await?;
+        for t in &idle {
+            client.batch_execute(&format!("DROP TABLE {t}")).await?;
+        }
+        Ok(rounds)
+    }
+
     /// E3: a first drain, then a new process's drain behind the first's deleted rows with
     /// a snapshot held, no ANALYZE.
     async fn history(&self) -> Result<(f64, f64)> {
@@ -754,11 +801,18 @@ impl Bench {
         } else {
             (f64::NAN, f64::NAN)
         };
+        let mut among = Vec::new();
+        if part("M") {
+            for n in [49, 499] {
+                among.push((n, self.busy_among_idle(n).await?));
+            }
+        }
         Ok(Scale {
             shapes,
             running,
             idle,
             history,
+            among,
         })
     }
 }
@@ -787,6 +841,22 @@ pub(crate) fn print(scale: &Scale) {
             i.wake_p50_ms,
             i.wake_p99_ms
         );
+    }
+    if !scale.among.is_empty() {
+        println!(
+            "\n### M. One busy table among idle ones: `drain`, 1 x 4, {M_ROWS} rows over 2,000 keys, NATS, key order\n"
+        );
+        println!("| idle tables | round | alone (rows/s) | among them (rows/s) | ratio |");
+        println!("|---:|---:|---:|---:|---:|");
+        for (n, rounds) in &scale.among {
+            for (i, (alone, among)) in rounds.iter().enumerate() {
+                println!(
+                    "| {n} | {} | {alone:.0} | {among:.0} | {:.2} |",
+                    i + 1,
+                    among / alone
+                );
+            }
+        }
     }
     let (first, second) = scale.history;
     println!("\n### E3. A held snapshot, a new process, statistics from the empty table\n");
