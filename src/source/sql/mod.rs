@@ -97,7 +97,7 @@ pub struct TableSql {
     /// holds, and returns each one's pending, due rows from the floor `$4` on, at most `$2`
     /// a bucket, read through the bucket index, with the stragglers `$5` and the rows with
     /// a failure history below the floor, in no particular order. Rows up to `$1` are read again on purpose (see
-    /// *Buckets* in `claim.rs`). Rows held back are left out as in
+    /// *Buckets* in `claim/mod.rs`). Rows held back are left out as in
     /// [`TableSql::window`], and past a first window also those behind a row with a
     /// failure history (see `held_in_window`).
     ///
