@@ -34,7 +34,7 @@ use crate::source::{vacuum, Source};
 pub(crate) struct Probed<'a> {
     pub(crate) source: &'a Source,
     pub(crate) sink: &'a Sink,
-    pub(crate) tables: &'a [TablePlan],
+    pub(crate) tables: &'a [&'a TablePlan],
     /// The circuit breaker: whether it is open now, and how often it opened since start.
     pub(crate) circuit: &'a (dyn Fn() -> (bool, u64) + Sync),
     /// `drain`'s progress line shows the backlog: read it every [`GAUGE_INTERVAL`] (the

@@ -44,7 +44,7 @@ use tracing::Instrument;
 
 use super::message::{message_id, to_message};
 use super::order::{publish_in_order, RowOutcome};
-use super::Shared;
+use super::{RunTable, Shared};
 use crate::config::{NullColumn, OnPublish, Ordering, TableConfig};
 use crate::error::ErrorClass;
 use crate::ops::otel::BatchTrace;
@@ -184,14 +184,18 @@ impl Ended {
     }
 }
 
-/// Runs batches for worker `lane` from table `t` (looked at with `ticket`) on: one, or
+/// Runs batches for worker `lane` from `table` (looked at with `ticket`) on: one, or
 /// several on one session when each claims the next with its `COMMIT` ([`Shared::follow_on`]).
-pub(super) async fn relay_batch(shared: &Shared, lane: usize, t: usize, ticket: Ticket) -> Ended {
-    let ended = |result| Ended::new(t, ticket, result);
+pub(super) async fn relay_batch<'a>(
+    shared: &'a Shared,
+    lane: usize,
+    table: &'a RunTable,
+    ticket: Ticket,
+) -> Ended {
+    let ended = |result| Ended::new(table.index, ticket, result);
     // A rate-limited table's tokens first, in a statement of their own (`source::rate`).
-    let table = &shared.tables[t];
-    let Some(bucket) = shared.bucket(table) else {
-        return relay_batches(shared, lane, t, ticket, shared.relay.batch_size, true).await;
+    let Some(bucket) = &table.rate else {
+        return relay_batches(shared, lane, table, ticket, shared.relay.batch_size, true).await;
     };
     let want = shared.relay.batch_size;
     let allowed = match shared
@@ -204,7 +208,7 @@ pub(super) async fn relay_batch(shared: &Shared, lane: usize, t: usize, ticket: 
         Err(e) => return ended(Err(e.into())),
     };
     // Its tokens are counted for this table alone: no batch follows on.
-    let done = relay_batches(shared, lane, t, ticket, allowed, false).await;
+    let done = relay_batches(shared, lane, table, ticket, allowed, false).await;
     let used = match &done.result {
         Ok(Batch::Done { claimed, .. }) => *claimed,
         _ => 0,
@@ -221,12 +225,12 @@ pub(super) async fn relay_batch(shared: &Shared, lane: usize, t: usize, ticket: 
     done
 }
 
-/// Batches of at most `allowed` rows on one session, from table `t` on; with `follow`, a
+/// Batches of at most `allowed` rows on one session, from `table` on; with `follow`, a
 /// batch whose rows were all published claims the next one with its `COMMIT`.
-async fn relay_batches(
-    shared: &Shared,
+async fn relay_batches<'a>(
+    shared: &'a Shared,
     lane: usize,
-    mut t: usize,
+    mut table: &'a RunTable,
     mut ticket: Ticket,
     allowed: usize,
     follow: bool,
@@ -240,18 +244,17 @@ async fn relay_batches(
     };
     let session = match session {
         Ok(Some(session)) => session,
-        Ok(None) => return Ended::new(t, ticket, Ok(Batch::Stopped)),
-        Err(e) => return Ended::new(t, ticket, Err(e.into())),
+        Ok(None) => return Ended::new(table.index, ticket, Ok(Batch::Stopped)),
+        Err(e) => return Ended::new(table.index, ticket, Err(e.into())),
     };
     // The first batch waited this long for its session; those that follow on, nothing.
     let mut session_wait = asked.elapsed();
     let mut carried = None;
     let result = loop {
-        let table = &shared.tables[t];
         let span = tracing::debug_span!(
             "batch",
             worker = lane,
-            table = %table.config.name,
+            table = %table.name(),
             rows = tracing::field::Empty,
             duration_ms = tracing::field::Empty,
             session_wait_us = std::mem::take(&mut session_wait).as_micros() as u64,
@@ -273,8 +276,8 @@ async fn relay_batches(
             break Ok(batch);
         };
         // Committed with every row published; the next claim came back with the COMMIT.
-        shared.went_through(t);
-        (t, ticket) = (next.table, next.ticket);
+        shared.went_through(table.index);
+        (table, ticket) = (&shared.tables[next.table], next.ticket);
         match next.claim {
             Ok(claim) if !stop.is_cancelled() => carried = Some(claim),
             // Dropped: ROLLBACK, nothing of it was sent.
@@ -289,7 +292,7 @@ async fn relay_batches(
         _ => None,
     };
     Source::release(session, error);
-    Ended::new(t, ticket, result)
+    Ended::new(table.index, ticket, result)
 }
 
 /// The batch statements of `table` (claim, lock, delete/mark): those a session lacks are
@@ -328,7 +331,7 @@ impl Shared {
         self.wakes.raise(t, false);
         let (n, now) = (self.tables.len(), Instant::now());
         (1..=n).map(|k| (t + k) % n).find_map(|u| {
-            if self.buckets[u].is_some() {
+            if self.tables[u].rate.is_some() {
                 return None;
             }
             self.wakes.begin(u, now).map(|ticket| (u, ticket))
@@ -372,16 +375,17 @@ impl From<Batch> for Phases<'_> {
 async fn run_phases<'s>(
     shared: &Shared,
     lane: usize,
-    table: &TablePlan,
+    table: &RunTable,
     session: &'s deadpool_postgres::Object,
     allowed: usize,
     carried: Option<Carried<'s>>,
     follow: bool,
 ) -> Result<Phases<'s>, BatchError> {
+    let plan = &table.plan;
     // 1. Claim (or take the one that came with the previous batch's COMMIT).
     let (tx, claimed, claimed_in) = match carried {
         Some(carried) => carried,
-        None => match claim_phase(shared, lane, table, session, allowed).await? {
+        None => match claim_phase(shared, lane, plan, session, allowed).await? {
             Some(claimed) => claimed,
             None => return Ok(Batch::Stopped.into()),
         },
@@ -395,8 +399,7 @@ async fn run_phases<'s>(
     // not count: on a slow link some worker is always inside one, and a drain that waited
     // for all of them to be idle at once never ended.)
     let _active = shared.state.enter_batch();
-    table
-        .floor
+    plan.floor
         .note_claimed(rows.iter().map(|r| r.id).max(), rows.len());
     let started = Instant::now();
     tracing::Span::current().record("rows", rows.len());
@@ -404,11 +407,11 @@ async fn run_phases<'s>(
     let _in_flight = InFlight::new(&shared.ops.metrics.in_flight, rows.len());
     let mut trace = shared
         .otel
-        .batch(&table.config.name, lane, rows.len(), claim_started);
+        .batch(table.name(), lane, rows.len(), claim_started);
 
     // 2. Publish.
     let Some((outcomes, messages)) =
-        publish(shared, table, &mut rows, trace.as_mut(), started).await
+        publish(shared, plan, &mut rows, trace.as_mut(), started).await
     else {
         return Ok(Batch::Aborted.into());
     };
@@ -416,8 +419,7 @@ async fn run_phases<'s>(
     meters.publish_seconds.observe(acked_after);
 
     // 3. Settle.
-    let Some(settlement) = settle_phase(shared, table, &mut rows, &outcomes, messages).await?
-    else {
+    let Some(settlement) = settle_phase(shared, plan, &mut rows, &outcomes, messages).await? else {
         return Ok(Batch::Aborted.into());
     };
 
@@ -437,7 +439,7 @@ async fn run_phases<'s>(
         started,
         acked_after,
     };
-    observe(shared, table, lane, meters, &committed);
+    observe(shared, plan, lane, meters, &committed);
     shared.count_bad_rows(table, &settlement).await;
     if let Some(trace) = trace {
         trace.committed(settlement.published.len());
@@ -511,27 +513,27 @@ async fn settle_phase(
 async fn finalize_phase<'s>(
     shared: &Shared,
     lane: usize,
-    table: &TablePlan,
+    table: &RunTable,
     tx: Tx<'s>,
     settlement: &Settlement,
     allowed: usize,
     follow: bool,
 ) -> Result<Option<(Vec<i64>, Option<Next<'s>>)>, BatchError> {
     if !settlement.failed.ids.is_empty() || !settlement.postponed.ids.is_empty() {
-        table.floor.note_retrying();
+        table.plan.floor.note_retrying();
     }
     let next_table = match follow {
-        true => shared.follow_on(shared.index_of(table).expect("one of this run's tables")),
+        true => shared.follow_on(table.index),
         false => None,
     };
     let clock = Instant::now();
     let next_claim = next_table.map(|(u, _)| {
-        let next = &shared.tables[u];
+        let next = &shared.tables[u].plan;
         async move |tx: Tx<'s>| claim_in(shared, lane, next, tx, allowed).await
     });
     let (dead, next_claim) = tokio::select! {
         _ = shared.shutdown.abort_token().cancelled() => return Ok(None),
-        r = shared.source.bounded(finalize(tx, shared, table, settlement, next_claim)) => r?,
+        r = shared.source.bounded(finalize(tx, shared, &table.plan, settlement, next_claim)) => r?,
     };
     let next = next_table
         .zip(next_claim)

@@ -13,11 +13,13 @@ impl Shared {
             return false;
         }
         let check = self.source.in_transaction(async |tx| {
-            for (t, table) in self.tables.iter().enumerate() {
-                if self.wakes.paused(t) {
+            for table in &self.tables {
+                if self.wakes.paused(table.index) {
                     continue;
                 }
-                let row = tx.query_one(&table.sql.publishable_exists, &[]).await?;
+                let row = tx
+                    .query_one(&table.plan.sql.publishable_exists, &[])
+                    .await?;
                 if row.get::<_, bool>(0) {
                     return Ok(false);
                 }
@@ -36,22 +38,22 @@ impl Shared {
     /// The paused tables that still hold publishable rows, with their pauses.
     pub(super) async fn paused_left(&self) -> Vec<(String, crate::source::pause::Paused)> {
         let mut left = Vec::new();
-        for (t, table) in self.tables.iter().enumerate() {
-            let Some(paused) = self.pauses.of(t) else {
+        for table in &self.tables {
+            let Some(paused) = self.pauses.of(table.index) else {
                 continue;
             };
             let rows = self
                 .source
                 .in_transaction(async |tx| {
                     Ok(tx
-                        .query_one(&table.sql.publishable_exists, &[])
+                        .query_one(&table.plan.sql.publishable_exists, &[])
                         .await?
                         .get(0))
                 })
                 .await;
             // Unknown counts as left: exit 3 rather than claim an empty outbox.
             if rows.unwrap_or(true) {
-                left.push((table.config.name.to_string(), paused));
+                left.push((table.name().to_string(), paused));
             }
         }
         left
@@ -65,7 +67,7 @@ impl Shared {
             let mut total = 0;
             let mut next: Option<(f64, String)> = None;
             for table in &self.tables {
-                let row = tx.query_one(&table.sql.waiting, &[]).await?;
+                let row = tx.query_one(&table.plan.sql.waiting, &[]).await?;
                 total += row.get::<_, i64>(0);
                 if let (Some(text), Some(secs)) = (
                     row.get::<_, Option<String>>(1),

@@ -48,13 +48,13 @@ impl Shared {
                         Ok(()) => break,
                         Err(e) if tried == RELEASE_TRIES => {
                             tracing::warn!(
-                                table = %self.tables[t].config.name, error = %e,
+                                table = %self.tables[t].name(), error = %e,
                                 "Could not release the rows held back for a destination that is back; they come due by their own wait"
                             );
                             break;
                         }
                         Err(e) => tracing::debug!(
-                            table = %self.tables[t].config.name, error = %e,
+                            table = %self.tables[t].name(), error = %e,
                             "Could not release the rows held back for a destination that is back; trying again"
                         ),
                     }
@@ -75,7 +75,7 @@ impl Shared {
         t: usize,
         starting: bool,
     ) -> Result<(), crate::source::SourceError> {
-        let table = &self.tables[t];
+        let table = &self.tables[t].plan;
         let sql = &table.sql.release_held_back;
         let released = self
             .source

@@ -23,17 +23,19 @@ mod valve;
 mod wake;
 mod worker;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, RelayConfig};
+use crate::ops::metrics::TableMeters;
 use crate::ops::otel::Otel;
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::Sink;
+use crate::source::rate::Bucket;
 use crate::source::table::TablePlan;
 use crate::source::{floor, retention};
 use crate::source::{SessionLimits, Source};
@@ -66,7 +68,8 @@ pub struct Report {
 struct Shared {
     source: Source,
     sink: Sink,
-    tables: Vec<TablePlan>,
+    /// The run's tables, in the configuration's order.
+    tables: Vec<RunTable>,
     relay: RelayConfig,
     publish_timeout: Duration,
     /// Drain mode: stop once nothing publishable is left.
@@ -78,16 +81,43 @@ struct Shared {
     pauses: pause::PauseState,
     /// The bad-row valve, unless turned off (see `valve`).
     valve: Option<valve::Valve>,
-    /// Each table's `max_rate` bucket, if it has one (see `source::rate`).
-    buckets: Vec<Option<crate::source::rate::Bucket>>,
-    /// Each table's batch metrics, from its first batch on (a series appears once it has
-    /// something to say).
-    meters: Vec<std::sync::OnceLock<crate::ops::metrics::TableMeters>>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
     /// Trace spans, when exported.
     otel: Otel,
+}
+
+/// One of the run's tables, as a batch carries it from the claim to the commit: its plan
+/// and what the run keeps for it.
+struct RunTable {
+    /// Its place among the run's tables: [`wake::Wakes`], [`pause::PauseState`] and the
+    /// valve know a table by it.
+    index: usize,
+    plan: TablePlan,
+    /// Its `max_rate` bucket, if it has one (see `source::rate`).
+    rate: Option<Bucket>,
+    /// Its batch metrics, from its first batch on (a series appears once it has something
+    /// to say).
+    meters: OnceLock<TableMeters>,
+}
+
+impl RunTable {
+    fn new(index: usize, plan: TablePlan) -> RunTable {
+        let config = &plan.config;
+        let rate = config.max_rate.map(|rate| Bucket::new(&config.name, rate));
+        RunTable {
+            index,
+            plan,
+            rate,
+            meters: OnceLock::new(),
+        }
+    }
+
+    /// The table's name, as the configuration gives it.
+    fn name(&self) -> &crate::config::TableName {
+        &self.plan.config.name
+    }
 }
 
 /// How long the relay waits at exit for the last trace spans to reach the collector.
@@ -113,24 +143,22 @@ impl Shared {
             config.relay.poll_interval,
             mode == Mode::Drain,
         ));
-        let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
-        let rate = |t: &crate::config::TableConfig| {
-            t.max_rate
-                .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
-        };
+        let valve = valve::Valve::new(config.relay.bad_row_valve, tables.len());
         Shared {
             source,
             sink,
-            tables,
+            tables: tables
+                .into_iter()
+                .enumerate()
+                .map(|(t, plan)| RunTable::new(t, plan))
+                .collect(),
             relay: config.relay.clone(),
             publish_timeout: config.sink.publish_timeout,
             drain: mode == Mode::Drain,
             shutdown: shutdown.clone(),
             wakes,
             pauses,
-            valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
-            buckets: config.tables.iter().map(rate).collect(),
-            meters,
+            valve,
             breaker: breaker::Breaker::default(),
             ops,
             state: RunState::default(),
@@ -138,21 +166,10 @@ impl Shared {
         }
     }
 
-    /// The index of `table` among this run's tables.
-    fn index_of(&self, table: &TablePlan) -> Option<usize> {
-        self.tables.iter().position(|p| std::ptr::eq(p, table))
-    }
-
-    /// The `max_rate` bucket of `table`, if it has one.
-    fn bucket(&self, table: &TablePlan) -> Option<&crate::source::rate::Bucket> {
-        self.buckets[self.index_of(table)?].as_ref()
-    }
-
-    /// The batch metrics of `table`, one of this run's tables.
-    fn meters(&self, table: &TablePlan) -> &crate::ops::metrics::TableMeters {
-        let t = self.index_of(table).expect("one of this run's tables");
-        self.meters[t].get_or_init(|| {
-            let name = table.config.name.to_string();
+    /// The batch metrics of `table`.
+    fn meters<'t>(&self, table: &'t RunTable) -> &'t TableMeters {
+        table.meters.get_or_init(|| {
+            let name = table.name().to_string();
             self.ops.metrics.table_meters(&name, self.sink.name())
         })
     }
@@ -326,25 +343,27 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
             let open = s.breaker.state() == breaker::BreakerState::Open;
             (open, s.breaker.times_opened())
         };
+        let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
         let probed = ops::probe::Probed {
             source: &s.source,
             sink: &s.sink,
-            tables: &s.tables,
+            tables: &plans,
             circuit: &circuit,
             progress,
             published: s.state.published(),
         };
         ops::probe::run(&s.ops, probed, d).await
     });
-    for (t, table) in shared.tables.iter().enumerate() {
-        let name = format!("table keeper {}", table.config.name);
-        tasks.spawn(name, keep_table(shared.clone(), t, done.clone()));
+    for table in &shared.tables {
+        let name = format!("table keeper {}", table.name());
+        tasks.spawn(name, keep_table(shared.clone(), table.index, done.clone()));
     }
     if mode == Mode::Run {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("poller", async move {
             let interval = s.relay.poll_interval;
-            sleep::poll(&s.wakes, &s.source, &s.tables, interval, &d).await
+            let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
+            sleep::poll(&s.wakes, &s.source, &plans, interval, &d).await
         });
     }
     let (s, d) = (shared.clone(), done.clone());
@@ -364,7 +383,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
     if progress {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("progress line", async move {
-            let names: Vec<String> = s.tables.iter().map(|t| t.config.name.to_string()).collect();
+            let names: Vec<String> = s.tables.iter().map(|t| t.name().to_string()).collect();
             let (published, stop) = (s.state.published(), s.shutdown.stop_token());
             ops::progress::show(&s.ops, &names, published, stop, &d).await
         });
@@ -390,7 +409,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
 
 /// Table `t`'s claim floor keeper and, in mark mode with a retention, its retention.
 async fn keep_table(shared: Arc<Shared>, t: usize, done: CancellationToken) {
-    let table = &shared.tables[t];
+    let table = &shared.tables[t].plan;
     let name = table.config.name.to_string();
     let active = || shared.wakes.active(t);
     let lowered = || shared.wakes.raise(t, true);
@@ -474,13 +493,8 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
     let paused_left = if mode == Mode::Drain && !aborted {
         // No answer in time: every paused table counts as holding rows (exit 3).
         let every = || {
-            (0..shared.tables.len())
-                .filter_map(|t| {
-                    Some((
-                        shared.tables[t].config.name.to_string(),
-                        shared.pauses.of(t)?,
-                    ))
-                })
+            (shared.tables.iter())
+                .filter_map(|t| Some((t.name().to_string(), shared.pauses.of(t.index)?)))
                 .collect()
         };
         tokio::time::timeout(closing, shared.paused_left())

@@ -9,11 +9,10 @@ use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::batch::Settlement;
-use super::Shared;
+use super::{RunTable, Shared};
 use crate::config::TableName;
 use crate::ops::metrics::TableLabel;
 use crate::source::pause::{self, Paused};
-use crate::source::table::TablePlan;
 use crate::source::{Source, SourceError};
 
 /// What this process knows of the pause state.
@@ -98,18 +97,16 @@ impl Shared {
 
     /// Counts a committed batch of `table` in the bad-row valve and, when it trips, pauses
     /// the table for every relay (at once in this process) and says what to do.
-    pub(super) async fn count_bad_rows(&self, table: &TablePlan, settlement: &Settlement) {
+    pub(super) async fn count_bad_rows(&self, table: &RunTable, settlement: &Settlement) {
         let Some(valve) = &self.valve else {
             return;
         };
-        let Some(t) = self.index_of(table) else {
-            return;
-        };
+        let t = table.index;
         let (failed, published) = (settlement.failed.ids.len(), settlement.published.len());
         let Some(n) = valve.trips(t, failed, published, Instant::now()) else {
             return;
         };
-        let name = &table.config.name;
+        let name = table.name();
         let last_error = settlement.failed.errors.last().cloned().unwrap_or_default();
         let reason = format!(
             "{n} rows failed for their own sake within {}, most of its attempts; last error: \

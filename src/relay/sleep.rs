@@ -108,7 +108,7 @@ struct Marks {
 pub(crate) async fn poll(
     wakes: &Wakes,
     source: &Source,
-    tables: &[TablePlan],
+    tables: &[&TablePlan],
     interval: Duration,
     done: &CancellationToken,
 ) {
@@ -181,7 +181,7 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(tables: &[TablePlan]) -> Statements {
+    fn new(tables: &[&TablePlan]) -> Statements {
         let claimable = tables
             .iter()
             .enumerate()
@@ -308,7 +308,7 @@ async fn mark(
 async fn poll_once(
     wakes: &Wakes,
     source: &Source,
-    tables: &[TablePlan],
+    tables: &[&TablePlan],
     statements: &Statements,
     marks: &mut Marks,
 ) -> bool {

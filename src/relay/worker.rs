@@ -167,7 +167,7 @@ impl Worker {
                 table: t,
                 ticket,
                 result,
-            } = relay_batch(shared, self.id, t, ticket).await;
+            } = relay_batch(shared, self.id, &shared.tables[t], ticket).await;
             if matches!(
                 result,
                 Ok(Batch::Empty | Batch::Contended | Batch::Throttled(_) | Batch::Done { .. })
@@ -214,7 +214,7 @@ impl Worker {
                     return Round::Exit;
                 }
                 Err(e) if e.class() == ErrorClass::Fatal => {
-                    let table = shared.tables[t].config.name.to_string();
+                    let table = shared.tables[t].name().to_string();
                     shared.fail(TableFailed::new(table, e));
                     return Round::Exit;
                 }
