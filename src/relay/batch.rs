@@ -45,13 +45,14 @@ use tracing::Instrument;
 use super::message::{message_id, to_message};
 use super::order::{publish_in_order, RowOutcome};
 use super::{RunTable, Shared};
-use crate::config::{NullColumn, OnPublish, Ordering, TableConfig};
+use crate::config::{NullColumn, Ordering, TableConfig};
 use crate::error::ErrorClass;
 use crate::ops::otel::BatchTrace;
 use crate::retry;
 use crate::sink::{Message, Sink, SinkError};
 use crate::source::claim::{claim_batch, Budget, Claimed, ClaimedRow};
 use crate::source::rate::Grant;
+use crate::source::settle::{commit_batch, Settlement};
 use crate::source::table::TablePlan;
 use crate::source::{Source, SourceError, Tx};
 
@@ -100,31 +101,14 @@ pub(crate) enum Batch {
     Aborted,
 }
 
-/// What a batch writes back, decided from its rows' outcomes alone.
+/// What a batch's outcomes decide: what it writes back, and whether the worker backs off.
 #[derive(Debug, Default, PartialEq)]
-pub(crate) struct Settlement {
-    /// Acknowledged by the broker: marked published or deleted.
-    pub(crate) published: Vec<i64>,
-    /// Refused for their own sake: each records an attempt (dead-lettered at
-    /// `max_attempts`) and waits before its next one.
-    pub(crate) failed: Failures,
+pub(crate) struct Decision {
+    /// What is written back to the table ([`commit_batch`]).
+    pub(crate) settlement: Settlement,
     /// Some rows failed for the broker's sake or got no answer in time: they stay pending
     /// and the worker backs off.
     pub(crate) trouble: Option<SinkError>,
-    /// Rows not sent because their destination could not take them now, and rows at their
-    /// last attempt whose dead-letter topic could not take them for the broker's sake: no
-    /// attempt counted; each waits (like a retry, holding its key back) before it is tried
-    /// again.
-    pub(crate) postponed: Failures,
-}
-
-/// Failed rows as the failure statement takes them: three arrays, index-aligned.
-#[derive(Debug, Default, PartialEq)]
-pub(crate) struct Failures {
-    pub(crate) ids: Vec<i64>,
-    pub(crate) errors: Vec<String>,
-    /// Microseconds until each row's next attempt.
-    pub(crate) waits_us: Vec<i64>,
 }
 
 /// Decides what to write back for `rows` given their `outcomes` (index-aligned).
@@ -135,8 +119,9 @@ pub(crate) fn settle(
     rows: &[ClaimedRow],
     outcomes: &[RowOutcome],
     retry_wait: impl Fn(u32) -> Duration,
-) -> Result<Settlement, SinkError> {
-    let mut s = Settlement::default();
+) -> Result<Decision, SinkError> {
+    let mut d = Decision::default();
+    let s = &mut d.settlement;
     for (row, outcome) in rows.iter().zip(outcomes) {
         match outcome {
             RowOutcome::Published => s.published.push(row.id),
@@ -148,10 +133,10 @@ pub(crate) fn settle(
                     s.failed.waits_us.push(wait.as_micros() as i64);
                 }
                 ErrorClass::Fatal => return Err(e.clone()),
-                ErrorClass::Transient => s.trouble = Some(e.clone()),
+                ErrorClass::Transient => d.trouble = Some(e.clone()),
             },
             RowOutcome::Pending => {
-                s.trouble
+                d.trouble
                     .get_or_insert_with(|| SinkError::transient("publish timed out"));
             }
             // Not the broker's failure to answer: no backoff, the other keys go on.
@@ -163,7 +148,7 @@ pub(crate) fn settle(
             RowOutcome::HeldBack => {}
         }
     }
-    Ok(s)
+    Ok(d)
 }
 
 /// How a worker's batches ended: the table of the last one, the ticket of that look
@@ -302,19 +287,8 @@ async fn relay_batches<'a>(
 /// lacks as it goes. A session another task used first (the floor keeper's look) has
 /// some already.
 fn batch_statements<'t>(shared: &Shared, table: &'t TablePlan) -> Vec<&'t str> {
-    let published = match shared.relay.on_publish {
-        OnPublish::Delete => &table.sql.delete,
-        OnPublish::Mark => &table.sql.mark,
-    };
-    let claim = match shared.relay.ordering {
-        Ordering::Key => vec![
-            table.sql.window.as_str(),
-            table.sql.pick_lock.as_str(),
-            table.sql.lock_rows.as_str(),
-        ],
-        Ordering::None => vec![table.sql.claim_unordered.as_str()],
-    };
-    claim.into_iter().chain([published.as_str()]).collect()
+    let relay = &shared.relay;
+    table.sql.batch_statements(relay.ordering, relay.on_publish)
 }
 
 impl Shared {
@@ -419,33 +393,34 @@ async fn run_phases<'s>(
     meters.publish_seconds.observe(acked_after);
 
     // 3. Settle.
-    let Some(settlement) = settle_phase(shared, plan, &mut rows, &outcomes, messages).await? else {
+    let Some(decision) = settle_phase(shared, plan, &mut rows, &outcomes, messages).await? else {
         return Ok(Batch::Aborted.into());
     };
+    let settlement = &decision.settlement;
 
     // 4. Finalize.
-    let follow = follow && settlement.went_through();
+    let follow = follow && decision.went_through();
     let Some((dead, next)) =
-        finalize_phase(shared, lane, table, tx, &settlement, allowed, follow).await?
+        finalize_phase(shared, lane, table, tx, settlement, allowed, follow).await?
     else {
         return Ok(Batch::Aborted.into());
     };
     let committed = Committed {
         rows: &rows,
         outcomes: &outcomes,
-        settlement: &settlement,
+        settlement,
         dead: &dead,
         claimed_in,
         started,
         acked_after,
     };
     observe(shared, plan, lane, meters, &committed);
-    shared.count_bad_rows(table, &settlement).await;
+    shared.count_bad_rows(table, settlement).await;
     if let Some(trace) = trace {
         trace.committed(settlement.published.len());
     }
     Ok(Phases {
-        batch: settlement.done(rows.len()),
+        batch: decision.done(rows.len()),
         next,
     })
 }
@@ -490,20 +465,21 @@ async fn settle_phase(
     rows: &mut [ClaimedRow],
     outcomes: &[RowOutcome],
     messages: Vec<Result<Message, SinkError>>,
-) -> Result<Option<Settlement>, BatchError> {
+) -> Result<Option<Decision>, BatchError> {
     let relay = &shared.relay;
-    let mut settlement = settle(rows, outcomes, |attempts| {
+    let mut decision = settle(rows, outcomes, |attempts| {
         retry::full_jitter(relay.retry_backoff, relay.retry_backoff_max, attempts)
     })
     .map_err(BatchError::Sink)?;
     if let Some(template) = &table.config.dead_letter_topic {
-        let dead_letter = dead_letter(shared, table, template, rows, messages, &mut settlement);
+        let settlement = &mut decision.settlement;
+        let dead_letter = dead_letter(shared, table, template, rows, messages, settlement);
         tokio::select! {
             _ = shared.shutdown.abort_token().cancelled() => return Ok(None),
             () = dead_letter => {}
         }
     }
-    Ok(Some(settlement))
+    Ok(Some(decision))
 }
 
 /// Phase 4: writes the settlement and commits; with `follow`, the next batch's claim (on
@@ -531,9 +507,19 @@ async fn finalize_phase<'s>(
         let next = &shared.tables[u].plan;
         async move |tx: Tx<'s>| claim_in(shared, lane, next, tx, allowed).await
     });
+    let (sql, relay) = (&table.plan.sql, &shared.relay);
+    let max_attempts = relay.max_attempts as i32;
+    let commit = commit_batch(
+        tx,
+        sql,
+        relay.on_publish,
+        max_attempts,
+        settlement,
+        next_claim,
+    );
     let (dead, next_claim) = tokio::select! {
         _ = shared.shutdown.abort_token().cancelled() => return Ok(None),
-        r = shared.source.bounded(finalize(tx, shared, &table.plan, settlement, next_claim)) => r?,
+        r = shared.source.bounded(commit) => r?,
     };
     let next = next_table
         .zip(next_claim)
@@ -545,26 +531,17 @@ async fn finalize_phase<'s>(
     Ok(Some((dead, next)))
 }
 
-impl Settlement {
+impl Decision {
     /// Every row claimed was published and acknowledged: nothing failed, nothing waits.
     fn went_through(&self) -> bool {
-        self.trouble.is_none()
-            && self.failed.ids.is_empty()
-            && self.postponed.ids.is_empty()
-            && !self.published.is_empty()
+        self.trouble.is_none() && self.settlement.all_published()
     }
 
     /// What the worker learns of a committed batch of `claimed` rows.
     fn done(self, claimed: usize) -> Batch {
         Batch::Done {
-            retry_in: self
-                .failed
-                .waits_us
-                .iter()
-                .chain(&self.postponed.waits_us)
-                .min()
-                .map(|us| std::time::Duration::from_micros((*us).max(0) as u64)),
-            published: self.published.len(),
+            retry_in: self.settlement.retry_in(),
+            published: self.settlement.published.len(),
             claimed,
             trouble: self.trouble,
         }
@@ -788,55 +765,6 @@ async fn send_letters(
     unsent
 }
 
-/// Phase 4: marks or deletes the published rows, records the failed rows' attempts and
-/// commits; returns the rows that reached `max_attempts` (dead-lettered). With `next`, the
-/// session's next transaction is opened behind the `COMMIT` and `next` runs in it
-/// ([`Tx::execute_commit_then`]); its result comes back too (none when there was no
-/// published row to carry it).
-async fn finalize<'s, T, F, Fut>(
-    tx: Tx<'s>,
-    shared: &Shared,
-    table: &TablePlan,
-    settlement: &Settlement,
-    next: Option<F>,
-) -> Result<(Vec<i64>, Option<Result<T, SourceError>>), SourceError>
-where
-    F: FnOnce(Tx<'s>) -> Fut,
-    Fut: std::future::Future<Output = Result<T, SourceError>>,
-{
-    let mut dead = Vec::new();
-    let postponed = &settlement.postponed;
-    if !postponed.ids.is_empty() {
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
-            [&postponed.ids, &postponed.errors, &postponed.waits_us];
-        tx.execute(&table.sql.postpone, &params).await?;
-    }
-    let failed = &settlement.failed;
-    if !failed.ids.is_empty() {
-        let max = shared.relay.max_attempts as i32;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-            [&failed.ids, &failed.errors, &max, &failed.waits_us];
-        for r in tx.query(&table.sql.record_failures, &params).await? {
-            if r.get::<_, bool>(1) {
-                dead.push(r.get::<_, i64>(0));
-            }
-        }
-    }
-    if settlement.published.is_empty() {
-        tx.commit().await?;
-        return Ok((dead, None));
-    }
-    // The published rows' delete or mark travels with the COMMIT: one round trip.
-    let sql = match shared.relay.on_publish {
-        OnPublish::Delete => &table.sql.delete,
-        OnPublish::Mark => &table.sql.mark,
-    };
-    let (_, next) = tx
-        .execute_commit_then(sql, &[&settlement.published], next)
-        .await?;
-    Ok((dead, next))
-}
-
 /// A committed batch, as [`observe`] reads it.
 struct Committed<'a> {
     rows: &'a [ClaimedRow],
@@ -941,6 +869,7 @@ impl Drop for InFlight<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::settle::Failures;
 
     fn row(id: i64, attempts: i32) -> ClaimedRow {
         ClaimedRow {
@@ -970,8 +899,8 @@ mod tests {
             RowOutcome::Pending,
         ];
         let s = settle(&rows(6), &outcomes, wait).unwrap();
-        assert_eq!(s.published, [1, 3]);
-        assert_eq!(s.failed.ids, [4]);
+        assert_eq!(s.settlement.published, [1, 3]);
+        assert_eq!(s.settlement.failed.ids, [4]);
     }
 
     #[test]
@@ -984,8 +913,8 @@ mod tests {
             RowOutcome::HeldBack,
         ];
         let s = settle(&rows(2), &outcomes, wait).unwrap();
-        assert!(s.published.is_empty());
-        assert_eq!(s.failed.ids, [1]);
+        assert!(s.settlement.published.is_empty());
+        assert_eq!(s.settlement.failed.ids, [1]);
         assert_eq!(s.trouble, None);
     }
 
@@ -999,8 +928,8 @@ mod tests {
             RowOutcome::Pending,
         ];
         let s = settle(&rows(3), &outcomes, wait).unwrap();
-        assert_eq!(s.published, [1]);
-        assert_eq!(s.failed, Failures::default());
+        assert_eq!(s.settlement.published, [1]);
+        assert_eq!(s.settlement.failed, Failures::default());
         assert_eq!(s.trouble, Some(SinkError::transient("publish timed out")));
     }
 
@@ -1008,7 +937,7 @@ mod tests {
     fn a_broker_failure_leaves_the_row_pending_and_reports_it() {
         let e = SinkError::transient("nats: no responders");
         let s = settle(&rows(1), &[RowOutcome::Failed(e.clone())], wait).unwrap();
-        assert!(s.published.is_empty() && s.failed.ids.is_empty());
+        assert!(s.settlement.published.is_empty() && s.settlement.failed.ids.is_empty());
         assert_eq!(s.trouble, Some(e));
     }
 
@@ -1018,7 +947,7 @@ mod tests {
         let bad = |m: &str| RowOutcome::Failed(SinkError::bad_row(m));
         let s = settle(&rows, &[bad("a"), bad("b"), bad("c")], wait).unwrap();
         assert_eq!(
-            s.failed,
+            s.settlement.failed,
             Failures {
                 ids: vec![7, 8, 9],
                 errors: vec!["a".into(), "b".into(), "c".into()],
@@ -1037,11 +966,15 @@ mod tests {
             RowOutcome::Published,
         ];
         let s = settle(&rows(3), &outcomes, wait).unwrap();
-        assert_eq!(s.published, [3]);
-        assert_eq!(s.failed, Failures::default(), "no attempt counted");
+        assert_eq!(s.settlement.published, [3]);
+        assert_eq!(
+            s.settlement.failed,
+            Failures::default(),
+            "no attempt counted"
+        );
         assert_eq!(s.trouble, None, "the worker does not back off");
         assert_eq!(
-            s.postponed,
+            s.settlement.postponed,
             Failures {
                 ids: vec![1],
                 errors: vec!["held back: partition 1 has no leader".into()],
@@ -1083,7 +1016,9 @@ mod tests {
             ..ClaimedRow::default()
         }];
         let refused = || SinkError::bad_row("topic column type is NULL");
-        let settlement = settle(&rows, &[RowOutcome::Failed(refused())], wait).unwrap();
+        let settlement = settle(&rows, &[RowOutcome::Failed(refused())], wait)
+            .unwrap()
+            .settlement;
         let dead = letters(
             table,
             template,

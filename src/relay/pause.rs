@@ -8,11 +8,11 @@ use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-use super::batch::Settlement;
 use super::{RunTable, Shared};
 use crate::config::TableName;
 use crate::ops::metrics::TableLabel;
 use crate::source::pause::{self, Paused};
+use crate::source::settle::Settlement;
 use crate::source::{Source, SourceError};
 
 /// What this process knows of the pause state.

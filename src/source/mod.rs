@@ -16,6 +16,7 @@ pub(crate) mod rate;
 pub(crate) mod retention;
 pub(crate) mod schema;
 pub(crate) mod session;
+pub(crate) mod settle;
 pub(crate) mod sleepers;
 mod sql;
 pub mod table;

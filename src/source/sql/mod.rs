@@ -2,7 +2,7 @@
 //! validated configuration. Identifiers are quoted by [`crate::config::Ident`]; every value
 //! is a bound parameter.
 
-use crate::config::{Ordering, TableConfig};
+use crate::config::{OnPublish, Ordering, TableConfig};
 
 use super::schema::TableShape;
 
@@ -311,6 +311,31 @@ impl TableSql {
 }
 
 impl TableSql {
+    /// The statement that settles a batch's published rows: delete or mark them.
+    pub(crate) fn published(&self, on_publish: OnPublish) -> &str {
+        match on_publish {
+            OnPublish::Delete => &self.delete,
+            OnPublish::Mark => &self.mark,
+        }
+    }
+
+    /// The statements every batch of this table runs (its claim's and the settling of its
+    /// published rows), to be prepared together.
+    pub(crate) fn batch_statements(&self, ordering: Ordering, on_publish: OnPublish) -> Vec<&str> {
+        let claim = match ordering {
+            Ordering::Key => vec![
+                self.window.as_str(),
+                self.pick_lock.as_str(),
+                self.lock_rows.as_str(),
+            ],
+            Ordering::None => vec![self.claim_unordered.as_str()],
+        };
+        claim
+            .into_iter()
+            .chain([self.published(on_publish)])
+            .collect()
+    }
+
     /// A boolean expression, true when the table may hold a row a claim would take: a
     /// pending, due row from the floor (parameter `$n`) on, or a due row with a failure
     /// history anywhere (the retry index). What it leaves out, the caller knows: the
