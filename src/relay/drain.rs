@@ -17,10 +17,7 @@ impl Shared {
                 if self.wakes.paused(table.index) {
                     continue;
                 }
-                let row = tx
-                    .query_one(&table.plan.sql.publishable_exists, &[])
-                    .await?;
-                if row.get::<_, bool>(0) {
+                if table.plan.has_publishable(tx).await? {
                     return Ok(false);
                 }
             }
@@ -44,12 +41,7 @@ impl Shared {
             };
             let rows = self
                 .source
-                .in_transaction(async |tx| {
-                    Ok(tx
-                        .query_one(&table.plan.sql.publishable_exists, &[])
-                        .await?
-                        .get(0))
-                })
+                .in_transaction(async |tx| table.plan.has_publishable(tx).await)
                 .await;
             // Unknown counts as left: exit 3 rather than claim an empty outbox.
             if rows.unwrap_or(true) {
@@ -67,12 +59,9 @@ impl Shared {
             let mut total = 0;
             let mut next: Option<(f64, String)> = None;
             for table in &self.tables {
-                let row = tx.query_one(&table.plan.sql.waiting, &[]).await?;
-                total += row.get::<_, i64>(0);
-                if let (Some(text), Some(secs)) = (
-                    row.get::<_, Option<String>>(1),
-                    row.get::<_, Option<f64>>(2),
-                ) {
+                let waiting = table.plan.waiting(tx).await?;
+                total += waiting.rows;
+                if let Some((text, secs)) = waiting.next {
                     if next.as_ref().is_none_or(|(s, _)| secs < *s) {
                         next = Some((secs, text));
                     }

@@ -76,10 +76,9 @@ impl Shared {
         starting: bool,
     ) -> Result<(), crate::source::SourceError> {
         let table = &self.tables[t].plan;
-        let sql = &table.sql.release_held_back;
         let released = self
             .source
-            .in_transaction(async |tx| tx.execute(sql, &[&HELD_BACK]).await)
+            .in_transaction(async |tx| table.release_postponed(tx, HELD_BACK).await)
             .await?;
         if released > 0 {
             let name = &table.config.name;

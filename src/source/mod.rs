@@ -12,6 +12,7 @@ mod hosts;
 pub(crate) mod listen;
 pub mod migrate;
 pub(crate) mod pause;
+pub(crate) mod poll;
 pub(crate) mod rate;
 pub(crate) mod retention;
 pub(crate) mod schema;
