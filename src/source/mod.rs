@@ -11,6 +11,7 @@ pub(crate) mod floor;
 mod hosts;
 pub(crate) mod listen;
 pub mod migrate;
+pub(crate) mod operator;
 pub(crate) mod pause;
 pub(crate) mod poll;
 pub(crate) mod rate;
