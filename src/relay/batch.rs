@@ -145,7 +145,7 @@ pub(crate) fn settle(
                 s.postponed.errors.push(not_now.reason.clone());
                 s.postponed.waits_us.push(not_now.wait.as_micros() as i64);
             }
-            RowOutcome::HeldBack => {}
+            RowOutcome::BehindFailure => {}
         }
     }
     Ok(d)
@@ -895,7 +895,7 @@ mod tests {
             RowOutcome::Failed(SinkError::transient("broker unavailable")),
             RowOutcome::Published,
             RowOutcome::Failed(SinkError::bad_row("too large")),
-            RowOutcome::HeldBack,
+            RowOutcome::BehindFailure,
             RowOutcome::Pending,
         ];
         let s = settle(&rows(6), &outcomes, wait).unwrap();
@@ -904,13 +904,13 @@ mod tests {
     }
 
     #[test]
-    fn a_held_back_row_is_not_counted() {
+    fn a_row_behind_a_failed_row_of_its_key_is_not_counted() {
         // Row 2 is held back behind row 1 of its key, which failed for its own sake: only
         // row 1 records an attempt; row 2 stays pending, untouched, and no trouble is
         // reported (the broker is fine).
         let outcomes = [
             RowOutcome::Failed(SinkError::bad_row("invalid subject")),
-            RowOutcome::HeldBack,
+            RowOutcome::BehindFailure,
         ];
         let s = settle(&rows(2), &outcomes, wait).unwrap();
         assert!(s.settlement.published.is_empty());
@@ -962,7 +962,7 @@ mod tests {
         let not_now = crate::sink::NotNow::new("partition 1 has no leader", Duration::from_secs(5));
         let outcomes = [
             RowOutcome::Unavailable(not_now),
-            RowOutcome::HeldBack,
+            RowOutcome::BehindFailure,
             RowOutcome::Published,
         ];
         let s = settle(&rows(3), &outcomes, wait).unwrap();

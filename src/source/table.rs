@@ -136,6 +136,6 @@ impl TablePlan {
         tx: &Tx<'_>,
         mark: &str,
     ) -> Result<u64, SourceError> {
-        tx.execute(&self.sql.release_held_back, &[&mark]).await
+        tx.execute(&self.sql.release_postponed, &[&mark]).await
     }
 }

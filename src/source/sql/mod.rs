@@ -137,13 +137,13 @@ pub struct TableSql {
     /// now. Returns each row's order value and whether it is now dead.
     pub(super) record_failures: String,
     /// Rows that wait without an attempt counted (`$1` ids, `$2` errors, `$3`
-    /// microseconds): held back for an unavailable destination, or at their last attempt
+    /// microseconds): postponed for an unavailable destination, or at their last attempt
     /// and unable to reach their dead-letter topic.
     pub(super) postpone: String,
-    /// The rows held back for an unavailable destination that still wait are due now
+    /// The rows postponed for an unavailable destination that still wait are due now
     /// (their destination is back): those whose `last_error` starts with `$1`, the
-    /// sink's mark of a held-back row.
-    pub(super) release_held_back: String,
+    /// sink's mark of a postponed row.
+    pub(super) release_postponed: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
     pub(super) publishable_exists: String,
@@ -289,7 +289,7 @@ impl TableSql {
             mark: settle.mark,
             record_failures: settle.record_failures,
             postpone: settle.postpone,
-            release_held_back: settle.release_held_back,
+            release_postponed: settle.release_postponed,
             publishable_exists: admin.publishable_exists,
             claimable: admin.claimable,
             waiting: admin.waiting,

@@ -1,15 +1,15 @@
-//! Rows held back for an unavailable destination (a Kafka partition whose leader is
+//! Rows postponed for an unavailable destination (a Kafka partition whose leader is
 //! down: [`crate::sink::SinkService::unavailable`]) wait as long as their destination has
 //! been down, up to [`crate::sink::HOLD_MAX`] ([`crate::sink::NotNow`]); when the sink
 //! says a destination is available again ([`crate::sink::SinkService::available_again`]),
-//! this follower makes every table's held-back rows due at once and wakes the workers, so
-//! the held keys follow as soon as the sink sees the destination back, not when their wait
+//! this follower makes every table's postponed rows due at once and wakes the workers, so
+//! their keys follow as soon as the sink sees the destination back, not when their wait
 //! ends.
 //!
-//! It releases every row held back for any destination, not only those of the one that
-//! is back: a row whose destination is still down is held back again by the claim that
+//! It releases every row postponed for any destination, not only those of the one that
+//! is back: a row whose destination is still down is postponed again by the claim that
 //! takes it, with a wait as long as that outage. Every relay process follows its own
-//! sink, so rows that another process held back with a view of the cluster older than
+//! sink, so rows that another process postponed with a view of the cluster older than
 //! this one's are released again when that process sees the destination back. A process
 //! also releases them once when it starts: it never saw the outage end if it began after
 //! (a relay restarted, a replica added), and its sink decides afresh.
@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Shared;
-use crate::sink::HELD_BACK;
+use crate::sink::POSTPONED_MARK;
 
 /// How often a release that failed (the database unreachable) is tried again, and how many
 /// times: past that, the rows come due by their own wait.
@@ -29,7 +29,7 @@ const RELEASE_TRIES: u32 = 5;
 
 impl Shared {
     /// Until `done`: at once, then at each change of `available_again`, releases every
-    /// table's rows held back for an unavailable destination.
+    /// table's rows postponed for an unavailable destination.
     pub(super) async fn follow_availability(
         &self,
         mut available_again: watch::Receiver<u64>,
@@ -44,7 +44,7 @@ impl Shared {
             }
             for t in 0..self.tables.len() {
                 for tried in 1..=RELEASE_TRIES {
-                    match self.release_held_back(t, starting).await {
+                    match self.release_postponed(t, starting).await {
                         Ok(()) => break,
                         Err(e) if tried == RELEASE_TRIES => {
                             tracing::warn!(
@@ -68,9 +68,9 @@ impl Shared {
         }
     }
 
-    /// Makes table `t`'s rows held back for an unavailable destination due now, and wakes
+    /// Makes table `t`'s rows postponed for an unavailable destination due now, and wakes
     /// the workers when there were some (`starting`: the process's first release).
-    async fn release_held_back(
+    async fn release_postponed(
         &self,
         t: usize,
         starting: bool,
@@ -78,7 +78,7 @@ impl Shared {
         let table = &self.tables[t].plan;
         let released = self
             .source
-            .in_transaction(async |tx| table.release_postponed(tx, HELD_BACK).await)
+            .in_transaction(async |tx| table.release_postponed(tx, POSTPONED_MARK).await)
             .await?;
         if released > 0 {
             let name = &table.config.name;
