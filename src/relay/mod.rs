@@ -41,7 +41,7 @@ use crate::source::{floor, retention};
 use crate::source::{SessionLimits, Source};
 
 pub use error::{RelayError, TableFailed};
-use start::Endpoints;
+use start::Background;
 use start::{connect_sink, prepare_tables};
 use state::RunState;
 
@@ -62,6 +62,9 @@ pub struct Report {
     /// `drain` only: paused tables that still hold publishable rows, each with its pause
     /// (`drain` does not wait for them, and exits 3).
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
+    /// Background tasks (the probe, a floor keeper, ...) that did not stop in time once the
+    /// run was over: left behind as the process exits (a WARN names them too).
+    pub unstopped: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
@@ -208,10 +211,10 @@ const CLOSING_LOOK_ABORTED: Duration = Duration::from_secs(1);
 
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
-    let endpoints = Endpoints::start(config).await?;
-    let sink = connect_sink(config, &shutdown, &endpoints.ops);
-    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
-    stop_background(relayed, endpoints, &shutdown).await
+    let background = Background::start(config).await?;
+    let sink = connect_sink(config, &shutdown, &background.ops);
+    let relayed = relay(config, mode, sink, shutdown.clone(), &background).await;
+    stop_background(relayed, background, &shutdown).await
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
@@ -224,18 +227,19 @@ pub async fn run_with_sink(
     sink: Sink,
     shutdown: Shutdown,
 ) -> Result<Report, RelayError> {
-    let endpoints = Endpoints::start(config).await?;
-    endpoints.ops.broker_reachable(true);
+    let background = Background::start(config).await?;
+    background.ops.broker_reachable(true);
     let sink = async { Ok(sink) };
-    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
-    stop_background(relayed, endpoints, &shutdown).await
+    let relayed = relay(config, mode, sink, shutdown.clone(), &background).await;
+    stop_background(relayed, background, &shutdown).await
 }
 
 /// Stops the tasks that outlive the workers, once the run is over whichever way it ended,
-/// and waits for them; a WARN names those that did not stop in time.
+/// and waits for them; a WARN and the report ([`Report::unstopped`]) name those that did
+/// not stop in time.
 async fn stop_background(
     relayed: Result<Report, RelayError>,
-    endpoints: Endpoints,
+    background: Background,
     shutdown: &Shutdown,
 ) -> Result<Report, RelayError> {
     let within = if shutdown.abort_token().is_cancelled() {
@@ -243,8 +247,11 @@ async fn stop_background(
     } else {
         BACKGROUND_STOP
     };
-    endpoints.stop(within).await;
-    relayed
+    let unstopped = background.stop(within).await;
+    relayed.map(|report| Report {
+        unstopped,
+        ..report
+    })
 }
 
 /// Connects the sink (`sink`) and prepares the tables at once: neither needs the other,
@@ -254,11 +261,11 @@ async fn relay(
     mode: Mode,
     sink: impl std::future::Future<Output = Result<Sink, RelayError>>,
     shutdown: Shutdown,
-    endpoints: &Endpoints,
+    background: &Background,
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let prepared = prepare_tables(config, limits, &shutdown, &endpoints.ops);
+    let prepared = prepare_tables(config, limits, &shutdown, &background.ops);
     let (sink, prepared) = tokio::try_join!(sink, prepared)?;
     let start::Prepared {
         source,
@@ -276,7 +283,7 @@ async fn relay(
                 .map_err(RelayError::TracingTask)??
         }
     };
-    let dependencies = (source, sink, endpoints.ops.clone(), otel);
+    let dependencies = (source, sink, background.ops.clone(), otel);
     let tables = (tables, pauses);
     let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &shutdown));
     tracing::info!(
@@ -288,7 +295,7 @@ async fn relay(
         "Relaying"
     );
     shared.apply_pauses(paused);
-    spawn_background(&shared, mode, endpoints);
+    spawn_background(&shared, mode, background);
 
     let tracker = TaskTracker::new();
     // A drain looks at every table in every round (`wake`), so NOTIFY would tell it
@@ -334,8 +341,8 @@ async fn relay(
 /// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause,
 /// connection and availability followers, drain's progress line on a terminal, the systemd watchdog,
 /// and the STOPPING notification.
-fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
-    let (tasks, done) = (&endpoints.tasks, &endpoints.done);
+fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
+    let (tasks, done) = (&background.tasks, &background.done);
     let progress = mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (s, d) = (shared.clone(), done.clone());
     tasks.spawn("probe", async move {
@@ -513,6 +520,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         elapsed: started.elapsed(),
         aborted,
         drained: shared.state.drained() && !aborted,
+        unstopped: Vec::new(),
     };
     tracing::info!(
         published = report.published,
