@@ -319,9 +319,9 @@ async fn relay(
                 .await
         });
     }
-    for id in 0..config.relay.workers {
+    for lane in 0..config.relay.workers {
         let shared = shared.clone();
-        tracker.spawn(worker::Worker { id, shared }.run());
+        tracker.spawn(worker::Worker { lane, shared }.run());
     }
     tracker.close();
     ops::notify_ready();

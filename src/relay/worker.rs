@@ -40,7 +40,9 @@ enum Round {
 }
 
 pub(crate) struct Worker {
-    pub(crate) id: usize,
+    /// The worker's number, `0..workers`: where its rounds start, and how its claims
+    /// spread over a deep backlog (`source::claim`). Logged as `worker`.
+    pub(crate) lane: usize,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -61,7 +63,7 @@ impl Worker {
         let mut surplus = poll;
         // Workers start at different tables, and each round starts past the last table
         // that had rows, so no table starves another.
-        let mut next = self.id % shared.tables.len();
+        let mut next = self.lane % shared.tables.len();
         while !stop.is_cancelled() {
             shared.ops.health.alive();
             // While the broker is down nobody claims (see `breaker`).
@@ -83,7 +85,7 @@ impl Worker {
                         continue; // the breaker's prober decides when to try again
                     }
                     let pause = backoff.next_pause();
-                    tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Batch failed; backing off");
+                    tracing::warn!(worker = self.lane, %error, retry_in = ?pause, "Batch failed; backing off");
                     if !sleep_unless_stopped(&stop, pause).await {
                         return;
                     }
@@ -167,7 +169,7 @@ impl Worker {
                 table: t,
                 ticket,
                 result,
-            } = relay_batch(shared, self.id, &shared.tables[t], ticket).await;
+            } = relay_batch(shared, self.lane, &shared.tables[t], ticket).await;
             if matches!(
                 result,
                 Ok(Batch::Empty | Batch::Contended | Batch::Throttled(_) | Batch::Done { .. })
