@@ -322,9 +322,13 @@ impl Shared {
     }
 }
 
-/// A claim made with the previous batch's `COMMIT`: its transaction, its rows, and how long
-/// the two took together.
-type Carried<'s> = (Tx<'s>, Claimed, Duration);
+/// A claim whose transaction is still open: that transaction, what it took, and how long
+/// it took (for a claim made with the previous batch's `COMMIT`, the two together).
+struct OpenClaim<'s> {
+    tx: Tx<'s>,
+    claimed: Claimed,
+    took: Duration,
+}
 
 /// What one batch's phases came to.
 struct Phases<'s> {
@@ -337,7 +341,7 @@ struct Phases<'s> {
 struct Next<'s> {
     table: usize,
     ticket: Ticket,
-    claim: Result<Carried<'s>, SourceError>,
+    claim: Result<OpenClaim<'s>, SourceError>,
 }
 
 impl From<Batch> for Phases<'_> {
@@ -352,12 +356,16 @@ async fn run_phases<'s>(
     table: &RunTable,
     session: &'s deadpool_postgres::Object,
     allowed: usize,
-    carried: Option<Carried<'s>>,
+    carried: Option<OpenClaim<'s>>,
     follow: bool,
 ) -> Result<Phases<'s>, BatchError> {
     let plan = &table.plan;
     // 1. Claim (or take the one that came with the previous batch's COMMIT).
-    let (tx, claimed, claimed_in) = match carried {
+    let OpenClaim {
+        tx,
+        claimed,
+        took: claimed_in,
+    } = match carried {
         Some(carried) => carried,
         None => match claim_phase(shared, lane, plan, session, allowed).await? {
             Some(claimed) => claimed,
@@ -444,7 +452,7 @@ async fn claim_phase<'s>(
     table: &TablePlan,
     session: &'s deadpool_postgres::Object,
     allowed: usize,
-) -> Result<Option<Carried<'s>>, BatchError> {
+) -> Result<Option<OpenClaim<'s>>, BatchError> {
     let clock = Instant::now();
     let claim = claim(shared, lane, table, session, allowed);
     tokio::select! {
@@ -452,7 +460,7 @@ async fn claim_phase<'s>(
         _ = shared.shutdown.stop_token().cancelled() => Ok(None),
         r = shared.source.bounded(claim) => {
             let (tx, claimed) = r?;
-            Ok(Some((tx, claimed, clock.elapsed())))
+            Ok(Some(OpenClaim { tx, claimed, took: clock.elapsed() }))
         }
     }
 }
@@ -526,7 +534,11 @@ async fn finalize_phase<'s>(
         .map(|((table, ticket), claim)| Next {
             table,
             ticket,
-            claim: claim.map(|(tx, claimed)| (tx, claimed, clock.elapsed())),
+            claim: claim.map(|(tx, claimed)| OpenClaim {
+                tx,
+                claimed,
+                took: clock.elapsed(),
+            }),
         });
     Ok(Some((dead, next)))
 }
