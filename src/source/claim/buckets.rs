@@ -22,25 +22,37 @@ pub(super) struct Picks {
     pub(super) saw_rows: bool,
 }
 
-/// Takes buckets (see *Buckets* in the module doc) from `candidates`, in order, for the
-/// room `plan` has left, and plans and locks their rows; at most [`MAX_PICKS`] picks.
-/// A bucket read's rows up to `after` of keys the plan already met are theirs (planned,
-/// or left to others) and dropped; `reread` is room added per bucket for them, and
-/// `reread_bytes` bytes to what a pick may lock.
-#[allow(clippy::too_many_arguments)]
+/// The buckets a claim tries, and what of its first window their reads take again.
+pub(super) struct Pick {
+    /// The buckets to try, in order.
+    pub(super) candidates: Vec<i32>,
+    /// Where the first window ended ([`super::FIRST_WINDOW`] when the claim read none): a bucket
+    /// read's rows up to it of keys the plan already met are theirs (planned, or left to
+    /// others) and dropped.
+    pub(super) after: i64,
+    /// Room added per bucket for those rows.
+    pub(super) reread: usize,
+    /// Bytes added for them to what a pick may lock.
+    pub(super) reread_bytes: u64,
+}
+
+/// Takes buckets (see *Buckets* in the module doc) from `pick`'s candidates, in order, for
+/// the room `plan` has left, and plans and locks their rows; at most [`MAX_PICKS`] picks.
 pub(super) async fn take_buckets(
     tx: &Tx<'_>,
     sql: &TableSql,
     plan: &mut KeyPlan,
     rows: &mut HashMap<i64, ClaimedRow>,
-    mut candidates: Vec<i32>,
-    after: i64,
-    reread: usize,
-    reread_bytes: u64,
+    pick: Pick,
     floor: &FloorView,
     depth: &BucketDepth,
 ) -> Result<Picks, SourceError> {
-    let stragglers: &[i64] = &floor.stragglers;
+    let Pick {
+        mut candidates,
+        after,
+        reread,
+        reread_bytes,
+    } = pick;
     let mut picks = 0;
     let mut found = Picks {
         none_free: false,
@@ -50,60 +62,14 @@ pub(super) async fn take_buckets(
         picks += 1;
         let room = plan.room();
         let want = depth.buckets_for(room);
-        // Twice a bucket's share of the room, and at least a quarter of the room, so that
-        // a few buckets fill the batch (other claimers may hold most of the buckets asked
-        // for: with an eighth of the room a bucket, a claim on 50 keys after a database
-        // restart took batches of 12-40 rows of 100), not so many that a pick of many
-        // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
-        // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
-        // cost a held-row probe then, before `sql::parts::Parts::not_held_back` told the
-        // held keys' rows by a hash table; a quarter of the room read less and let the
-        // other keys' rows flow faster in benchmark K). Up
-        // to the rows it may lock (a quarter more than the room): a bucket whose keys
-        // are partly held elsewhere still fills the batch in one pick, where reading at
-        // most the room needed a second pick (and round trip) about twice as often
-        // (benchmark L).
-        let per_bucket = room
-            .div_ceil(want)
-            .saturating_mul(2)
-            .max(room / 4)
-            .min(room + room / 4)
-            .max(1)
-            + reread;
-        // The rows the statement locks, and sends back with their payloads: the batch's
-        // room and a quarter more, in id order, within the bytes it has left (a quarter
-        // more too), so the answer stays within the budget (more only when the keys met
-        // first are held elsewhere), and the rows of known keys it reads again.
-        let cap = Candidates {
-            rows: room + room / 4 + reread,
-            bytes: plan
-                .bytes_left()
-                .saturating_add(plan.bytes_left() / 4)
-                .saturating_add(reread_bytes)
-                .max(1),
-        };
-        let read = tx
-            .query(
-                &sql.pick_lock,
-                &[
-                    &after,
-                    &(per_bucket as i64),
-                    &candidates,
-                    &floor.value,
-                    &stragglers,
-                    &sql.tag,
-                    &(want as i64),
-                    &(cap.rows as i64),
-                    &(cap.bytes.min(i64::MAX as u64) as i64),
-                ],
-            )
-            .await?;
+        let (per_bucket, cap) = pick_limits(plan, room, want, reread, reread_bytes);
+        let read = (&candidates, after, floor);
         let Picked {
             window,
             got,
             tried,
             locked,
-        } = Picked::split(&read, &sql.layout, cap);
+        } = pick_lock(tx, sql, read, per_bucket, want, cap).await?;
         // The read starts at the floor, in its own snapshot: its rows up to the first
         // window's end of keys this claim met there are theirs already (planned, or
         // left to others); those of other keys are their heads now.
@@ -141,6 +107,82 @@ pub(super) async fn take_buckets(
         }
     }
     Ok(found)
+}
+
+/// Runs [`TableSql::pick_lock`] once: of the buckets `candidates` (in order), takes the
+/// first `want` free ones and reads at most `per_bucket` rows of each from the floor on
+/// (again up to `after`), and locks the first of them within `cap`.
+async fn pick_lock(
+    tx: &Tx<'_>,
+    sql: &TableSql,
+    (candidates, after, floor): (&Vec<i32>, i64, &FloorView),
+    per_bucket: usize,
+    want: usize,
+    cap: Candidates,
+) -> Result<Picked, SourceError> {
+    let stragglers: &[i64] = &floor.stragglers;
+    let read = tx
+        .query(
+            &sql.pick_lock,
+            &[
+                &after,
+                &(per_bucket as i64),
+                candidates,
+                &floor.value,
+                &stragglers,
+                &sql.tag,
+                &(want as i64),
+                &(cap.rows as i64),
+                &(cap.bytes.min(i64::MAX as u64) as i64),
+            ],
+        )
+        .await?;
+    Ok(Picked::split(&read, &sql.layout, cap))
+}
+
+/// How many rows one pick of `want` buckets reads per bucket, and how many of them it
+/// locks, with `room` rows left in `plan` and `reread` rows (`reread_bytes` bytes) of the
+/// first window read again.
+fn pick_limits(
+    plan: &KeyPlan,
+    room: usize,
+    want: usize,
+    reread: usize,
+    reread_bytes: u64,
+) -> (usize, Candidates) {
+    // Twice a bucket's share of the room, and at least a quarter of the room, so that
+    // a few buckets fill the batch (other claimers may hold most of the buckets asked
+    // for: with an eighth of the room a bucket, a claim on 50 keys after a database
+    // restart took batches of 12-40 rows of 100), not so many that a pick of many
+    // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
+    // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
+    // cost a held-row probe then, before `sql::parts::Parts::not_held_back` told the
+    // held keys' rows by a hash table; a quarter of the room read less and let the
+    // other keys' rows flow faster in benchmark K). Up
+    // to the rows it may lock (a quarter more than the room): a bucket whose keys
+    // are partly held elsewhere still fills the batch in one pick, where reading at
+    // most the room needed a second pick (and round trip) about twice as often
+    // (benchmark L).
+    let per_bucket = room
+        .div_ceil(want)
+        .saturating_mul(2)
+        .max(room / 4)
+        .min(room + room / 4)
+        .max(1)
+        + reread;
+    // The rows the statement locks, and sends back with their payloads: the batch's
+    // room and a quarter more, in id order, within the bytes it has left (a quarter
+    // more too), so the answer stays within the budget (more only when the keys met
+    // first are held elsewhere), and the rows of known keys it reads again.
+    let cap = Candidates {
+        rows: room + room / 4 + reread,
+        bytes: plan
+            .bytes_left()
+            .saturating_add(plan.bytes_left() / 4)
+            .saturating_add(reread_bytes)
+            .max(1),
+    };
+    (per_bucket, cap)
 }
 
 /// Every bucket, those of `window`'s rows first in the order of their first row (the

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::super::sql::{TableSql, WINDOW_FACTOR};
 use super::super::{SourceError, Tx};
-use super::buckets::{most_in_one_bucket, ranked_buckets, take_buckets, BucketDepth};
+use super::buckets::{most_in_one_bucket, ranked_buckets, take_buckets, BucketDepth, Pick};
 use super::plan::{Candidate, KeyPlan, MAX_ROUNDS};
 use super::{Budget, Claimed, ClaimedRow, FloorView};
 
@@ -89,19 +89,13 @@ pub(super) async fn claim_by_key(
         // again (the most any one bucket had there).
         let reread = most_in_one_bucket(&first);
         let reread_bytes = first.iter().map(|c| c.size).sum();
-        let picks = take_buckets(
-            tx,
-            sql,
-            &mut plan,
-            &mut rows,
+        let pick = Pick {
             candidates,
-            last,
+            after: last,
             reread,
             reread_bytes,
-            floor,
-            depth,
-        )
-        .await?;
+        };
+        let picks = take_buckets(tx, sql, &mut plan, &mut rows, pick, floor, depth).await?;
         // Every bucket is another claimer's, or every key this claim met is: the table
         // has rows, and this claimer is one too many for now.
         contended = picks.none_free || plan.reserved == 0;
@@ -138,19 +132,13 @@ pub(super) async fn claim_as_surplus(
     let mut plan = KeyPlan::new(budget);
     let mut rows = HashMap::new();
     let ranking = depth.probe_ranking();
-    let picks = take_buckets(
-        tx,
-        sql,
-        &mut plan,
-        &mut rows,
-        ranking,
-        super::super::sql::FIRST_WINDOW,
-        0,
-        0,
-        floor,
-        depth,
-    )
-    .await?;
+    let pick = Pick {
+        candidates: ranking,
+        after: super::super::sql::FIRST_WINDOW,
+        reread: 0,
+        reread_bytes: 0,
+    };
+    let picks = take_buckets(tx, sql, &mut plan, &mut rows, pick, floor, depth).await?;
     if plan.reserved > 0 {
         let rows = finish_claim(tx, sql, &mut plan, rows).await?;
         // Heads it owns are in the batch: never empty here.
