@@ -4,10 +4,10 @@
 use std::time::{Duration, Instant};
 
 use super::super::order::RowOutcome;
-use super::super::Shared;
+use super::super::{RunTable, Shared};
+use crate::ops::otel::BatchTrace;
 use crate::source::claim::ClaimedRow;
 use crate::source::settle::Settlement;
-use crate::source::table::TablePlan;
 
 /// A committed batch, as [`observe`] reads it.
 pub(super) struct Committed<'a> {
@@ -25,14 +25,15 @@ pub(super) struct Committed<'a> {
 
 /// The bookkeeping of a committed batch: the run's counts, the table's metrics (each
 /// acknowledged row's delivery lag: its age at the claim plus the publish; replayed rows
-/// counted apart), and the log lines.
-pub(super) fn observe(
+/// counted apart), the log lines, the bad-row valve's count and the end of its trace.
+pub(super) async fn observe(
     shared: &Shared,
-    table: &TablePlan,
+    table: &RunTable,
     lane: usize,
-    meters: &crate::ops::metrics::TableMeters,
     batch: &Committed<'_>,
+    trace: Option<BatchTrace<'_>>,
 ) {
+    let meters = shared.meters(table);
     let (published, failed, dead) = (
         &batch.settlement.published,
         &batch.settlement.failed,
@@ -66,14 +67,14 @@ pub(super) fn observe(
     meters.replayed.inc_by(replayed);
     for (id, error) in failed.ids.iter().zip(&failed.errors) {
         if dead.contains(id) {
-            tracing::error!(table = %table.config.name, id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
+            tracing::error!(table = %table.name(), id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
         } else {
-            tracing::warn!(table = %table.config.name, id, %error, "Row failed; will retry");
+            tracing::warn!(table = %table.name(), id, %error, "Row failed; will retry");
         }
     }
     tracing::debug!(
         worker = lane,
-        table = %table.config.name,
+        table = %table.name(),
         rows = batch.rows.len(),
         published = published.len(),
         claim = ?batch.claimed_in,
@@ -81,6 +82,10 @@ pub(super) fn observe(
         elapsed = ?elapsed,
         "Batch committed"
     );
+    shared.count_bad_rows(table, batch.settlement).await;
+    if let Some(trace) = trace {
+        trace.committed(published.len());
+    }
 }
 
 /// Counts a batch's rows in the in-flight gauge until it ends, however it ends.

@@ -18,6 +18,10 @@ use crate::source::settle::{commit_batch, Settlement};
 use crate::source::table::TablePlan;
 use crate::source::{SourceError, Tx};
 
+/// Runs one batch of `table` on `session`, phase by phase: claims up to `allowed` rows (or
+/// takes the claim `carried` from the previous batch's `COMMIT`), publishes, settles and
+/// commits them; with `follow`, a batch whose every row was published sends the next
+/// one's claim with its `COMMIT` ([`Phases::next`]).
 pub(super) async fn run_phases<'s>(
     shared: &Shared,
     lane: usize,
@@ -90,11 +94,7 @@ pub(super) async fn run_phases<'s>(
         started,
         acked_after,
     };
-    observe(shared, plan, lane, meters, &committed);
-    shared.count_bad_rows(table, settlement).await;
-    if let Some(trace) = trace {
-        trace.committed(settlement.published.len());
-    }
+    observe(shared, table, lane, &committed, trace).await;
     Ok(Phases {
         batch: decision.done(rows.len()),
         next,
