@@ -195,20 +195,8 @@ impl Worker {
                     retry_in,
                     ..
                 }) => {
-                    // Rows were there: there may be more (`wake`, rule 1).
-                    shared.wakes.raise(t, false);
-                    if let Some(after) = retry_in {
-                        shared.wakes.retry_in(t, after);
-                    }
                     *next = (t + 1) % tables;
-                    match (&trouble, published) {
-                        (Some(e), 0) => shared.breaker.record_failure(e.message()),
-                        _ => shared.breaker.record_success(),
-                    }
-                    return match trouble {
-                        Some(e) => Round::Trouble(e.message().to_owned()),
-                        None => Round::Worked,
-                    };
+                    return self.committed(t, trouble, published, retry_in);
                 }
                 Ok(Batch::Stopped) => return Round::Exit,
                 Ok(Batch::Aborted) => {
@@ -234,6 +222,32 @@ impl Worker {
             Round::Contended
         } else {
             Round::Idle
+        }
+    }
+
+    /// After a batch of table `t` committed, `published` rows of it, with `trouble` (a
+    /// transient failure) and the soonest retry it scheduled: the table's wake-up and the
+    /// breaker learn of it.
+    fn committed(
+        &self,
+        t: usize,
+        trouble: Option<crate::sink::SinkError>,
+        published: usize,
+        retry_in: Option<Duration>,
+    ) -> Round {
+        let shared = &self.shared;
+        // Rows were there: there may be more (`wake`, rule 1).
+        shared.wakes.raise(t, false);
+        if let Some(after) = retry_in {
+            shared.wakes.retry_in(t, after);
+        }
+        match (&trouble, published) {
+            (Some(e), 0) => shared.breaker.record_failure(e.message()),
+            _ => shared.breaker.record_success(),
+        }
+        match trouble {
+            Some(e) => Round::Trouble(e.message().to_owned()),
+            None => Round::Worked,
         }
     }
 }
