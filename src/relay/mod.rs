@@ -294,7 +294,7 @@ async fn relay(
         ?mode,
         "Relaying"
     );
-    shared.apply_pauses(paused);
+    pause::apply_pauses(&shared, paused);
     spawn_background(&shared, mode, background);
 
     let tracker = TaskTracker::new();
@@ -374,7 +374,9 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
         });
     }
     let (s, d) = (shared.clone(), done.clone());
-    tasks.spawn("pause follower", async move { s.follow_pauses(d).await });
+    tasks.spawn("pause follower", async move {
+        pause::follow_pauses(&s, d).await
+    });
     if let Some(connection) = shared.sink.connection() {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("connection follower", async move {
@@ -384,7 +386,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
     if let Some(available_again) = shared.sink.available_again() {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("availability follower", async move {
-            s.follow_availability(available_again, d).await
+            postponed::follow_availability(&s, available_again, d).await
         });
     }
     if progress {
@@ -484,13 +486,13 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         shared.source.deadline()
     };
     if mode == Mode::Drain && !aborted && !shared.state.drained() {
-        let empty = tokio::time::timeout(closing, shared.nothing_publishable())
+        let empty = tokio::time::timeout(closing, drain::nothing_publishable(shared))
             .await
             .unwrap_or(false);
         shared.state.set_drained(empty);
     }
     let waiting = if mode == Mode::Drain && !shared.state.drained() {
-        tokio::time::timeout(closing, shared.waiting())
+        tokio::time::timeout(closing, drain::waiting(shared))
             .await
             .ok()
             .flatten()
@@ -504,7 +506,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
                 .filter_map(|t| Some((t.name().to_string(), shared.pauses.of(t.index)?)))
                 .collect()
         };
-        tokio::time::timeout(closing, shared.paused_left())
+        tokio::time::timeout(closing, drain::paused_left(shared))
             .await
             .unwrap_or_else(|_| every())
     } else {

@@ -27,73 +27,71 @@ use crate::sink::POSTPONED_MARK;
 const RELEASE_RETRY: Duration = Duration::from_secs(1);
 const RELEASE_TRIES: u32 = 5;
 
-impl Shared {
-    /// Until `done`: at once, then at each change of `available_again`, releases every
-    /// table's rows postponed for an unavailable destination.
-    pub(super) async fn follow_availability(
-        &self,
-        mut available_again: watch::Receiver<u64>,
-        done: CancellationToken,
-    ) {
-        available_again.mark_changed();
-        let mut starting = true;
-        loop {
-            tokio::select! {
-                _ = done.cancelled() => return,
-                changed = available_again.changed() => if changed.is_err() { return },
-            }
-            for t in 0..self.tables.len() {
-                for tried in 1..=RELEASE_TRIES {
-                    match self.release_postponed(t, starting).await {
-                        Ok(()) => break,
-                        Err(e) if tried == RELEASE_TRIES => {
-                            tracing::warn!(
-                                table = %self.tables[t].name(), error = %e,
-                                "Could not release the rows held back for a destination that is back; they come due by their own wait"
-                            );
-                            break;
-                        }
-                        Err(e) => tracing::debug!(
-                            table = %self.tables[t].name(), error = %e,
-                            "Could not release the rows held back for a destination that is back; trying again"
-                        ),
+/// Until `done`: at once, then at each change of `available_again`, releases every
+/// table's rows postponed for an unavailable destination.
+pub(super) async fn follow_availability(
+    shared: &Shared,
+    mut available_again: watch::Receiver<u64>,
+    done: CancellationToken,
+) {
+    available_again.mark_changed();
+    let mut starting = true;
+    loop {
+        tokio::select! {
+            _ = done.cancelled() => return,
+            changed = available_again.changed() => if changed.is_err() { return },
+        }
+        for t in 0..shared.tables.len() {
+            for tried in 1..=RELEASE_TRIES {
+                match release_postponed(shared, t, starting).await {
+                    Ok(()) => break,
+                    Err(e) if tried == RELEASE_TRIES => {
+                        tracing::warn!(
+                            table = %shared.tables[t].name(), error = %e,
+                            "Could not release the rows held back for a destination that is back; they come due by their own wait"
+                        );
+                        break;
                     }
-                    tokio::select! {
-                        _ = done.cancelled() => return,
-                        _ = tokio::time::sleep(RELEASE_RETRY) => {}
-                    }
+                    Err(e) => tracing::debug!(
+                        table = %shared.tables[t].name(), error = %e,
+                        "Could not release the rows held back for a destination that is back; trying again"
+                    ),
+                }
+                tokio::select! {
+                    _ = done.cancelled() => return,
+                    _ = tokio::time::sleep(RELEASE_RETRY) => {}
                 }
             }
-            starting = false;
         }
+        starting = false;
     }
+}
 
-    /// Makes table `t`'s rows postponed for an unavailable destination due now, and wakes
-    /// the workers when there were some (`starting`: the process's first release).
-    async fn release_postponed(
-        &self,
-        t: usize,
-        starting: bool,
-    ) -> Result<(), crate::source::SourceError> {
-        let table = &self.tables[t].plan;
-        let released = self
-            .source
-            .in_transaction(async |tx| table.release_postponed(tx, POSTPONED_MARK).await)
-            .await?;
-        if released > 0 {
-            let name = &table.config.name;
-            match starting {
-                true => tracing::info!(
-                    table = %name, rows = released,
-                    "Rows held back for an unavailable destination are due now: this relay's sink decides afresh"
-                ),
-                false => tracing::info!(
-                    table = %name, rows = released,
-                    "A destination is available again: the rows held back for it are due now"
-                ),
-            }
-            self.wakes.raise(t, true);
+/// Makes table `t`'s rows postponed for an unavailable destination due now, and wakes
+/// the workers when there were some (`starting`: the process's first release).
+async fn release_postponed(
+    shared: &Shared,
+    t: usize,
+    starting: bool,
+) -> Result<(), crate::source::SourceError> {
+    let table = &shared.tables[t].plan;
+    let released = shared
+        .source
+        .in_transaction(async |tx| table.release_postponed(tx, POSTPONED_MARK).await)
+        .await?;
+    if released > 0 {
+        let name = &table.config.name;
+        match starting {
+            true => tracing::info!(
+                table = %name, rows = released,
+                "Rows held back for an unavailable destination are due now: this relay's sink decides afresh"
+            ),
+            false => tracing::info!(
+                table = %name, rows = released,
+                "A destination is available again: the rows held back for it are due now"
+            ),
         }
-        Ok(())
+        shared.wakes.raise(t, true);
     }
+    Ok(())
 }

@@ -124,7 +124,7 @@ impl Worker {
     /// a look (`wake`; a poll interval in `drain`), or `stop` (`false`).
     async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         let shared = &self.shared;
-        if shared.drain && shared.nothing_publishable().await {
+        if shared.drain && super::drain::nothing_publishable(shared).await {
             shared.state.set_drained(true);
             shared.shutdown.request_stop();
             return false;

@@ -29,7 +29,7 @@
 //!   know the difference.
 //! - **A failed commit.** The claim ran after the rollback: its transaction is dropped
 //!   (rolled back) with the error, and the batch's rows stay pending as before.
-//! - **Which table.** The one the worker's next round would take ([`Shared::follow_on`]):
+//! - **Which table.** The one the worker's next round would take ([`follow_on`]):
 //!   the next after this one that is due for a look, so several tables still take turns.
 //!   A table with `max_rate` never follows on (its tokens are taken per batch).
 //! - **`stop`.** No batch follows on once `stop` fired; one that was claimed with the
@@ -169,7 +169,7 @@ impl Ended {
 }
 
 /// Runs batches for worker `lane` from `table` (looked at with `ticket`) on: one, or
-/// several on one session when each claims the next with its `COMMIT` ([`Shared::follow_on`]).
+/// several on one session when each claims the next with its `COMMIT` ([`follow_on`]).
 pub(super) async fn relay_batch<'a>(
     shared: &'a Shared,
     lane: usize,
@@ -260,7 +260,7 @@ async fn relay_batches<'a>(
             break Ok(batch);
         };
         // Committed with every row published; the next claim came back with the COMMIT.
-        shared.went_through(table.index);
+        went_through(shared, table.index);
         (table, ticket) = (&shared.tables[next.table], next.ticket);
         match next.claim {
             Ok(claim) if !stop.is_cancelled() => carried = Some(claim),
@@ -279,35 +279,33 @@ async fn relay_batches<'a>(
     Ended::new(table.index, ticket, result)
 }
 
-impl Shared {
-    /// Where a worker's batch on table `t` that published every row goes on, its claim
-    /// sent with the `COMMIT`: the table the worker's next round would claim from (the
-    /// next one after `t`, in order, that is due for a look and has no `max_rate`, `t`
-    /// itself when no other is), with that look's ticket. None once `stop` fired or the
-    /// breaker opened.
-    fn follow_on(&self, t: usize) -> Option<(usize, Ticket)> {
-        if self.shutdown.stop_token().is_cancelled() || self.breaker.state() == BreakerState::Open {
+/// Where a worker's batch on table `t` that published every row goes on, its claim
+/// sent with the `COMMIT`: the table the worker's next round would claim from (the
+/// next one after `t`, in order, that is due for a look and has no `max_rate`, `t`
+/// itself when no other is), with that look's ticket. None once `stop` fired or the
+/// breaker opened.
+fn follow_on(shared: &Shared, t: usize) -> Option<(usize, Ticket)> {
+    if shared.shutdown.stop_token().is_cancelled() || shared.breaker.state() == BreakerState::Open {
+        return None;
+    }
+    // Rows were there: there may be more (`wake`, rule 1).
+    shared.wakes.raise(t, false);
+    let (n, now) = (shared.tables.len(), Instant::now());
+    (1..=n).map(|k| (t + k) % n).find_map(|u| {
+        if shared.tables[u].rate.is_some() {
             return None;
         }
-        // Rows were there: there may be more (`wake`, rule 1).
-        self.wakes.raise(t, false);
-        let (n, now) = (self.tables.len(), Instant::now());
-        (1..=n).map(|k| (t + k) % n).find_map(|u| {
-            if self.tables[u].rate.is_some() {
-                return None;
-            }
-            self.wakes.begin(u, now).map(|ticket| (u, ticket))
-        })
-    }
+        shared.wakes.begin(u, now).map(|ticket| (u, ticket))
+    })
+}
 
-    /// The worker's bookkeeping of a batch on table `t` that committed with every row
-    /// published, when the next one followed on (the last one's is the worker's own).
-    fn went_through(&self, t: usize) {
-        self.ops.health.alive();
-        self.ops.health.progress();
-        self.wakes.raise(t, false);
-        self.breaker.record_success();
-    }
+/// The worker's bookkeeping of a batch on table `t` that committed with every row
+/// published, when the next one followed on (the last one's is the worker's own).
+fn went_through(shared: &Shared, t: usize) {
+    shared.ops.health.alive();
+    shared.ops.health.progress();
+    shared.wakes.raise(t, false);
+    shared.breaker.record_success();
 }
 
 /// A claim whose transaction is still open: that transaction, what it took, and how long
@@ -325,7 +323,7 @@ struct Phases<'s> {
     next: Option<Next<'s>>,
 }
 
-/// The batch that follows on ([`Shared::follow_on`]).
+/// The batch that follows on ([`follow_on`]).
 struct Next<'s> {
     table: usize,
     ticket: Ticket,

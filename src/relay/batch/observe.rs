@@ -82,7 +82,7 @@ pub(super) async fn observe(
         elapsed = ?elapsed,
         "Batch committed"
     );
-    shared.count_bad_rows(table, batch.settlement).await;
+    super::super::pause::count_bad_rows(shared, table, batch.settlement).await;
     if let Some(trace) = trace {
         trace.committed(published.len());
     }

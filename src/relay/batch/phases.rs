@@ -8,7 +8,7 @@ use super::super::order::{publish_in_order, RowOutcome};
 use super::super::{RunTable, Shared};
 use super::dead_letter::dead_letter;
 use super::observe::{observe, Committed, InFlight};
-use super::{settle, Batch, BatchError, Decision, Next, OpenClaim, Phases};
+use super::{follow_on, settle, Batch, BatchError, Decision, Next, OpenClaim, Phases};
 use crate::config::Ordering;
 use crate::ops::otel::BatchTrace;
 use crate::retry;
@@ -159,7 +159,7 @@ async fn settle_phase(
 }
 
 /// Phase 4: writes the settlement and commits; with `follow`, the next batch's claim (on
-/// the table [`Shared::follow_on`] picks, if any) goes with the `COMMIT`. Returns the
+/// the table [`follow_on`] picks, if any) goes with the `COMMIT`. Returns the
 /// rows dead-lettered and the batch that follows on; `None` when `abort` fired first
 /// (the transaction rolls back).
 async fn finalize_phase<'s>(
@@ -175,7 +175,7 @@ async fn finalize_phase<'s>(
         table.plan.floor.note_retrying();
     }
     let next_table = match follow {
-        true => shared.follow_on(table.index),
+        true => follow_on(shared, table.index),
         false => None,
     };
     let clock = Instant::now();
