@@ -12,6 +12,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use crate::config::{Config, TableName};
+pub(crate) use crate::source::operator::HeldRow;
+use crate::source::operator::{self, RequeueRows};
 use crate::source::pause::{self, Paused};
 use crate::source::table::{self, TablePlan};
 use crate::source::SessionLimits;
@@ -43,21 +45,6 @@ pub struct TableStatus {
     pub(crate) held_rows: Vec<HeldRow>,
     /// Set while the table is paused for every relay.
     pub(crate) paused: Option<Paused>,
-}
-
-/// A row that holds back the later rows of its key: dead, or waiting for a retry.
-#[derive(Debug, Clone)]
-pub(crate) struct HeldRow {
-    pub(crate) id: i64,
-    pub(crate) attempts: i64,
-    /// Set when dead-lettered.
-    pub(crate) dead_at: Option<String>,
-    /// Set while waiting for its next attempt.
-    pub(crate) next_attempt_at: Option<String>,
-    pub(crate) last_error: Option<String>,
-    pub(crate) key: Option<String>,
-    /// Later pending rows of its key.
-    pub(crate) holds_back: i64,
 }
 
 impl fmt::Display for TableStatus {
@@ -182,37 +169,26 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
         .await?;
     let mut out = Vec::new();
     for (table, paused) in tables.iter().zip(paused) {
-        let (counts, held) = source
+        let (counts, held_rows) = source
             .in_transaction(async |tx| {
-                let counts = tx.query_one(&table.sql.status, &[]).await?;
-                let held = tx.query(&table.sql.held_rows, &[&HELD_ROWS_SHOWN]).await?;
+                let counts = table.status_counts(tx).await?;
+                let held = table.held_rows(tx, HELD_ROWS_SHOWN).await?;
                 Ok((counts, held))
             })
             .await?;
         out.push(TableStatus {
             table: table.config.name.to_string(),
-            pending: counts.get(0),
-            failing: counts.get(1),
-            dead: counts.get(2),
-            published: counts.get(3),
-            waiting: counts.get(4),
-            next_attempt: counts.get(5),
-            held_back: counts.get(6),
+            pending: counts.pending,
+            failing: counts.failing,
+            dead: counts.dead,
+            published: counts.published,
+            waiting: counts.waiting,
+            next_attempt: counts.next_attempt,
+            held_back: counts.held_back,
             oldest_pending: counts
-                .get::<_, Option<f64>>(7)
+                .oldest_pending
                 .map(|s| Duration::from_secs_f64(s.max(0.0))),
-            held_rows: held
-                .iter()
-                .map(|r| HeldRow {
-                    id: r.get(0),
-                    attempts: r.get(1),
-                    dead_at: r.get(2),
-                    next_attempt_at: r.get(3),
-                    last_error: r.get(4),
-                    key: r.get(5),
-                    holds_back: r.get(6),
-                })
-                .collect(),
+            held_rows,
             paused,
         });
     }
@@ -296,16 +272,13 @@ pub async fn requeue(
     let requeued: Vec<i64> = source
         .in_transaction(async |tx| {
             let rows = match &which {
-                Requeue::Ids(ids) => tx.query(&table.sql.requeue_ids, &[ids]).await?,
-                Requeue::All => tx.query(&table.sql.requeue_all, &[]).await?,
-                Requeue::Waiting => tx.query(&table.sql.requeue_waiting, &[]).await?,
+                Requeue::Ids(ids) => RequeueRows::Ids(ids),
+                Requeue::All => RequeueRows::Dead,
+                Requeue::Waiting => RequeueRows::Waiting,
             };
-            tx.execute(
-                "SELECT pg_notify('outbox_relay', $1)",
-                &[&table.config.name.to_string()],
-            )
-            .await?;
-            Ok(rows.iter().map(|r| r.get(0)).collect())
+            let requeued = table.requeue(tx, rows).await?;
+            operator::notify_relays(tx, &table.config.name.to_string()).await?;
+            Ok(requeued)
         })
         .await?;
     let not_dead = match which {
@@ -485,6 +458,14 @@ impl ReplayReport {
     }
 }
 
+/// The rows a replay holds first (the first of each key): among these ids, or created in
+/// [since, until).
+#[derive(Debug, Clone, Copy)]
+enum Hold<'a> {
+    Ids(&'a [i64]),
+    Created(&'a str, &'a str),
+}
+
 /// Rows per replay transaction: each holds its rows' locks only this long.
 const REPLAY_BATCH: i64 = 1_000;
 
@@ -533,39 +514,29 @@ pub async fn replay(
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
     let name = table.config.name.to_string();
-    let notify = async |tx: &crate::source::Tx<'_>| {
-        tx.execute("SELECT pg_notify('outbox_relay', $1)", &[&name])
-            .await
-            .map(drop)
-    };
+    let notify = async |tx: &crate::source::Tx<'_>| operator::notify_relays(tx, &name).await;
     let replay_batch = async |ids: &[i64]| -> Result<Vec<i64>, AdminError> {
         let ids = ids.to_vec();
         let done: Vec<i64> = source
             .in_transaction(async |tx| {
-                let rows = tx.query(&table.sql.replay_ids, &[&ids, &dry_run]).await?;
+                let rows = table.replay_ids(tx, &ids, dry_run).await?;
                 if !dry_run && !rows.is_empty() {
                     notify(tx).await?;
                 }
-                Ok(rows.iter().map(|r| r.get(0)).collect())
+                Ok(rows)
             })
             .await?;
         progress.done.fetch_add(done.len() as u64, Relaxed);
         Ok(done)
     };
-    let hold = async |sql: &Option<String>,
-                      params: &[&(dyn tokio_postgres::types::ToSql + Sync)]|
-           -> Result<Vec<i64>, AdminError> {
-        let Some(sql) = sql.as_ref().filter(|_| !dry_run) else {
+    let hold = async |rows: Hold<'_>| -> Result<Vec<i64>, AdminError> {
+        if dry_run || !table.replay_holds() {
             return Ok(Vec::new());
-        };
+        }
         let held: Vec<i64> = source
-            .in_transaction(async |tx| {
-                Ok(tx
-                    .query(sql, params)
-                    .await?
-                    .iter()
-                    .map(|r| r.get(0))
-                    .collect())
+            .in_transaction(async |tx| match rows {
+                Hold::Ids(ids) => table.replay_hold_ids(tx, ids).await,
+                Hold::Created(since, until) => table.replay_hold_range(tx, since, until).await,
             })
             .await?;
         progress.done.fetch_add(held.len() as u64, Relaxed);
@@ -575,10 +546,7 @@ pub async fn replay(
     match which {
         Replay::Ids(ids) => {
             progress.total.store(ids.len() as u64, Relaxed);
-            let held: HashSet<i64> = hold(&table.sql.replay_hold_ids, &[&ids])
-                .await?
-                .into_iter()
-                .collect();
+            let held: HashSet<i64> = hold(Hold::Ids(&ids)).await?.into_iter().collect();
             for chunk in ids.chunks(REPLAY_BATCH as usize) {
                 let done = replay_batch(chunk).await?;
                 not_published.extend(
@@ -589,33 +557,28 @@ pub async fn replay(
             }
         }
         Replay::Created { since, until } => {
-            let (Some(range), Some(count)) = (&table.sql.replay_range, &table.sql.replay_count)
-            else {
+            if !table.replays_by_time() {
                 return Err(AdminError::Usage(format!(
                     "{name} has no creation-time column to select by: use --id, or map \
                      tables.columns.created_at"
                 )));
-            };
+            }
             // From here on `until` is no later than the replay's start.
             let (total, until): (i64, String) = source
-                .in_transaction(async |tx| {
-                    let row = tx.query_one(count, &[&since, &until]).await?;
-                    Ok((row.get(0), row.get(1)))
-                })
-                .await?;
+                .in_transaction(async |tx| table.replay_count(tx, &since, &until).await)
+                .await?
+                .unwrap_or_default();
             progress.total.store(total as u64, Relaxed);
             if dry_run {
                 progress.done.store(total as u64, Relaxed);
             } else {
-                hold(&table.sql.replay_hold_range, &[&since, &until]).await?;
+                hold(Hold::Created(&since, &until)).await?;
                 let mut after = i64::MIN;
                 loop {
                     let ids: Vec<i64> = source
                         .in_transaction(async |tx| {
-                            let rows = tx
-                                .query(range, &[&since, &until, &after, &REPLAY_BATCH])
-                                .await?;
-                            Ok(rows.iter().map(|r| r.get(0)).collect())
+                            let range = (since.as_str(), until.as_str());
+                            table.replay_range(tx, range, after, REPLAY_BATCH).await
                         })
                         .await?;
                     let Some(&last) = ids.last() else { break };
@@ -628,7 +591,7 @@ pub async fn replay(
     if !dry_run {
         source
             .in_transaction(async |tx| {
-                if !tx.query(&table.sql.replay_release, &[]).await?.is_empty() {
+                if table.replay_release(tx).await? {
                     notify(tx).await?;
                 }
                 Ok(())

@@ -146,59 +146,7 @@ impl Default for Metrics {
             up: Family::default(),
             registry: Registry::default(),
         };
-        // Name (after the `outbox_relay_` prefix), field, help.
-        register! {
-            registry, metrics;
-            rows_published, published,
-                "Rows acknowledged by the broker and deleted or marked";
-            rows_failed, failed,
-                "Failed publish attempts of rows that could not be published for themselves";
-            rows_dead_lettered, dead,
-                "Rows dead-lettered after max_attempts";
-            rows_deleted_by_retention, retention_deleted,
-                "Published rows deleted because relay.retention passed (mark mode)";
-            rows_replayed, replayed,
-                "Rows made pending again by `outbox-relay replay` and published again (also in \
-                 rows_published)";
-            rows_waiting_retry, waiting_retry,
-                "Rows waiting for their next attempt after a failure (not dead), refreshed on an \
-                 interval";
-            publish_duration_seconds, publish_seconds,
-                "Time from a batch's first send to its last acknowledgement";
-            batch_duration_seconds, batch_seconds,
-                "Time from claim to commit of a batch";
-            delivery_lag_seconds, delivery_lag,
-                "Time from a row's creation (created_at: its transaction's start) to the broker's \
-                 acknowledgement; replayed rows are not observed";
-            backlog_rows, backlog,
-                "Pending rows, refreshed on an interval";
-            oldest_pending_age_seconds, oldest_age_seconds,
-                "Age of the oldest pending row, refreshed on an interval (0 when none)";
-            table_dead_tuples, dead_tuples,
-                "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval";
-            table_paused, table_paused,
-                "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
-                 valve), else 0; read about twice a second";
-            table_paused_by_valve, valve_paused,
-                "Times this relay's bad-row valve paused the table (relay.pause_after_bad_rows)";
-            oldest_snapshot_age_seconds, oldest_snapshot_age_seconds,
-                "How long the oldest open snapshot that holds back VACUUM has been open, in this \
-                 database: sessions this role may see (grant pg_monitor to see all) and prepared \
-                 transactions";
-            oldest_snapshot_xid_age, oldest_snapshot_xid_age,
-                "Transactions since the oldest xmin that holds back VACUUM: sessions, prepared \
-                 transactions and replication slots (a standby's hot_standby_feedback)";
-            rows_in_flight, in_flight,
-                "Rows claimed and not yet committed";
-            circuit_open, circuit_open,
-                "1 while the broker looks down and no rows are claimed";
-            circuit_opened, circuit_opened,
-                "Times the circuit breaker opened";
-            ready, ready,
-                "1 while PostgreSQL and the broker are reachable and the relay makes progress";
-            dependency_up, up,
-                "1 while the dependency (postgres, broker) answers; 0 when not, or not reached yet";
-        }
+        register_all(&mut registry, &metrics);
         for dependency in ["postgres", "broker"] {
             metrics
                 .up
@@ -211,6 +159,63 @@ impl Default for Metrics {
             registry,
             ..metrics
         }
+    }
+}
+
+/// Registers every metric of `metrics` in `registry`, each with its name and help.
+fn register_all(registry: &mut Registry, metrics: &Metrics) {
+    // Name (after the `outbox_relay_` prefix), field, help.
+    register! {
+        registry, metrics;
+        rows_published, published,
+            "Rows acknowledged by the broker and deleted or marked";
+        rows_failed, failed,
+            "Failed publish attempts of rows that could not be published for themselves";
+        rows_dead_lettered, dead,
+            "Rows dead-lettered after max_attempts";
+        rows_deleted_by_retention, retention_deleted,
+            "Published rows deleted because relay.retention passed (mark mode)";
+        rows_replayed, replayed,
+            "Rows made pending again by `outbox-relay replay` and published again (also in \
+             rows_published)";
+        rows_waiting_retry, waiting_retry,
+            "Rows waiting for their next attempt after a failure (not dead), refreshed on an \
+             interval";
+        publish_duration_seconds, publish_seconds,
+            "Time from a batch's first send to its last acknowledgement";
+        batch_duration_seconds, batch_seconds,
+            "Time from claim to commit of a batch";
+        delivery_lag_seconds, delivery_lag,
+            "Time from a row's creation (created_at: its transaction's start) to the broker's \
+             acknowledgement; replayed rows are not observed";
+        backlog_rows, backlog,
+            "Pending rows, refreshed on an interval";
+        oldest_pending_age_seconds, oldest_age_seconds,
+            "Age of the oldest pending row, refreshed on an interval (0 when none)";
+        table_dead_tuples, dead_tuples,
+            "Dead tuples in the outbox table (pg_stat_user_tables), refreshed on an interval";
+        table_paused, table_paused,
+            "1 while the table is paused for every relay (outbox-relay pause, the bad-row \
+             valve), else 0; read about twice a second";
+        table_paused_by_valve, valve_paused,
+            "Times this relay's bad-row valve paused the table (relay.pause_after_bad_rows)";
+        oldest_snapshot_age_seconds, oldest_snapshot_age_seconds,
+            "How long the oldest open snapshot that holds back VACUUM has been open, in this \
+             database: sessions this role may see (grant pg_monitor to see all) and prepared \
+             transactions";
+        oldest_snapshot_xid_age, oldest_snapshot_xid_age,
+            "Transactions since the oldest xmin that holds back VACUUM: sessions, prepared \
+             transactions and replication slots (a standby's hot_standby_feedback)";
+        rows_in_flight, in_flight,
+            "Rows claimed and not yet committed";
+        circuit_open, circuit_open,
+            "1 while the broker looks down and no rows are claimed";
+        circuit_opened, circuit_opened,
+            "Times the circuit breaker opened";
+        ready, ready,
+            "1 while PostgreSQL and the broker are reachable and the relay makes progress";
+        dependency_up, up,
+            "1 while the dependency (postgres, broker) answers; 0 when not, or not reached yet";
     }
 }
 

@@ -203,7 +203,7 @@ impl Otel {
     pub(crate) fn batch(
         &self,
         table: &dyn std::fmt::Display,
-        worker: usize,
+        lane: usize,
         rows: usize,
         started: SystemTime,
     ) -> Option<BatchTrace<'_>> {
@@ -216,7 +216,7 @@ impl Otel {
             .with_attributes([
                 KeyValue::new("messaging.system", e.system),
                 KeyValue::new("outbox.table", table.to_string()),
-                KeyValue::new("outbox.worker", worker as i64),
+                KeyValue::new("outbox.worker", lane as i64),
                 KeyValue::new("messaging.batch.message_count", rows as i64),
             ])
             .start_with_context(&e.tracer, &Context::new());

@@ -34,7 +34,7 @@ use crate::source::{vacuum, Source};
 pub(crate) struct Probed<'a> {
     pub(crate) source: &'a Source,
     pub(crate) sink: &'a Sink,
-    pub(crate) tables: &'a [TablePlan],
+    pub(crate) tables: &'a [&'a TablePlan],
     /// The circuit breaker: whether it is open now, and how often it opened since start.
     pub(crate) circuit: &'a (dyn Fn() -> (bool, u64) + Sync),
     /// `drain`'s progress line shows the backlog: read it every [`GAUGE_INTERVAL`] (the
@@ -126,29 +126,22 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
         let label = TableLabel {
             table: table.config.name.to_string(),
         };
-        let view = table.floor.view();
-        let stragglers: &[i64] = &view.stragglers;
         let read = source.in_transaction(async |tx| {
-            let backlog = tx
-                .query_one(&table.sql.backlog, &[&view.lowest(), &stragglers])
-                .await?;
-            let waiting = tx.query_one(&table.sql.waiting, &[]).await?;
+            let backlog = table.backlog(tx).await?;
+            let waiting = table.waiting(tx).await?;
             Ok((backlog, waiting))
         });
         match read.await {
             Ok((backlog, waiting)) => {
-                ops.metrics
-                    .backlog
-                    .get_or_create(&label)
-                    .set(backlog.get(0));
+                ops.metrics.backlog.get_or_create(&label).set(backlog.rows);
                 ops.metrics
                     .oldest_age_seconds
                     .get_or_create(&label)
-                    .set(backlog.get::<_, f64>(1).max(0.0));
+                    .set(backlog.oldest_seconds.max(0.0));
                 ops.metrics
                     .waiting_retry
                     .get_or_create(&label)
-                    .set(waiting.get(0));
+                    .set(waiting.rows);
             }
             Err(e) => tracing::debug!(error = %e, "Could not refresh the backlog gauges"),
         }

@@ -5,86 +5,75 @@
 use super::Shared;
 use crate::source::SourceError;
 
-impl Shared {
-    /// True when no worker is inside a batch and no table that is not paused has a row a
-    /// relay could publish.
-    pub(super) async fn nothing_publishable(&self) -> bool {
-        if !self.state.idle() {
-            return false;
-        }
-        let check = self.source.in_transaction(async |tx| {
-            for (t, table) in self.tables.iter().enumerate() {
-                if self.wakes.paused(t) {
-                    continue;
-                }
-                let row = tx.query_one(&table.sql.publishable_exists, &[]).await?;
-                if row.get::<_, bool>(0) {
-                    return Ok(false);
-                }
-            }
-            Ok(self.state.idle())
-        });
-        match check.await {
-            Ok(done) => done,
-            Err(e) => {
-                tracing::warn!(error = %e, "Could not check for remaining rows");
-                false
-            }
-        }
+/// True when no worker is inside a batch and no table that is not paused has a row a
+/// relay could publish.
+pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
+    if !shared.state.idle() {
+        return false;
     }
-
-    /// The paused tables that still hold publishable rows, with their pauses.
-    pub(super) async fn paused_left(&self) -> Vec<(String, crate::source::pause::Paused)> {
-        let mut left = Vec::new();
-        for (t, table) in self.tables.iter().enumerate() {
-            let Some(paused) = self.pauses.of(t) else {
+    let check = shared.source.in_transaction(async |tx| {
+        for table in &shared.tables {
+            if shared.wakes.paused(table.index) {
                 continue;
-            };
-            let rows = self
-                .source
-                .in_transaction(async |tx| {
-                    Ok(tx
-                        .query_one(&table.sql.publishable_exists, &[])
-                        .await?
-                        .get(0))
-                })
-                .await;
-            // Unknown counts as left: exit 3 rather than claim an empty outbox.
-            if rows.unwrap_or(true) {
-                left.push((table.config.name.to_string(), paused));
+            }
+            if table.plan.has_publishable(tx).await? {
+                return Ok(false);
             }
         }
-        left
+        Ok(shared.state.idle())
+    });
+    match check.await {
+        Ok(done) => done,
+        Err(e) => {
+            tracing::warn!(error = %e, "Could not check for remaining rows");
+            false
+        }
     }
+}
 
-    /// Rows waiting for their next attempt, over every table, and the earliest due time
-    /// (as PostgreSQL prints an interval from now); `None` when there are none or the
-    /// database does not answer.
-    pub(super) async fn waiting(&self) -> Option<(i64, String)> {
-        let read = self.source.in_transaction(async |tx| {
-            let mut total = 0;
-            let mut next: Option<(f64, String)> = None;
-            for table in &self.tables {
-                let row = tx.query_one(&table.sql.waiting, &[]).await?;
-                total += row.get::<_, i64>(0);
-                if let (Some(text), Some(secs)) = (
-                    row.get::<_, Option<String>>(1),
-                    row.get::<_, Option<f64>>(2),
-                ) {
-                    if next.as_ref().is_none_or(|(s, _)| secs < *s) {
-                        next = Some((secs, text));
-                    }
+/// The paused tables that still hold publishable rows, with their pauses.
+pub(super) async fn paused_left(shared: &Shared) -> Vec<(String, crate::source::pause::Paused)> {
+    let mut left = Vec::new();
+    for table in &shared.tables {
+        let Some(paused) = shared.pauses.of(table.index) else {
+            continue;
+        };
+        let rows = shared
+            .source
+            .in_transaction(async |tx| table.plan.has_publishable(tx).await)
+            .await;
+        // Unknown counts as left: exit 3 rather than claim an empty outbox.
+        if rows.unwrap_or(true) {
+            left.push((table.name().to_string(), paused));
+        }
+    }
+    left
+}
+
+/// Rows waiting for their next attempt, over every table, and the earliest due time
+/// (as PostgreSQL prints an interval from now); `None` when there are none or the
+/// database does not answer.
+pub(super) async fn waiting(shared: &Shared) -> Option<(i64, String)> {
+    let read = shared.source.in_transaction(async |tx| {
+        let mut total = 0;
+        let mut next: Option<(f64, String)> = None;
+        for table in &shared.tables {
+            let waiting = table.plan.waiting(tx).await?;
+            total += waiting.rows;
+            if let Some((text, secs)) = waiting.next {
+                if next.as_ref().is_none_or(|(s, _)| secs < *s) {
+                    next = Some((secs, text));
                 }
             }
-            Ok::<_, SourceError>((total, next))
-        });
-        match read.await {
-            Ok((n, Some((_, next)))) if n > 0 => Some((n, next)),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::debug!(error = %e, "Could not count rows waiting for a retry");
-                None
-            }
+        }
+        Ok::<_, SourceError>((total, next))
+    });
+    match read.await {
+        Ok((n, Some((_, next)))) if n > 0 => Some((n, next)),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::debug!(error = %e, "Could not count rows waiting for a retry");
+            None
         }
     }
 }

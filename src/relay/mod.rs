@@ -11,10 +11,10 @@ mod breaker;
 mod drain;
 mod envelope;
 mod error;
-mod held;
 mod message;
 mod order;
 mod pause;
+mod postponed;
 mod sleep;
 mod start;
 mod state;
@@ -23,23 +23,25 @@ mod valve;
 mod wake;
 mod worker;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Config, RelayConfig};
+use crate::ops::metrics::TableMeters;
 use crate::ops::otel::Otel;
 use crate::ops::{self, Ops};
 use crate::shutdown::Shutdown;
 use crate::sink::Sink;
+use crate::source::rate::Bucket;
 use crate::source::table::TablePlan;
 use crate::source::{floor, retention};
 use crate::source::{SessionLimits, Source};
 
 pub use error::{RelayError, TableFailed};
-use start::Endpoints;
+use start::Background;
 use start::{connect_sink, prepare_tables};
 use state::RunState;
 
@@ -60,13 +62,17 @@ pub struct Report {
     /// `drain` only: paused tables that still hold publishable rows, each with its pause
     /// (`drain` does not wait for them, and exits 3).
     pub paused_left: Vec<(String, crate::source::pause::Paused)>,
+    /// Background tasks (the probe, a floor keeper, ...) that did not stop in time once the
+    /// run was over: left behind as the process exits (a WARN names them too).
+    pub unstopped: Vec<String>,
 }
 
 /// What the workers share: the dependencies, the run's settings and its state.
 struct Shared {
     source: Source,
     sink: Sink,
-    tables: Vec<TablePlan>,
+    /// The run's tables, in the configuration's order.
+    tables: Vec<RunTable>,
     relay: RelayConfig,
     publish_timeout: Duration,
     /// Drain mode: stop once nothing publishable is left.
@@ -78,16 +84,43 @@ struct Shared {
     pauses: pause::PauseState,
     /// The bad-row valve, unless turned off (see `valve`).
     valve: Option<valve::Valve>,
-    /// Each table's `max_rate` bucket, if it has one (see `source::rate`).
-    buckets: Vec<Option<crate::source::rate::Bucket>>,
-    /// Each table's batch metrics, from its first batch on (a series appears once it has
-    /// something to say).
-    meters: Vec<std::sync::OnceLock<crate::ops::metrics::TableMeters>>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
     state: RunState,
     /// Trace spans, when exported.
     otel: Otel,
+}
+
+/// One of the run's tables, as a batch carries it from the claim to the commit: its plan
+/// and what the run keeps for it.
+struct RunTable {
+    /// Its place among the run's tables: [`wake::Wakes`], [`pause::PauseState`] and the
+    /// valve know a table by it.
+    index: usize,
+    plan: TablePlan,
+    /// Its `max_rate` bucket, if it has one (see `source::rate`).
+    rate: Option<Bucket>,
+    /// Its batch metrics, from its first batch on (a series appears once it has something
+    /// to say).
+    meters: OnceLock<TableMeters>,
+}
+
+impl RunTable {
+    fn new(index: usize, plan: TablePlan) -> RunTable {
+        let config = &plan.config;
+        let rate = config.max_rate.map(|rate| Bucket::new(&config.name, rate));
+        RunTable {
+            index,
+            plan,
+            rate,
+            meters: OnceLock::new(),
+        }
+    }
+
+    /// The table's name, as the configuration gives it.
+    fn name(&self) -> &crate::config::TableName {
+        &self.plan.config.name
+    }
 }
 
 /// How long the relay waits at exit for the last trace spans to reach the collector.
@@ -113,24 +146,22 @@ impl Shared {
             config.relay.poll_interval,
             mode == Mode::Drain,
         ));
-        let meters = tables.iter().map(|_| std::sync::OnceLock::new()).collect();
-        let rate = |t: &crate::config::TableConfig| {
-            t.max_rate
-                .map(|rate| crate::source::rate::Bucket::new(&t.name, rate))
-        };
+        let valve = valve::Valve::new(config.relay.bad_row_valve, tables.len());
         Shared {
             source,
             sink,
-            tables,
+            tables: tables
+                .into_iter()
+                .enumerate()
+                .map(|(t, plan)| RunTable::new(t, plan))
+                .collect(),
             relay: config.relay.clone(),
             publish_timeout: config.sink.publish_timeout,
             drain: mode == Mode::Drain,
             shutdown: shutdown.clone(),
             wakes,
             pauses,
-            valve: valve::Valve::new(config.relay.bad_row_valve, config.tables.len()),
-            buckets: config.tables.iter().map(rate).collect(),
-            meters,
+            valve,
             breaker: breaker::Breaker::default(),
             ops,
             state: RunState::default(),
@@ -138,21 +169,10 @@ impl Shared {
         }
     }
 
-    /// The index of `table` among this run's tables.
-    fn index_of(&self, table: &TablePlan) -> Option<usize> {
-        self.tables.iter().position(|p| std::ptr::eq(p, table))
-    }
-
-    /// The `max_rate` bucket of `table`, if it has one.
-    fn bucket(&self, table: &TablePlan) -> Option<&crate::source::rate::Bucket> {
-        self.buckets[self.index_of(table)?].as_ref()
-    }
-
-    /// The batch metrics of `table`, one of this run's tables.
-    fn meters(&self, table: &TablePlan) -> &crate::ops::metrics::TableMeters {
-        let t = self.index_of(table).expect("one of this run's tables");
-        self.meters[t].get_or_init(|| {
-            let name = table.config.name.to_string();
+    /// The batch metrics of `table`.
+    fn meters<'t>(&self, table: &'t RunTable) -> &'t TableMeters {
+        table.meters.get_or_init(|| {
+            let name = table.name().to_string();
             self.ops.metrics.table_meters(&name, self.sink.name())
         })
     }
@@ -191,10 +211,10 @@ const CLOSING_LOOK_ABORTED: Duration = Duration::from_secs(1);
 
 /// Runs the relay with the sink the configuration names.
 pub async fn run(config: &Config, mode: Mode, shutdown: Shutdown) -> Result<Report, RelayError> {
-    let endpoints = Endpoints::start(config).await?;
-    let sink = connect_sink(config, &shutdown, &endpoints.ops);
-    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
-    stop_background(relayed, endpoints, &shutdown).await
+    let background = Background::start(config).await?;
+    let sink = connect_sink(config, &shutdown, &background.ops);
+    let relayed = relay(config, mode, sink, shutdown.clone(), &background).await;
+    stop_background(relayed, background, &shutdown).await
 }
 
 /// Runs the relay with the given sink until `shutdown` stops it (`Mode::Run`) or nothing
@@ -207,18 +227,19 @@ pub async fn run_with_sink(
     sink: Sink,
     shutdown: Shutdown,
 ) -> Result<Report, RelayError> {
-    let endpoints = Endpoints::start(config).await?;
-    endpoints.ops.broker_reachable(true);
+    let background = Background::start(config).await?;
+    background.ops.broker_reachable(true);
     let sink = async { Ok(sink) };
-    let relayed = relay(config, mode, sink, shutdown.clone(), &endpoints).await;
-    stop_background(relayed, endpoints, &shutdown).await
+    let relayed = relay(config, mode, sink, shutdown.clone(), &background).await;
+    stop_background(relayed, background, &shutdown).await
 }
 
 /// Stops the tasks that outlive the workers, once the run is over whichever way it ended,
-/// and waits for them; a WARN names those that did not stop in time.
+/// and waits for them; a WARN and the report ([`Report::unstopped`]) name those that did
+/// not stop in time.
 async fn stop_background(
     relayed: Result<Report, RelayError>,
-    endpoints: Endpoints,
+    background: Background,
     shutdown: &Shutdown,
 ) -> Result<Report, RelayError> {
     let within = if shutdown.abort_token().is_cancelled() {
@@ -226,8 +247,11 @@ async fn stop_background(
     } else {
         BACKGROUND_STOP
     };
-    endpoints.stop(within).await;
-    relayed
+    let unstopped = background.stop(within).await;
+    relayed.map(|report| Report {
+        unstopped,
+        ..report
+    })
 }
 
 /// Connects the sink (`sink`) and prepares the tables at once: neither needs the other,
@@ -237,11 +261,11 @@ async fn relay(
     mode: Mode,
     sink: impl std::future::Future<Output = Result<Sink, RelayError>>,
     shutdown: Shutdown,
-    endpoints: &Endpoints,
+    background: &Background,
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let prepared = prepare_tables(config, limits, &shutdown, &endpoints.ops);
+    let prepared = prepare_tables(config, limits, &shutdown, &background.ops);
     let (sink, prepared) = tokio::try_join!(sink, prepared)?;
     let start::Prepared {
         source,
@@ -259,7 +283,7 @@ async fn relay(
                 .map_err(RelayError::TracingTask)??
         }
     };
-    let dependencies = (source, sink, endpoints.ops.clone(), otel);
+    let dependencies = (source, sink, background.ops.clone(), otel);
     let tables = (tables, pauses);
     let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &shutdown));
     tracing::info!(
@@ -270,8 +294,8 @@ async fn relay(
         ?mode,
         "Relaying"
     );
-    shared.apply_pauses(paused);
-    spawn_background(&shared, mode, endpoints);
+    pause::apply_pauses(&shared, paused);
+    spawn_background(&shared, mode, background);
 
     let tracker = TaskTracker::new();
     // A drain looks at every table in every round (`wake`), so NOTIFY would tell it
@@ -295,9 +319,9 @@ async fn relay(
                 .await
         });
     }
-    for id in 0..config.relay.workers {
+    for lane in 0..config.relay.workers {
         let shared = shared.clone();
-        tracker.spawn(worker::Worker { id, shared }.run());
+        tracker.spawn(worker::Worker { lane, shared }.run());
     }
     tracker.close();
     ops::notify_ready();
@@ -317,8 +341,8 @@ async fn relay(
 /// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause,
 /// connection and availability followers, drain's progress line on a terminal, the systemd watchdog,
 /// and the STOPPING notification.
-fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
-    let (tasks, done) = (&endpoints.tasks, &endpoints.done);
+fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
+    let (tasks, done) = (&background.tasks, &background.done);
     let progress = mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (s, d) = (shared.clone(), done.clone());
     tasks.spawn("probe", async move {
@@ -326,29 +350,33 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
             let open = s.breaker.state() == breaker::BreakerState::Open;
             (open, s.breaker.times_opened())
         };
+        let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
         let probed = ops::probe::Probed {
             source: &s.source,
             sink: &s.sink,
-            tables: &s.tables,
+            tables: &plans,
             circuit: &circuit,
             progress,
             published: s.state.published(),
         };
         ops::probe::run(&s.ops, probed, d).await
     });
-    for (t, table) in shared.tables.iter().enumerate() {
-        let name = format!("table keeper {}", table.config.name);
-        tasks.spawn(name, keep_table(shared.clone(), t, done.clone()));
+    for table in &shared.tables {
+        let name = format!("table keeper {}", table.name());
+        tasks.spawn(name, keep_table(shared.clone(), table.index, done.clone()));
     }
     if mode == Mode::Run {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("poller", async move {
             let interval = s.relay.poll_interval;
-            sleep::poll(&s.wakes, &s.source, &s.tables, interval, &d).await
+            let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
+            sleep::poll(&s.wakes, &s.source, &plans, interval, &d).await
         });
     }
     let (s, d) = (shared.clone(), done.clone());
-    tasks.spawn("pause follower", async move { s.follow_pauses(d).await });
+    tasks.spawn("pause follower", async move {
+        pause::follow_pauses(&s, d).await
+    });
     if let Some(connection) = shared.sink.connection() {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("connection follower", async move {
@@ -358,13 +386,13 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
     if let Some(available_again) = shared.sink.available_again() {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("availability follower", async move {
-            s.follow_availability(available_again, d).await
+            postponed::follow_availability(&s, available_again, d).await
         });
     }
     if progress {
         let (s, d) = (shared.clone(), done.clone());
         tasks.spawn("progress line", async move {
-            let names: Vec<String> = s.tables.iter().map(|t| t.config.name.to_string()).collect();
+            let names: Vec<String> = s.tables.iter().map(|t| t.name().to_string()).collect();
             let (published, stop) = (s.state.published(), s.shutdown.stop_token());
             ops::progress::show(&s.ops, &names, published, stop, &d).await
         });
@@ -390,7 +418,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, endpoints: &Endpoints) {
 
 /// Table `t`'s claim floor keeper and, in mark mode with a retention, its retention.
 async fn keep_table(shared: Arc<Shared>, t: usize, done: CancellationToken) {
-    let table = &shared.tables[t];
+    let table = &shared.tables[t].plan;
     let name = table.config.name.to_string();
     let active = || shared.wakes.active(t);
     let lowered = || shared.wakes.raise(t, true);
@@ -458,13 +486,13 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         shared.source.deadline()
     };
     if mode == Mode::Drain && !aborted && !shared.state.drained() {
-        let empty = tokio::time::timeout(closing, shared.nothing_publishable())
+        let empty = tokio::time::timeout(closing, drain::nothing_publishable(shared))
             .await
             .unwrap_or(false);
         shared.state.set_drained(empty);
     }
     let waiting = if mode == Mode::Drain && !shared.state.drained() {
-        tokio::time::timeout(closing, shared.waiting())
+        tokio::time::timeout(closing, drain::waiting(shared))
             .await
             .ok()
             .flatten()
@@ -474,16 +502,11 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
     let paused_left = if mode == Mode::Drain && !aborted {
         // No answer in time: every paused table counts as holding rows (exit 3).
         let every = || {
-            (0..shared.tables.len())
-                .filter_map(|t| {
-                    Some((
-                        shared.tables[t].config.name.to_string(),
-                        shared.pauses.of(t)?,
-                    ))
-                })
+            (shared.tables.iter())
+                .filter_map(|t| Some((t.name().to_string(), shared.pauses.of(t.index)?)))
                 .collect()
         };
-        tokio::time::timeout(closing, shared.paused_left())
+        tokio::time::timeout(closing, drain::paused_left(shared))
             .await
             .unwrap_or_else(|_| every())
     } else {
@@ -499,6 +522,7 @@ async fn report(shared: &Shared, mode: Mode, started: Instant) -> Report {
         elapsed: started.elapsed(),
         aborted,
         drained: shared.state.drained() && !aborted,
+        unstopped: Vec::new(),
     };
     tracing::info!(
         published = report.published,

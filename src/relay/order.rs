@@ -30,8 +30,9 @@ pub(crate) enum RowOutcome {
     Pending,
     /// Acknowledged by the broker: may be deleted or marked.
     Published,
-    /// Not counted because an earlier row of its key failed. Stays pending.
-    HeldBack,
+    /// Behind a failed row of its key: not counted (not sent, or its ack ignored). Stays
+    /// pending.
+    BehindFailure,
     /// Failed for the given reason. Stays pending; a bad row counts an attempt.
     Failed(SinkError),
     /// Not sent: its destination cannot take it now (why, and for how long the row waits).
@@ -45,7 +46,7 @@ impl RowOutcome {
         match self {
             RowOutcome::Published => Ok(()),
             RowOutcome::Pending => Err("not acknowledged within sink.publish_timeout"),
-            RowOutcome::HeldBack => Err("not counted: an earlier row of its key failed"),
+            RowOutcome::BehindFailure => Err("not counted: an earlier row of its key failed"),
             RowOutcome::Failed(e) => Err(e.message()),
             RowOutcome::Unavailable(n) => Err(&n.reason),
         }
@@ -97,7 +98,7 @@ pub(crate) async fn publish_in_order(
         for i in wave {
             if let Some(k) = keys[i] {
                 if stopped.contains(k) {
-                    outcomes[i] = RowOutcome::HeldBack;
+                    outcomes[i] = RowOutcome::BehindFailure;
                     continue;
                 }
             }
@@ -134,7 +135,7 @@ pub(crate) async fn publish_in_order(
             let key = keys[i];
             outcomes[i] = match result {
                 // Whatever became of it, a row behind a failed row of its key is not counted.
-                _ if key.is_some_and(|k| stopped.contains(k)) => RowOutcome::HeldBack,
+                _ if key.is_some_and(|k| stopped.contains(k)) => RowOutcome::BehindFailure,
                 Ok(()) => RowOutcome::Published,
                 Err(e) => {
                     if let Some(k) = key {
@@ -197,7 +198,7 @@ mod tests {
             assert_eq!(outcomes[2], RowOutcome::Published);
             assert_eq!(
                 outcomes[3],
-                RowOutcome::HeldBack,
+                RowOutcome::BehindFailure,
                 "keeps_order={keeps_order}"
             );
             assert_eq!(outcomes[4], RowOutcome::Published);
@@ -217,7 +218,7 @@ mod tests {
         let sink = Sink::Memory(memory);
         let outcomes = run(&sink, &[Some("a"), Some("a"), None]).await;
         assert!(matches!(&outcomes[0], RowOutcome::Failed(e) if e.class == ErrorClass::BadRow));
-        assert_eq!(outcomes[1], RowOutcome::HeldBack);
+        assert_eq!(outcomes[1], RowOutcome::BehindFailure);
         assert_eq!(outcomes[2], RowOutcome::Published);
         let Sink::Memory(m) = &sink else {
             unreachable!()
@@ -236,7 +237,7 @@ mod tests {
                 matches!(&outcomes[0], RowOutcome::Unavailable(r) if r.reason.contains("\"a\""))
             );
             assert_eq!(outcomes[1], RowOutcome::Published);
-            assert_eq!(outcomes[2], RowOutcome::HeldBack);
+            assert_eq!(outcomes[2], RowOutcome::BehindFailure);
             assert_eq!(outcomes[3], RowOutcome::Published);
             let sent: Vec<String> = memory.published().into_iter().map(|m| m.id).collect();
             assert_eq!(sent, ["t:1", "t:3"], "nothing of key a was sent");

@@ -72,7 +72,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::wake::{Sleep, Wakes};
 use crate::config::TableName;
-use crate::source::sleepers::{self, SETTLED_SQL};
+use crate::source::poll::Poll;
+use crate::source::sleepers;
 use crate::source::table::TablePlan;
 use crate::source::Source;
 
@@ -108,11 +109,11 @@ struct Marks {
 pub(crate) async fn poll(
     wakes: &Wakes,
     source: &Source,
-    tables: &[TablePlan],
+    tables: &[&TablePlan],
     interval: Duration,
     done: &CancellationToken,
 ) {
-    let statements = Statements::new(tables);
+    let statements = Poll::new(tables.iter().map(|t| &t.sql));
     let names: Vec<&TableName> = tables.iter().map(|t| &t.config.name).collect();
     let gated: Vec<&TableName> = (0..tables.len())
         .filter(|&t| wakes.gated(t))
@@ -170,28 +171,6 @@ pub(crate) async fn poll(
             tracing::debug!(
                 "Could not remove this relay's sleep marks at exit; the next relay will"
             );
-        }
-    }
-}
-
-/// The two poll statements, built once: without and with the settled question.
-struct Statements {
-    plain: String,
-    settle: String,
-}
-
-impl Statements {
-    fn new(tables: &[TablePlan]) -> Statements {
-        let claimable = tables
-            .iter()
-            .enumerate()
-            .map(|(t, table)| table.sql.claimable(t + 1))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let settled = SETTLED_SQL.replace("$1", &format!("${}", tables.len() + 1));
-        Statements {
-            plain: format!("SELECT ARRAY[{claimable}]::bool[], NULL::bool"),
-            settle: format!("SELECT ARRAY[{claimable}]::bool[], {settled}"),
         }
     }
 }
@@ -308,8 +287,8 @@ async fn mark(
 async fn poll_once(
     wakes: &Wakes,
     source: &Source,
-    tables: &[TablePlan],
-    statements: &Statements,
+    tables: &[&TablePlan],
+    statements: &Poll,
     marks: &mut Marks,
 ) -> bool {
     let tickets = wakes.poll_tickets();
@@ -325,22 +304,8 @@ async fn poll_once(
         .max();
     let views: Vec<_> = tables.iter().map(|t| t.floor.view()).collect();
     let floors: Vec<i64> = views.iter().map(|v| v.value).collect();
-    let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = floors
-        .iter()
-        .map(|f| f as &(dyn tokio_postgres::types::ToSql + Sync))
-        .collect();
-    let sql = match &horizon {
-        Some(x) => {
-            params.push(x);
-            &statements.settle
-        }
-        None => &statements.plain,
-    };
     let asked = source
-        .in_transaction(async |tx| {
-            let row = tx.query_one(sql, &params).await?;
-            Ok((row.get::<_, Vec<bool>>(0), row.get::<_, Option<bool>>(1)))
-        })
+        .in_transaction(async |tx| statements.ask(tx, &floors, horizon).await)
         .await;
     for (t, ticket) in tickets.into_iter().enumerate() {
         let Some(ticket) = ticket else { continue };

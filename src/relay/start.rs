@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::pause::PauseState;
-use super::tasks::Background;
+use super::tasks::TaskSet;
 use super::RelayError;
 use crate::config::Config;
 use crate::error::ErrorClass;
@@ -132,24 +132,25 @@ pub(crate) async fn connect_sink(
     .await
 }
 
-/// The HTTP endpoints, served from the moment the configuration is valid until the relay
-/// returns, and the other tasks that outlive the workers.
-pub(crate) struct Endpoints {
+/// The run's background: the endpoints' state, and every task that outlives the workers
+/// (the HTTP endpoints, served from the moment the configuration is valid until the relay
+/// returns, the probe, the watchdog, each table's floor keeper, ...).
+pub(crate) struct Background {
     pub(crate) ops: Arc<Ops>,
     /// Stops the HTTP server and the other background tasks when dropped, should the run
-    /// end without [`Endpoints::stop`] (a panic).
+    /// end without [`Background::stop`] (a panic).
     _done: tokio_util::sync::DropGuard,
     /// The parent of every task that outlives the workers (probe, watchdog, floor keeper).
     pub(crate) done: CancellationToken,
-    /// Those tasks, awaited by [`Endpoints::stop`].
-    pub(crate) tasks: Background,
+    /// Those tasks, awaited by [`Background::stop`].
+    pub(crate) tasks: TaskSet,
 }
 
-impl Endpoints {
-    pub(crate) async fn start(config: &Config) -> Result<Endpoints, RelayError> {
+impl Background {
+    pub(crate) async fn start(config: &Config) -> Result<Background, RelayError> {
         let ops = Ops::new(config.relay.poll_interval);
         let done = CancellationToken::new();
-        let tasks = Background::default();
+        let tasks = TaskSet::default();
         if let Some(http) = &config.http {
             let listener = ops::http::bind(http.listen).await?;
             tracing::info!(listen = %http.listen, "Serving /metrics, /healthz, /readyz");
@@ -158,7 +159,7 @@ impl Endpoints {
                 ops::http::serve(listener, ops.clone(), done.clone()),
             );
         }
-        Ok(Endpoints {
+        Ok(Background {
             ops,
             _done: done.clone().drop_guard(),
             done,
@@ -166,9 +167,9 @@ impl Endpoints {
         })
     }
 
-    /// Stops the background tasks and waits `within` at most for them (those still running
-    /// then are named in a WARN and left behind).
-    pub(crate) async fn stop(self, within: Duration) {
-        self.tasks.stop(&self.done, within).await;
+    /// Stops the background tasks and waits `within` at most for them; returns the names
+    /// of those still running then (named in a WARN too, and left behind).
+    pub(crate) async fn stop(self, within: Duration) -> Vec<String> {
+        self.tasks.stop(&self.done, within).await
     }
 }

@@ -40,7 +40,9 @@ enum Round {
 }
 
 pub(crate) struct Worker {
-    pub(crate) id: usize,
+    /// The worker's number, `0..workers`: where its rounds start, and how its claims
+    /// spread over a deep backlog (`source::claim`). Logged as `worker`.
+    pub(crate) lane: usize,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -61,7 +63,7 @@ impl Worker {
         let mut surplus = poll;
         // Workers start at different tables, and each round starts past the last table
         // that had rows, so no table starves another.
-        let mut next = self.id % shared.tables.len();
+        let mut next = self.lane % shared.tables.len();
         while !stop.is_cancelled() {
             shared.ops.health.alive();
             // While the broker is down nobody claims (see `breaker`).
@@ -83,7 +85,7 @@ impl Worker {
                         continue; // the breaker's prober decides when to try again
                     }
                     let pause = backoff.next_pause();
-                    tracing::warn!(worker = self.id, %error, retry_in = ?pause, "Batch failed; backing off");
+                    tracing::warn!(worker = self.lane, %error, retry_in = ?pause, "Batch failed; backing off");
                     if !sleep_unless_stopped(&stop, pause).await {
                         return;
                     }
@@ -123,7 +125,7 @@ impl Worker {
     async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         let shared = &self.shared;
         if shared.drain {
-            if shared.nothing_publishable().await {
+            if super::drain::nothing_publishable(shared).await {
                 shared.state.set_drained(true);
                 shared.shutdown.request_stop();
                 return false;
@@ -171,7 +173,7 @@ impl Worker {
                 table: t,
                 ticket,
                 result,
-            } = relay_batch(shared, self.id, t, ticket).await;
+            } = relay_batch(shared, self.lane, &shared.tables[t], ticket).await;
             if matches!(
                 result,
                 Ok(Batch::Empty | Batch::Contended | Batch::Throttled(_) | Batch::Done { .. })
@@ -197,20 +199,8 @@ impl Worker {
                     retry_in,
                     ..
                 }) => {
-                    // Rows were there: there may be more (`wake`, rule 1).
-                    shared.wakes.raise(t, false);
-                    if let Some(after) = retry_in {
-                        shared.wakes.retry_in(t, after);
-                    }
                     *next = (t + 1) % tables;
-                    match (&trouble, published) {
-                        (Some(e), 0) => shared.breaker.record_failure(e.message()),
-                        _ => shared.breaker.record_success(),
-                    }
-                    return match trouble {
-                        Some(e) => Round::Trouble(e.message().to_owned()),
-                        None => Round::Worked,
-                    };
+                    return self.committed(t, trouble, published, retry_in);
                 }
                 Ok(Batch::Stopped) => return Round::Exit,
                 Ok(Batch::Aborted) => {
@@ -218,7 +208,7 @@ impl Worker {
                     return Round::Exit;
                 }
                 Err(e) if e.class() == ErrorClass::Fatal => {
-                    let table = shared.tables[t].config.name.to_string();
+                    let table = shared.tables[t].name().to_string();
                     shared.fail(TableFailed::new(table, e));
                     return Round::Exit;
                 }
@@ -236,6 +226,32 @@ impl Worker {
             Round::Contended
         } else {
             Round::Idle
+        }
+    }
+
+    /// After a batch of table `t` committed, `published` rows of it, with `trouble` (a
+    /// transient failure) and the soonest retry it scheduled: the table's wake-up and the
+    /// breaker learn of it.
+    fn committed(
+        &self,
+        t: usize,
+        trouble: Option<crate::sink::SinkError>,
+        published: usize,
+        retry_in: Option<Duration>,
+    ) -> Round {
+        let shared = &self.shared;
+        // Rows were there: there may be more (`wake`, rule 1).
+        shared.wakes.raise(t, false);
+        if let Some(after) = retry_in {
+            shared.wakes.retry_in(t, after);
+        }
+        match (&trouble, published) {
+            (Some(e), 0) => shared.breaker.record_failure(e.message()),
+            _ => shared.breaker.record_success(),
+        }
+        match trouble {
+            Some(e) => Round::Trouble(e.message().to_owned()),
+            None => Round::Worked,
         }
     }
 }

@@ -222,14 +222,14 @@ impl Eq for SinkError {}
 /// the floor (benchmark K, docs/benchmark.md#partial-failures---partial).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct NotNow {
-    /// For the row's `last_error`: starts with [`HELD_BACK`].
+    /// For the row's `last_error`: starts with [`POSTPONED_MARK`].
     pub(crate) reason: String,
     pub(crate) wait: Duration,
 }
 
-/// How every held-back row's `last_error` starts: the release after an outage finds them
-/// by it (`relay::held`).
-pub(crate) const HELD_BACK: &str = "held back: ";
+/// How every postponed row's `last_error` starts (stored in the table: the text stays as
+/// it is): the release after an outage finds them by it (`relay::postponed`).
+pub(crate) const POSTPONED_MARK: &str = "held back: ";
 /// The shortest wait of a held-back row: about as long as a sink takes to notice its
 /// destination is back.
 pub(crate) const HOLD_MIN: Duration = Duration::from_secs(1);
@@ -242,7 +242,7 @@ impl NotNow {
     /// `why` the destination cannot take a message, down for `down_for` so far.
     pub(crate) fn new(why: impl fmt::Display, down_for: Duration) -> NotNow {
         NotNow {
-            reason: format!("{HELD_BACK}{why}"),
+            reason: format!("{POSTPONED_MARK}{why}"),
             wait: down_for.clamp(HOLD_MIN, HOLD_MAX),
         }
     }
@@ -425,6 +425,6 @@ mod tests {
         assert_eq!(wait(3600), HOLD_MAX);
         assert!(NotNow::new("down", Duration::ZERO)
             .reason
-            .starts_with(HELD_BACK));
+            .starts_with(POSTPONED_MARK));
     }
 }

@@ -351,22 +351,7 @@ fn check_columns(
         OnPublish::Delete => "publish time",
     };
     expect(c.published_at.as_str(), published_role, times);
-    for column in table.topic.columns() {
-        expect(column.as_str(), "used in the topic template", &[]);
-    }
-    for (header, column) in &table.header_columns {
-        expect(column.as_str(), &format!("copied to header {header}"), &[]);
-    }
-    for column in table.dead_letter_topic.iter().flat_map(|d| d.columns()) {
-        expect(
-            column.as_str(),
-            "used in the dead_letter_topic template",
-            &[],
-        );
-    }
-    for column in table.cloudevents.iter().flat_map(|ce| ce.columns()) {
-        expect(column.as_str(), "used in a cloudevents template", &[]);
-    }
+    check_mapped_columns(types, table, problems);
     // (A mapped creation-time column that is missing is reported above.)
     if relay.retention.is_some()
         && created_at.is_none()
@@ -390,6 +375,29 @@ fn check_columns(
         created_at,
         wake: WakeTrigger::None,
     })
+}
+
+/// Checks the columns the templates and the header mapping name (any type will do).
+fn check_mapped_columns(
+    types: &HashMap<String, String>,
+    table: &TableConfig,
+    problems: &mut Vec<String>,
+) {
+    let mut expect = |column: &str, role: &str| {
+        problems.extend(column_problem(types, table, column, role, &[]));
+    };
+    for column in table.topic.columns() {
+        expect(column.as_str(), "used in the topic template");
+    }
+    for (header, column) in &table.header_columns {
+        expect(column.as_str(), &format!("copied to header {header}"));
+    }
+    for column in table.dead_letter_topic.iter().flat_map(|d| d.columns()) {
+        expect(column.as_str(), "used in the dead_letter_topic template");
+    }
+    for column in table.cloudevents.iter().flat_map(|ce| ce.columns()) {
+        expect(column.as_str(), "used in a cloudevents template");
+    }
 }
 
 /// What is wrong with `column` (playing `role`), if anything: missing, or of a type not in

@@ -5,7 +5,7 @@ use super::claim::BucketDepth;
 use super::floor::FloorCell;
 use super::schema;
 use super::sql::TableSql;
-use super::{Source, SourceError};
+use super::{Source, SourceError, Tx};
 use crate::config::{Config, TableConfig};
 
 /// An outbox table, ready to relay.
@@ -69,3 +69,73 @@ async fn check(
 /// smallest pool (`pool_size` may equal `workers`) to the workers' sessions opening
 /// meanwhile.
 const TABLES_AT_ONCE: usize = 4;
+
+/// Rows of a table waiting for their next attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Waiting {
+    /// How many.
+    pub(crate) rows: i64,
+    /// When the earliest is due: as PostgreSQL prints an interval from now, and in seconds.
+    pub(crate) next: Option<(String, f64)>,
+}
+
+/// A table's backlog, read like a claim from the floor on.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Backlog {
+    /// Pending rows.
+    pub(crate) rows: i64,
+    /// The oldest pending row's age in seconds (0 when none, or without a creation-time
+    /// column).
+    pub(crate) oldest_seconds: f64,
+}
+
+impl TablePlan {
+    /// Whether any row is left that a relay could publish now or after a wait: pending,
+    /// and (key order) not held back by a dead row.
+    pub(crate) async fn has_publishable(&self, tx: &Tx<'_>) -> Result<bool, SourceError> {
+        Ok(tx
+            .query_one(&self.sql.publishable_exists, &[])
+            .await?
+            .get(0))
+    }
+
+    /// The rows waiting for their next attempt.
+    pub(crate) async fn waiting(&self, tx: &Tx<'_>) -> Result<Waiting, SourceError> {
+        let row = tx.query_one(&self.sql.waiting, &[]).await?;
+        let next = match (
+            row.get::<_, Option<String>>(1),
+            row.get::<_, Option<f64>>(2),
+        ) {
+            (Some(text), Some(seconds)) => Some((text, seconds)),
+            _ => None,
+        };
+        Ok(Waiting {
+            rows: row.get(0),
+            next,
+        })
+    }
+
+    /// The backlog from the floor on (and below it the stragglers and the rows with a
+    /// failure history), at the cost of a claim.
+    pub(crate) async fn backlog(&self, tx: &Tx<'_>) -> Result<Backlog, SourceError> {
+        let view = self.floor.view();
+        let stragglers: &[i64] = &view.stragglers;
+        let row = tx
+            .query_one(&self.sql.backlog, &[&view.lowest(), &stragglers])
+            .await?;
+        Ok(Backlog {
+            rows: row.get(0),
+            oldest_seconds: row.get(1),
+        })
+    }
+
+    /// Makes the rows postponed for an unavailable destination due now: those whose last
+    /// error starts with `mark`, the sink's mark of such a row. Returns how many.
+    pub(crate) async fn release_postponed(
+        &self,
+        tx: &Tx<'_>,
+        mark: &str,
+    ) -> Result<u64, SourceError> {
+        tx.execute(&self.sql.release_postponed, &[&mark]).await
+    }
+}

@@ -2,7 +2,7 @@
 //! validated configuration. Identifiers are quoted by [`crate::config::Ident`]; every value
 //! is a bound parameter.
 
-use crate::config::{Ordering, TableConfig};
+use crate::config::{OnPublish, Ordering, TableConfig};
 
 use super::schema::TableShape;
 
@@ -63,17 +63,19 @@ pub(crate) fn bucket_of(o: &str, key: &str, id: &str) -> String {
     )
 }
 
-/// Statements for one outbox table.
+/// Statements for one outbox table. Its fields are `source`'s own: other layers call the
+/// typed methods that bind and read them ([`super::settle`], [`super::table`],
+/// [`super::operator`], [`super::poll::Poll`]).
 #[derive(Debug, Clone)]
 pub struct TableSql {
     /// `ordering = "none"`: lock the oldest pending rows that are due from the floor `$2`
     /// on, skipping locked ones, at most `$1`, and return those whose payloads add up to
     /// at most `$3` bytes (the first one whatever its size when `$4`). Returns rows as
     /// [`RowLayout`] describes.
-    pub(crate) claim_unordered: String,
+    pub(super) claim_unordered: String,
     /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
     /// (the retry index).
-    pub(crate) claim_unordered_low: String,
+    pub(super) claim_unordered_low: String,
     /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
     /// buckets of the oldest pending, due rows, at most `$1` (and at most
     /// [`TableSql::window_rows`]), without locking, leaving out
@@ -90,14 +92,14 @@ pub struct TableSql {
     /// claim that wants fewer rows (a partial batch) cuts the answer with the outer `LIMIT
     /// $1`, which only the final sort sees. From the batch size, not a constant, so a table
     /// claimed a few rows at a time reads a few rows a window, as when the limit was bound.
-    pub(crate) window_rows: i64,
+    pub(super) window_rows: i64,
     /// `ordering = "key"`, a claim's buckets, past a deep first window ending at `$1`
     /// ([`FIRST_WINDOW`] when the claim read none): takes the advisory locks (table tag
     /// `$6`) of the first `$7` buckets in `$3` (in that order) that no other transaction
     /// holds, and returns each one's pending, due rows from the floor `$4` on, at most `$2`
     /// a bucket, read through the bucket index, with the stragglers `$5` and the rows with
     /// a failure history below the floor, in no particular order. Rows up to `$1` are read again on purpose (see
-    /// *Buckets* in `claim.rs`). Rows held back are left out as in
+    /// *Buckets* in `claim/mod.rs`). Rows held back are left out as in
     /// [`TableSql::window`], and past a first window also those behind a row with a
     /// failure history (see `held_in_window`).
     ///
@@ -118,80 +120,80 @@ pub struct TableSql {
     /// The floor's sweep: pending rows without a failure history in `[$1, $2)`, leaving
     /// out the stragglers `$3`, at most `$4`, in order, with whether each is held back and
     /// its key.
-    pub(crate) sweep: String,
+    pub(super) sweep: String,
     /// The floor's withheld keys `$1` (each hidden from `$2`, the same position) that are
     /// released: no row of the key below that id is dead or has a failure history.
-    pub(crate) withheld_released: String,
+    pub(super) withheld_released: String,
     /// Locks the rows `$1` (order values) that are still pending and due, skipping locked
     /// ones.
     /// Returns rows as [`RowLayout`] describes.
-    pub(crate) lock_rows: String,
+    pub(super) lock_rows: String,
     /// Deletes the published rows `$1`.
-    pub(crate) delete: String,
+    pub(super) delete: String,
     /// Sets `published_at` on the published rows `$1`.
-    pub(crate) mark: String,
+    pub(super) mark: String,
     /// Counts one failed attempt for rows `$1` with errors `$2`; dead-letters those that
     /// reach `$3` attempts, and gives the others their next attempt `$4` microseconds from
     /// now. Returns each row's order value and whether it is now dead.
-    pub(crate) record_failures: String,
+    pub(super) record_failures: String,
     /// Rows that wait without an attempt counted (`$1` ids, `$2` errors, `$3`
-    /// microseconds): held back for an unavailable destination, or at their last attempt
+    /// microseconds): postponed for an unavailable destination, or at their last attempt
     /// and unable to reach their dead-letter topic.
-    pub(crate) postpone: String,
-    /// The rows held back for an unavailable destination that still wait are due now
+    pub(super) postpone: String,
+    /// The rows postponed for an unavailable destination that still wait are due now
     /// (their destination is back): those whose `last_error` starts with `$1`, the
-    /// sink's mark of a held-back row.
-    pub(crate) release_held_back: String,
+    /// sink's mark of a postponed row.
+    pub(super) release_postponed: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row.
-    pub(crate) publishable_exists: String,
+    pub(super) publishable_exists: String,
     /// The two halves of a boolean expression that is true when a claim may find a row
     /// ([`TableSql::claimable`] puts the floor's parameter between them).
     claimable: (String, String),
     /// Rows waiting for their next attempt: how many, and the earliest one due in (as
     /// interval text and seconds).
-    pub(crate) waiting: String,
+    pub(super) waiting: String,
     /// `status`: pending, failing (pending with attempts), dead, kept-published and
     /// waiting counts, the earliest next attempt as text, the pending rows held back by
     /// a held row of their key, and the oldest pending row's age in seconds (NULL
     /// without `created_at`).
-    pub(crate) status: String,
+    pub(super) status: String,
     /// `status`: the oldest held rows (dead or waiting), at most `$1`: order value,
     /// attempts, dead_at and next_attempt_at as text, last_error, key, and how many later
     /// pending rows of its key it holds back.
-    pub(crate) held_rows: String,
+    pub(super) held_rows: String,
     /// `requeue --id`: clears dead_at and attempts of the dead rows `$1`; returns their
     /// order values.
-    pub(crate) requeue_ids: String,
+    pub(super) requeue_ids: String,
     /// `requeue --all`: the same for every dead row.
-    pub(crate) requeue_all: String,
+    pub(super) requeue_all: String,
     /// `requeue --waiting`: rows waiting for their next attempt are due now.
-    pub(crate) requeue_waiting: String,
+    pub(super) requeue_waiting: String,
     /// `replay`: the rows `$1` kept as published (not dead) are pending and due again;
     /// returns their order values. `$2`: count only (`--dry-run`), change nothing.
-    pub(crate) replay_ids: String,
+    pub(super) replay_ids: String,
     /// `replay --since/--until`: order values after `$3`, at most `$4`, of rows kept as
     /// published (not dead) created in [`$1`, `$2`) (RFC 3339 text), in order. `None`
     /// without a creation-time column.
-    pub(crate) replay_range: Option<String>,
+    pub(super) replay_range: Option<String>,
     /// `replay --since/--until`: how many rows kept as published (not dead) were created in
     /// [`$1`, `$2`), `$2` no later than now, and that end as RFC 3339 text (UTC), for the
     /// statements that follow. `None` without a creation-time column.
-    pub(crate) replay_count: Option<String>,
+    pub(super) replay_count: Option<String>,
     /// `replay`, first: the first row of each key among the rows `$1` kept as published
     /// (not dead) is pending again, held (`next_attempt_at` far in the future), so its
     /// key's later rows wait behind it; returns their order values. `None` without key
     /// order.
-    pub(crate) replay_hold_ids: Option<String>,
+    pub(super) replay_hold_ids: Option<String>,
     /// The same for the rows created in [`$1`, `$2`). `None` without key order or a
     /// creation-time column.
-    pub(crate) replay_hold_range: Option<String>,
+    pub(super) replay_hold_range: Option<String>,
     /// `replay`, last: every row a replay holds is due now; returns their order values.
-    pub(crate) replay_release: String,
+    pub(super) replay_release: String,
     /// Metrics: pending rows and the oldest pending row's age in seconds (0 when none or
     /// without a creation-time column), read like a claim from the floor `$1` and below it
     /// the stragglers `$2` and rows with a failure history, so it costs what a claim costs.
-    pub(crate) backlog: String,
+    pub(super) backlog: String,
     /// Retention (mark mode, [`super::retention`]): looks at the `$2` rows after `$1` in
     /// order and deletes those published more than `$3` seconds ago, skipping rows locked
     /// by others. Returns the chunk's last order value (NULL when empty), its row count,
@@ -199,8 +201,8 @@ pub struct TableSql {
     /// it holds a row published within them, and how many of its rows were old enough
     /// (those beyond the rows deleted were locked).
     /// `None` without a creation-time column (retention needs one, checked at start-up).
-    pub(crate) retire: Option<String>,
-    pub(crate) layout: RowLayout,
+    pub(super) retire: Option<String>,
+    pub(super) layout: RowLayout,
     /// The first key of this table's bucket advisory locks (the second is the bucket).
     pub tag: i32,
 }
@@ -287,7 +289,7 @@ impl TableSql {
             mark: settle.mark,
             record_failures: settle.record_failures,
             postpone: settle.postpone,
-            release_held_back: settle.release_held_back,
+            release_postponed: settle.release_postponed,
             publishable_exists: admin.publishable_exists,
             claimable: admin.claimable,
             waiting: admin.waiting,
@@ -311,12 +313,37 @@ impl TableSql {
 }
 
 impl TableSql {
+    /// The statement that settles a batch's published rows: delete or mark them.
+    pub(super) fn published(&self, on_publish: OnPublish) -> &str {
+        match on_publish {
+            OnPublish::Delete => &self.delete,
+            OnPublish::Mark => &self.mark,
+        }
+    }
+
+    /// The statements every batch of this table runs (its claim's and the settling of its
+    /// published rows), to be prepared together.
+    pub(crate) fn batch_statements(&self, ordering: Ordering, on_publish: OnPublish) -> Vec<&str> {
+        let claim = match ordering {
+            Ordering::Key => vec![
+                self.window.as_str(),
+                self.pick_lock.as_str(),
+                self.lock_rows.as_str(),
+            ],
+            Ordering::None => vec![self.claim_unordered.as_str()],
+        };
+        claim
+            .into_iter()
+            .chain([self.published(on_publish)])
+            .collect()
+    }
+
     /// A boolean expression, true when the table may hold a row a claim would take: a
     /// pending, due row from the floor (parameter `$n`) on, or a due row with a failure
     /// history anywhere (the retry index). What it leaves out, the caller knows: the
     /// floor's stragglers. True also for rows a claim leaves alone (a held key's), which
     /// only costs that claim. One index probe each when the table has no such row.
-    pub(crate) fn claimable(&self, n: usize) -> String {
+    pub(super) fn claimable(&self, n: usize) -> String {
         format!("{}${n}{}", self.claimable.0, self.claimable.1)
     }
 }

@@ -9,7 +9,7 @@ pub(super) struct Settle {
     pub(crate) mark: String,
     pub(crate) record_failures: String,
     pub(crate) postpone: String,
-    pub(crate) release_held_back: String,
+    pub(crate) release_postponed: String,
 }
 
 pub(super) fn statements(p: &Parts) -> Settle {
@@ -43,7 +43,7 @@ pub(super) fn statements(p: &Parts) -> Settle {
         ),
         // Through the retry index (its predicate is implied): at most the held keys'
         // heads and the rows waiting for a retry are read.
-        release_held_back: format!(
+        release_postponed: format!(
             "UPDATE {t} SET {next} = now() WHERE {published_at} IS NULL \
              AND {dead_at} IS NULL AND {next} > now() \
              AND starts_with({last_error}, $1::text)"

@@ -10,7 +10,7 @@
 //! The long transactions write keys of their own (`long-<n>`), and each first takes a
 //! transaction-scoped advisory lock per key, as an application locks the aggregate a row
 //! describes: same-key transactions then commit in id order, the one order a relay can
-//! keep (see `src/source/claim.rs`, "What the invariant cannot cover"). Their rows still
+//! keep (see `src/source/claim/mod.rs`, "What the invariant cannot cover"). Their rows still
 //! commit seconds after many higher ids of the steady writer were published: the relay
 //! must not skip them.
 
