@@ -18,7 +18,13 @@ use crate::common::*;
 use testkit::NatsCluster;
 
 /// Rows seeded per test, over [`KEYS`] keys.
-const ROWS: i64 = 20_000;
+const ROWS: i64 = 60_000;
+/// The relay's workers and batch size: enough publishes in flight at any moment that the
+/// old leader always holds some when it goes down. With 4 workers of 200 rows a graceful
+/// stop found none to drop in most runs, and a relay that never sent anything again
+/// passed the tests.
+const WORKERS: usize = 8;
+const BATCH: usize = 500;
 const KEYS: i64 = 50;
 /// How long the drain may take after the kill before the test fails.
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
@@ -166,8 +172,8 @@ async fn drain_through_a_crash(victim: Victim, down: Down) -> Crash {
     // Env also starts a lone nats-server; the relay is pointed past it, at the cluster.
     let env = Env::new(
         relay()
-            .workers(4)
-            .batch_size(200)
+            .workers(WORKERS)
+            .batch_size(BATCH)
             .publish_timeout(&format!("{}s", PUBLISH_TIMEOUT.as_secs())),
     )
     .await;
