@@ -9,11 +9,10 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
 
 use crate::config::{Config, TableName};
 pub(crate) use crate::source::operator::HeldRow;
-use crate::source::operator::{self, RequeueRows};
+use crate::source::operator::{self, RequeueRows, StatusCounts};
 use crate::source::pause::{self, Paused};
 use crate::source::table::{self, TablePlan};
 use crate::source::SessionLimits;
@@ -26,21 +25,8 @@ const HELD_ROWS_SHOWN: i64 = 10;
 #[derive(Debug, Clone)]
 pub struct TableStatus {
     pub(crate) table: String,
-    pub(crate) pending: i64,
-    /// Pending rows that failed at least once (being retried).
-    pub(crate) failing: i64,
-    pub(crate) dead: i64,
-    /// Rows kept with `published_at` set (mark mode).
-    pub(crate) published: i64,
-    /// Pending rows waiting for their next attempt (`next_attempt_at` in the future).
-    pub(crate) waiting: i64,
-    /// The earliest next attempt among them, as PostgreSQL prints a timestamp.
-    pub(crate) next_attempt: Option<String>,
-    /// Pending rows held back (key order) by an earlier dead or waiting row of their key.
-    pub(crate) held_back: i64,
-    /// Age of the oldest pending row; `None` when nothing is pending or the table has no
-    /// creation-time column.
-    pub(crate) oldest_pending: Option<Duration>,
+    /// Its rows, counted by state.
+    pub(crate) counts: StatusCounts,
     /// The oldest held rows, dead or waiting.
     pub(crate) held_rows: Vec<HeldRow>,
     /// Set while the table is paused for every relay.
@@ -49,7 +35,7 @@ pub struct TableStatus {
 
 impl fmt::Display for TableStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let oldest = match self.oldest_pending {
+        let oldest = match self.counts.oldest_pending {
             Some(age) => format!(" (oldest {:.1}s old)", age.as_secs_f64()),
             None => String::new(),
         };
@@ -58,16 +44,16 @@ impl fmt::Display for TableStatus {
             "{}: {} pending{oldest}, {} failing, {} waiting for retry{}, {} held back, \
              {} dead, {} kept as published",
             self.table,
-            self.pending,
-            self.failing,
-            self.waiting,
-            match &self.next_attempt {
+            self.counts.pending,
+            self.counts.failing,
+            self.counts.waiting,
+            match &self.counts.next_attempt {
                 Some(at) => format!(" (next at {at})"),
                 None => String::new(),
             },
-            self.held_back,
-            self.dead,
-            self.published
+            self.counts.held_back,
+            self.counts.dead,
+            self.counts.published
         )?;
         if let Some(p) = &self.paused {
             write!(
@@ -95,7 +81,7 @@ impl fmt::Display for TableStatus {
                 row.attempts
             )?;
         }
-        let held = self.dead + self.waiting;
+        let held = self.counts.dead + self.counts.waiting;
         if held > self.held_rows.len() as i64 {
             write!(
                 f,
@@ -115,14 +101,14 @@ pub fn status_json(tables: &[TableStatus]) -> serde_json::Value {
         .map(|t| {
             let mut entry = serde_json::json!({
                 "table": t.table,
-                "pending": t.pending,
-                "oldest_pending_age_seconds": t.oldest_pending.map(|d| d.as_secs_f64()),
-                "failing": t.failing,
-                "waiting_retry": t.waiting,
-                "next_attempt_at": t.next_attempt,
-                "held_back": t.held_back,
-                "dead": t.dead,
-                "published": t.published,
+                "pending": t.counts.pending,
+                "oldest_pending_age_seconds": t.counts.oldest_pending.map(|d| d.as_secs_f64()),
+                "failing": t.counts.failing,
+                "waiting_retry": t.counts.waiting,
+                "next_attempt_at": t.counts.next_attempt,
+                "held_back": t.counts.held_back,
+                "dead": t.counts.dead,
+                "published": t.counts.published,
                 "paused": t.paused.is_some(),
                 "held_rows": t.held_rows.iter().map(|r| serde_json::json!({
                     "id": r.id,
@@ -178,16 +164,7 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
             .await?;
         out.push(TableStatus {
             table: table.config.name.to_string(),
-            pending: counts.pending,
-            failing: counts.failing,
-            dead: counts.dead,
-            published: counts.published,
-            waiting: counts.waiting,
-            next_attempt: counts.next_attempt,
-            held_back: counts.held_back,
-            oldest_pending: counts
-                .oldest_pending
-                .map(|s| Duration::from_secs_f64(s.max(0.0))),
+            counts,
             held_rows,
             paused,
         });
