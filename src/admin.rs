@@ -9,11 +9,10 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
 
 use crate::config::{Config, TableName};
 pub(crate) use crate::source::operator::HeldRow;
-use crate::source::operator::{self, RequeueRows};
+use crate::source::operator::{self, RequeueRows, StatusCounts};
 use crate::source::pause::{self, Paused};
 use crate::source::table::{self, TablePlan};
 use crate::source::SessionLimits;
@@ -26,21 +25,8 @@ const HELD_ROWS_SHOWN: i64 = 10;
 #[derive(Debug, Clone)]
 pub struct TableStatus {
     pub(crate) table: String,
-    pub(crate) pending: i64,
-    /// Pending rows that failed at least once (being retried).
-    pub(crate) failing: i64,
-    pub(crate) dead: i64,
-    /// Rows kept with `published_at` set (mark mode).
-    pub(crate) published: i64,
-    /// Pending rows waiting for their next attempt (`next_attempt_at` in the future).
-    pub(crate) waiting: i64,
-    /// The earliest next attempt among them, as PostgreSQL prints a timestamp.
-    pub(crate) next_attempt: Option<String>,
-    /// Pending rows held back (key order) by an earlier dead or waiting row of their key.
-    pub(crate) held_back: i64,
-    /// Age of the oldest pending row; `None` when nothing is pending or the table has no
-    /// creation-time column.
-    pub(crate) oldest_pending: Option<Duration>,
+    /// Its rows, counted by state.
+    pub(crate) counts: StatusCounts,
     /// The oldest held rows, dead or waiting.
     pub(crate) held_rows: Vec<HeldRow>,
     /// Set while the table is paused for every relay.
@@ -49,7 +35,7 @@ pub struct TableStatus {
 
 impl fmt::Display for TableStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let oldest = match self.oldest_pending {
+        let oldest = match self.counts.oldest_pending {
             Some(age) => format!(" (oldest {:.1}s old)", age.as_secs_f64()),
             None => String::new(),
         };
@@ -58,16 +44,16 @@ impl fmt::Display for TableStatus {
             "{}: {} pending{oldest}, {} failing, {} waiting for retry{}, {} held back, \
              {} dead, {} kept as published",
             self.table,
-            self.pending,
-            self.failing,
-            self.waiting,
-            match &self.next_attempt {
+            self.counts.pending,
+            self.counts.failing,
+            self.counts.waiting,
+            match &self.counts.next_attempt {
                 Some(at) => format!(" (next at {at})"),
                 None => String::new(),
             },
-            self.held_back,
-            self.dead,
-            self.published
+            self.counts.held_back,
+            self.counts.dead,
+            self.counts.published
         )?;
         if let Some(p) = &self.paused {
             write!(
@@ -95,7 +81,7 @@ impl fmt::Display for TableStatus {
                 row.attempts
             )?;
         }
-        let held = self.dead + self.waiting;
+        let held = self.counts.dead + self.counts.waiting;
         if held > self.held_rows.len() as i64 {
             write!(
                 f,
@@ -115,14 +101,14 @@ pub fn status_json(tables: &[TableStatus]) -> serde_json::Value {
         .map(|t| {
             let mut entry = serde_json::json!({
                 "table": t.table,
-                "pending": t.pending,
-                "oldest_pending_age_seconds": t.oldest_pending.map(|d| d.as_secs_f64()),
-                "failing": t.failing,
-                "waiting_retry": t.waiting,
-                "next_attempt_at": t.next_attempt,
-                "held_back": t.held_back,
-                "dead": t.dead,
-                "published": t.published,
+                "pending": t.counts.pending,
+                "oldest_pending_age_seconds": t.counts.oldest_pending.map(|d| d.as_secs_f64()),
+                "failing": t.counts.failing,
+                "waiting_retry": t.counts.waiting,
+                "next_attempt_at": t.counts.next_attempt,
+                "held_back": t.counts.held_back,
+                "dead": t.counts.dead,
+                "published": t.counts.published,
                 "paused": t.paused.is_some(),
                 "held_rows": t.held_rows.iter().map(|r| serde_json::json!({
                     "id": r.id,
@@ -178,16 +164,7 @@ pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
             .await?;
         out.push(TableStatus {
             table: table.config.name.to_string(),
-            pending: counts.pending,
-            failing: counts.failing,
-            dead: counts.dead,
-            published: counts.published,
-            waiting: counts.waiting,
-            next_attempt: counts.next_attempt,
-            held_back: counts.held_back,
-            oldest_pending: counts
-                .oldest_pending
-                .map(|s| Duration::from_secs_f64(s.max(0.0))),
+            counts,
             held_rows,
             paused,
         });
@@ -514,89 +491,22 @@ pub async fn replay(
     let (source, tables) = connect(config).await?;
     let table = &tables[index];
     let name = table.config.name.to_string();
-    let notify = async |tx: &crate::source::Tx<'_>| operator::notify_relays(tx, &name).await;
-    let replay_batch = async |ids: &[i64]| -> Result<Vec<i64>, AdminError> {
-        let ids = ids.to_vec();
-        let done: Vec<i64> = source
-            .in_transaction(async |tx| {
-                let rows = table.replay_ids(tx, &ids, dry_run).await?;
-                if !dry_run && !rows.is_empty() {
-                    notify(tx).await?;
-                }
-                Ok(rows)
-            })
-            .await?;
-        progress.done.fetch_add(done.len() as u64, Relaxed);
-        Ok(done)
+    let replayer = Replayer {
+        source: &source,
+        table,
+        name: &name,
+        dry_run,
+        progress,
     };
-    let hold = async |rows: Hold<'_>| -> Result<Vec<i64>, AdminError> {
-        if dry_run || !table.replay_holds() {
-            return Ok(Vec::new());
-        }
-        let held: Vec<i64> = source
-            .in_transaction(async |tx| match rows {
-                Hold::Ids(ids) => table.replay_hold_ids(tx, ids).await,
-                Hold::Created(since, until) => table.replay_hold_range(tx, since, until).await,
-            })
-            .await?;
-        progress.done.fetch_add(held.len() as u64, Relaxed);
-        Ok(held)
-    };
-    let mut not_published = Vec::new();
-    match which {
-        Replay::Ids(ids) => {
-            progress.total.store(ids.len() as u64, Relaxed);
-            let held: HashSet<i64> = hold(Hold::Ids(&ids)).await?.into_iter().collect();
-            for chunk in ids.chunks(REPLAY_BATCH as usize) {
-                let done = replay_batch(chunk).await?;
-                not_published.extend(
-                    chunk
-                        .iter()
-                        .filter(|id| !done.contains(id) && !held.contains(id)),
-                );
-            }
-        }
+    let not_published = match which {
+        Replay::Ids(ids) => replayer.ids(&ids).await?,
         Replay::Created { since, until } => {
-            if !table.replays_by_time() {
-                return Err(AdminError::Usage(format!(
-                    "{name} has no creation-time column to select by: use --id, or map \
-                     tables.columns.created_at"
-                )));
-            }
-            // From here on `until` is no later than the replay's start.
-            let (total, until): (i64, String) = source
-                .in_transaction(async |tx| table.replay_count(tx, &since, &until).await)
-                .await?
-                .unwrap_or_default();
-            progress.total.store(total as u64, Relaxed);
-            if dry_run {
-                progress.done.store(total as u64, Relaxed);
-            } else {
-                hold(Hold::Created(&since, &until)).await?;
-                let mut after = i64::MIN;
-                loop {
-                    let ids: Vec<i64> = source
-                        .in_transaction(async |tx| {
-                            let range = (since.as_str(), until.as_str());
-                            table.replay_range(tx, range, after, REPLAY_BATCH).await
-                        })
-                        .await?;
-                    let Some(&last) = ids.last() else { break };
-                    replay_batch(&ids).await?;
-                    after = last;
-                }
-            }
+            replayer.created(&since, &until).await?;
+            Vec::new()
         }
-    }
+    };
     if !dry_run {
-        source
-            .in_transaction(async |tx| {
-                if table.replay_release(tx).await? {
-                    notify(tx).await?;
-                }
-                Ok(())
-            })
-            .await?;
+        replayer.release().await?;
     }
     Ok(ReplayReport {
         table: name,
@@ -604,6 +514,124 @@ pub async fn replay(
         replayed: progress.done.load(Relaxed) as usize,
         not_published,
     })
+}
+
+/// One `replay` of one table: the steps of [`replay`], each in its own transactions.
+struct Replayer<'a> {
+    source: &'a Source,
+    table: &'a TablePlan,
+    name: &'a str,
+    dry_run: bool,
+    progress: &'a ReplayProgress,
+}
+
+impl Replayer<'_> {
+    async fn notify(&self, tx: &crate::source::Tx<'_>) -> Result<(), SourceError> {
+        operator::notify_relays(tx, self.name).await
+    }
+
+    /// Step 2 for `ids`, in one transaction: the ids made pending again (with `dry_run`,
+    /// those that would be).
+    async fn batch(&self, ids: &[i64]) -> Result<Vec<i64>, AdminError> {
+        let ids = ids.to_vec();
+        let done: Vec<i64> = self
+            .source
+            .in_transaction(async |tx| {
+                let rows = self.table.replay_ids(tx, &ids, self.dry_run).await?;
+                if !self.dry_run && !rows.is_empty() {
+                    self.notify(tx).await?;
+                }
+                Ok(rows)
+            })
+            .await?;
+        self.progress.done.fetch_add(done.len() as u64, Relaxed);
+        Ok(done)
+    }
+
+    /// Step 1: the first row of each key among `rows` made pending but held; the ids
+    /// held. Nothing with `dry_run`, or where the table has no key order to keep.
+    async fn hold(&self, rows: Hold<'_>) -> Result<Vec<i64>, AdminError> {
+        if self.dry_run || !self.table.replay_holds() {
+            return Ok(Vec::new());
+        }
+        let held: Vec<i64> = self
+            .source
+            .in_transaction(async |tx| match rows {
+                Hold::Ids(ids) => self.table.replay_hold_ids(tx, ids).await,
+                Hold::Created(since, until) => self.table.replay_hold_range(tx, since, until).await,
+            })
+            .await?;
+        self.progress.done.fetch_add(held.len() as u64, Relaxed);
+        Ok(held)
+    }
+
+    /// Steps 1 and 2 for rows named by id; the ids that were not kept as published.
+    async fn ids(&self, ids: &[i64]) -> Result<Vec<i64>, AdminError> {
+        let mut not_published = Vec::new();
+        self.progress.total.store(ids.len() as u64, Relaxed);
+        let held: HashSet<i64> = self.hold(Hold::Ids(ids)).await?.into_iter().collect();
+        for chunk in ids.chunks(REPLAY_BATCH as usize) {
+            let done = self.batch(chunk).await?;
+            not_published.extend(
+                chunk
+                    .iter()
+                    .filter(|id| !done.contains(id) && !held.contains(id)),
+            );
+        }
+        Ok(not_published)
+    }
+
+    /// Steps 1 and 2 for the rows created in [since, until), `until` no later than the
+    /// replay's start; with `dry_run`, counted only.
+    async fn created(&self, since: &str, until: &str) -> Result<(), AdminError> {
+        let table = self.table;
+        if !table.replays_by_time() {
+            return Err(AdminError::Usage(format!(
+                "{} has no creation-time column to select by: use --id, or map \
+                 tables.columns.created_at",
+                self.name
+            )));
+        }
+        // From here on `until` is no later than the replay's start.
+        let (total, until): (i64, String) = self
+            .source
+            .in_transaction(async |tx| table.replay_count(tx, since, until).await)
+            .await?
+            .unwrap_or_default();
+        self.progress.total.store(total as u64, Relaxed);
+        if self.dry_run {
+            self.progress.done.store(total as u64, Relaxed);
+            return Ok(());
+        }
+        self.hold(Hold::Created(since, &until)).await?;
+        let mut after = i64::MIN;
+        loop {
+            let ids: Vec<i64> = self
+                .source
+                .in_transaction(async |tx| {
+                    let range = (since, until.as_str());
+                    table.replay_range(tx, range, after, REPLAY_BATCH).await
+                })
+                .await?;
+            let Some(&last) = ids.last() else { break };
+            self.batch(&ids).await?;
+            after = last;
+        }
+        Ok(())
+    }
+
+    /// Step 3: every held row made due, and idle relays woken if there was one.
+    async fn release(&self) -> Result<(), AdminError> {
+        self.source
+            .in_transaction(async |tx| {
+                if self.table.replay_release(tx).await? {
+                    self.notify(tx).await?;
+                }
+                Ok(())
+            })
+            .await?;
+        Ok(())
+    }
 }
 
 fn table_list(config: &Config) -> String {

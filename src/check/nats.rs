@@ -20,13 +20,32 @@ const MIN_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// How long `check` waits for a system-account answer to `$SYS.REQ.SERVER.PING.VARZ`.
 const VARZ_LIMIT: Duration = Duration::from_secs(1);
 
+/// JetStream on, every subject of every table stored by a stream, and each such stream's
+/// duplicate window and durability (once a stream, however many tables it serves).
 pub(super) async fn check_streams(
     sink: &NatsSink,
     subjects: &[(String, BTreeSet<String>)],
     out: &mut Report,
 ) {
-    let js = sink.jetstream();
     let info = sink.server_info();
+    if !check_jetstream(&info, out) {
+        return;
+    }
+    let mut sync: Option<SyncPolicy> = None;
+    let mut streams_judged = BTreeSet::new();
+    for (table, set) in subjects {
+        let streams_seen = match_subjects(sink.jetstream(), table, set, out).await;
+        for name in streams_seen {
+            // Two tables' subjects in one stream: its settings once.
+            if streams_judged.insert(name.clone()) {
+                check_stream(sink, &info.version, &name, &mut sync, out).await;
+            }
+        }
+    }
+}
+
+/// Whether the server has JetStream on; either way, said in `out`.
+fn check_jetstream(info: &async_nats::ServerInfo, out: &mut Report) -> bool {
     if !info.jetstream {
         out.push(
             Level::Fail,
@@ -36,99 +55,112 @@ pub(super) async fn check_streams(
                 info.version
             ),
         );
-        return;
+        return false;
     }
     out.push(
         Level::Ok,
         "jetstream",
         format!("enabled (nats-server {})", info.version),
     );
-    let mut sync: Option<SyncPolicy> = None;
-    let mut streams_judged = BTreeSet::new();
-    for (table, set) in subjects {
-        if set.is_empty() {
-            out.push(
-                Level::Ok,
-                format!("table {table}"),
-                "subjects depend on row data and no row is pending; nothing to match to a \
-                 stream yet (nor its durability to check)",
-            );
+    true
+}
+
+/// The streams that store `table`'s subjects; a subject no stream captures (or not a valid
+/// subject) is a failure in `out`.
+async fn match_subjects(
+    js: &async_nats::jetstream::Context,
+    table: &str,
+    set: &BTreeSet<String>,
+    out: &mut Report,
+) -> BTreeSet<String> {
+    if set.is_empty() {
+        out.push(
+            Level::Ok,
+            format!("table {table}"),
+            "subjects depend on row data and no row is pending; nothing to match to a \
+             stream yet (nor its durability to check)",
+        );
+    }
+    let mut streams_seen = BTreeSet::new();
+    for subject in set {
+        if let Err(e) = check_subject(subject) {
+            out.push(Level::Fail, format!("subject {subject:?}"), e);
+            continue;
         }
-        let mut streams_seen = BTreeSet::new();
-        for subject in set {
-            if let Err(e) = check_subject(subject) {
-                out.push(Level::Fail, format!("subject {subject:?}"), e);
-                continue;
-            }
-            match js.stream_by_subject(subject.clone()).await {
-                Ok(stream) => {
-                    out.push(
-                        Level::Ok,
-                        format!("subject {subject}"),
-                        format!("stored by stream {stream}"),
-                    );
-                    streams_seen.insert(stream);
-                }
-                Err(_) => out.push(
-                    Level::Fail,
-                    format!("subject {subject}"),
-                    "no JetStream stream captures it: create one, e.g. \
-                     `nats stream add OUTBOX --subjects '<subject or wildcard>' --dupe-window 2m \
-                     --storage file --replicas 3`",
-                ),
-            }
-        }
-        for name in streams_seen {
-            // Two tables' subjects in one stream: its settings once.
-            if !streams_judged.insert(name.clone()) {
-                continue;
-            }
-            let subject = format!("stream {name}");
-            let config = match js.get_stream(&name).await {
-                Ok(mut stream) => match stream.info().await {
-                    Ok(info) => info.config.clone(),
-                    Err(e) => {
-                        out.unverified(subject, format!("its settings could not be read: {e}"));
-                        continue;
-                    }
-                },
-                Err(e) => {
-                    out.unverified(subject, format!("its settings could not be read: {e}"));
-                    continue;
-                }
-            };
-            if config.duplicate_window < MIN_DUPLICATE_WINDOW {
-                out.push(
-                    Level::Warn,
-                    subject.clone(),
-                    format!(
-                        "duplicate window is {:?}; under 2m a re-send after a crash may not \
-                         be de-duplicated: raise it (--dupe-window 2m)",
-                        config.duplicate_window
-                    ),
-                );
-            } else {
+        match js.stream_by_subject(subject.clone()).await {
+            Ok(stream) => {
                 out.push(
                     Level::Ok,
-                    subject.clone(),
-                    format!("duplicate window {:?}", config.duplicate_window),
+                    format!("subject {subject}"),
+                    format!("stored by stream {stream}"),
                 );
+                streams_seen.insert(stream);
             }
-            // The connected server's; asked once, and only when there is a stream.
-            let policy = match &sync {
-                Some(policy) => policy.clone(),
-                None => sync.insert(server_sync(sink, &info.version).await).clone(),
-            };
-            let settings = StreamSettings {
-                name: name.clone(),
-                // The server reports 1 for a stream created without a replica count.
-                replicas: config.num_replicas.max(1),
-                memory: config.storage == async_nats::jetstream::stream::StorageType::Memory,
-                sync: policy,
-            };
-            out.durability(subject, judge_stream(&settings));
+            Err(_) => out.push(
+                Level::Fail,
+                format!("subject {subject}"),
+                "no JetStream stream captures it: create one, e.g. \
+                 `nats stream add OUTBOX --subjects '<subject or wildcard>' --dupe-window 2m \
+                 --storage file --replicas 3`",
+            ),
         }
     }
+    streams_seen
+}
+
+/// Stream `name`'s duplicate window and durability. The server's sync policy is asked the
+/// first time a stream needs it and kept in `sync` for the next.
+async fn check_stream(
+    sink: &NatsSink,
+    version: &str,
+    name: &str,
+    sync: &mut Option<SyncPolicy>,
+    out: &mut Report,
+) {
+    let subject = format!("stream {name}");
+    let config = match sink.jetstream().get_stream(name).await {
+        Ok(mut stream) => match stream.info().await {
+            Ok(info) => info.config.clone(),
+            Err(e) => {
+                out.unverified(subject, format!("its settings could not be read: {e}"));
+                return;
+            }
+        },
+        Err(e) => {
+            out.unverified(subject, format!("its settings could not be read: {e}"));
+            return;
+        }
+    };
+    if config.duplicate_window < MIN_DUPLICATE_WINDOW {
+        out.push(
+            Level::Warn,
+            subject.clone(),
+            format!(
+                "duplicate window is {:?}; under 2m a re-send after a crash may not \
+                 be de-duplicated: raise it (--dupe-window 2m)",
+                config.duplicate_window
+            ),
+        );
+    } else {
+        out.push(
+            Level::Ok,
+            subject.clone(),
+            format!("duplicate window {:?}", config.duplicate_window),
+        );
+    }
+    // The connected server's; asked once, and only when there is a stream.
+    let policy = match sync {
+        Some(policy) => policy.clone(),
+        None => sync.insert(server_sync(sink, version).await).clone(),
+    };
+    let settings = StreamSettings {
+        name: name.to_owned(),
+        // The server reports 1 for a stream created without a replica count.
+        replicas: config.num_replicas.max(1),
+        memory: config.storage == async_nats::jetstream::stream::StorageType::Memory,
+        sync: policy,
+    };
+    out.durability(subject, judge_stream(&settings));
 }
 
 /// How the server syncs its stream files, as far as this connection can tell.

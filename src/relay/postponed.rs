@@ -48,13 +48,13 @@ pub(super) async fn follow_availability(
                     Err(e) if tried == RELEASE_TRIES => {
                         tracing::warn!(
                             table = %shared.tables[t].name(), error = %e,
-                            "Could not release the rows held back for a destination that is back; they come due by their own wait"
+                            "Could not release the rows postponed for a destination that is back; they come due by their own wait"
                         );
                         break;
                     }
                     Err(e) => tracing::debug!(
                         table = %shared.tables[t].name(), error = %e,
-                        "Could not release the rows held back for a destination that is back; trying again"
+                        "Could not release the rows postponed for a destination that is back; trying again"
                     ),
                 }
                 tokio::select! {
@@ -84,11 +84,11 @@ async fn release_postponed(
         match starting {
             true => tracing::info!(
                 table = %name, rows = released,
-                "Rows held back for an unavailable destination are due now: this relay's sink decides afresh"
+                "Rows postponed for an unavailable destination are due now: this relay's sink decides afresh"
             ),
             false => tracing::info!(
                 table = %name, rows = released,
-                "A destination is available again: the rows held back for it are due now"
+                "A destination is available again: the rows postponed for it are due now"
             ),
         }
         shared.wakes.raise(t, true);

@@ -208,11 +208,56 @@ async fn mark(
 ) -> Option<Instant> {
     let pid = marks.pid?;
     let generation = marks.generation;
+    let MarkPlan {
+        to_sleep,
+        to_wake,
+        mut unsure,
+        crowd_ends,
+    } = plan_marks(wakes, marks, generation);
+    if to_sleep.is_empty() && to_wake.is_empty() && unsure.is_empty() {
+        return crowd_ends;
+    }
+    let pick = |ts: &[usize]| ts.iter().map(|&t| names[t]).collect::<Vec<_>>();
+    let (sleep_names, wake_names) = (pick(&to_sleep), pick(&to_wake));
+    let marked = source
+        .in_transaction(async |tx| sleepers::mark(tx, pid, &sleep_names, &wake_names).await)
+        .await;
+    if let Err(e) = marked {
+        tracing::debug!(error = %e, "Could not mark tables asleep or awake; trying again at the next poll");
+        return crowd_ends;
+    }
+    for &t in &to_wake {
+        marks.tables[t] = Mark::default();
+    }
+    for &t in &to_sleep {
+        marks.tables[t].asleep = true;
+    }
+    unsure.extend(to_sleep);
+    if !unsure.is_empty() {
+        read_horizon(wakes, source, generation, marks, &unsure).await;
+    }
+    crowd_ends
+}
+
+/// The tables [`mark`] changes, by what it does with each (indexes into `Marks::tables`).
+struct MarkPlan {
+    /// Wanted asleep and not marked: to mark.
+    to_sleep: Vec<usize>,
+    /// Marked and awake, or kept awake for a crowd of writers: to clear.
+    to_wake: Vec<usize>,
+    /// Marked, and waiting for a horizon.
+    unsure: Vec<usize>,
+    /// When the first table kept awake for a crowd of writers may be marked.
+    crowd_ends: Option<Instant>,
+}
+
+/// What [`mark`] does with each table of this generation; a table marked without a break
+/// since step 3 is made pending here, its horizon still holding.
+fn plan_marks(wakes: &Wakes, marks: &Marks, generation: u64) -> MarkPlan {
     let now = Instant::now();
     let mut crowd_ends: Option<Instant> = None;
-    // To mark; to clear; marked, and waiting for a horizon.
     let (mut to_sleep, mut to_wake, mut unsure) = (Vec::new(), Vec::new(), Vec::new());
-    for (t, mark) in marks.tables.iter_mut().enumerate() {
+    for (t, mark) in marks.tables.iter().enumerate() {
         let sleep = wakes.sleep_of(t);
         // Only a table wanted asleep can be held awake for a crowd of writers.
         let crowd = match sleep {
@@ -242,34 +287,29 @@ async fn mark(
             _ => {}
         }
     }
-    if to_sleep.is_empty() && to_wake.is_empty() && unsure.is_empty() {
-        return crowd_ends;
+    MarkPlan {
+        to_sleep,
+        to_wake,
+        unsure,
+        crowd_ends,
     }
-    let pick = |ts: &[usize]| ts.iter().map(|&t| names[t]).collect::<Vec<_>>();
-    let (sleep_names, wake_names) = (pick(&to_sleep), pick(&to_wake));
-    let marked = source
-        .in_transaction(async |tx| sleepers::mark(tx, pid, &sleep_names, &wake_names).await)
-        .await;
-    if let Err(e) = marked {
-        tracing::debug!(error = %e, "Could not mark tables asleep or awake; trying again at the next poll");
-        return crowd_ends;
-    }
-    for &t in &to_wake {
-        marks.tables[t] = Mark::default();
-    }
-    for &t in &to_sleep {
-        marks.tables[t].asleep = true;
-    }
-    unsure.extend(to_sleep);
-    if unsure.is_empty() {
-        return crowd_ends;
-    }
+}
+
+/// Step 3's end for the `unsure` tables, marked and committed: reads the horizon `X`,
+/// keeps it as theirs and makes them pending.
+async fn read_horizon(
+    wakes: &Wakes,
+    source: &Source,
+    generation: u64,
+    marks: &mut Marks,
+    unsure: &[usize],
+) {
     match source
         .in_transaction(async |tx| sleepers::horizon(tx).await)
         .await
     {
         Ok(x) => {
-            for &t in &unsure {
+            for &t in unsure {
                 marks.tables[t].horizon = Some(x);
                 marks.tables[t].settled = false;
                 wakes.move_sleep(t, generation, Sleep::Wanted, Sleep::Pending);
@@ -279,7 +319,6 @@ async fn mark(
         // horizon for them (a later one is as good: the marks were committed before it).
         Err(e) => tracing::debug!(error = %e, "Could not read the transaction horizon"),
     }
-    crowd_ends
 }
 
 /// Rule 3's poll, with steps 4 and 5. Returns whether to poll again at once: a mark was

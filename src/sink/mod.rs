@@ -230,7 +230,7 @@ pub(crate) struct NotNow {
 /// How every postponed row's `last_error` starts (stored in the table: the text stays as
 /// it is): the release after an outage finds them by it (`relay::postponed`).
 pub(crate) const POSTPONED_MARK: &str = "held back: ";
-/// The shortest wait of a held-back row: about as long as a sink takes to notice its
+/// The shortest wait of a postponed row: about as long as a sink takes to notice its
 /// destination is back.
 pub(crate) const HOLD_MIN: Duration = Duration::from_secs(1);
 /// The longest: how late a held key may follow when its destination is back and no
@@ -277,8 +277,8 @@ pub(crate) trait SinkService {
     }
 
     /// Counts the times a destination [`SinkService::unavailable`] named became available
-    /// again: the relay then makes the rows held back for one due at once, instead of
-    /// leaving them to their wait. Default `None`: the sink never holds a row back.
+    /// again: the relay then makes the rows postponed for one due at once, instead of
+    /// leaving them to their wait. Default `None`: the sink never postpones a row.
     fn available_again(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
@@ -418,7 +418,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_held_back_row_waits_as_long_as_its_destination_has_been_down_within_bounds() {
+    fn a_postponed_row_waits_as_long_as_its_destination_has_been_down_within_bounds() {
         let wait = |secs| NotNow::new("down", Duration::from_secs(secs)).wait;
         assert_eq!(wait(0), HOLD_MIN);
         assert_eq!(wait(4), Duration::from_secs(4));

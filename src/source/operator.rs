@@ -1,26 +1,29 @@
 //! The operator's commands on one table (`status`, `requeue`, `replay`): their statements
 //! are bound and their rows read here, so `admin` sees typed answers, not SQL.
 
+use std::time::Duration;
+
 use super::table::TablePlan;
 use super::{SourceError, Tx};
 
-/// A table's counts for `status`.
+/// A table's rows as `status` counts them.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct StatusCounts {
     pub(crate) pending: i64,
-    /// Pending rows with attempts.
+    /// Pending rows that failed at least once (being retried).
     pub(crate) failing: i64,
     pub(crate) dead: i64,
-    /// Rows kept as published (mark mode).
+    /// Rows kept with `published_at` set (mark mode).
     pub(crate) published: i64,
-    /// Pending rows waiting for their next attempt.
+    /// Pending rows waiting for their next attempt (`next_attempt_at` in the future).
     pub(crate) waiting: i64,
     /// The earliest next attempt among them, as PostgreSQL prints a timestamp.
     pub(crate) next_attempt: Option<String>,
-    /// Pending rows held back by an earlier dead or waiting row of their key.
+    /// Pending rows held back (key order) by an earlier dead or waiting row of their key.
     pub(crate) held_back: i64,
-    /// The oldest pending row's age in seconds (`None` without a creation-time column).
-    pub(crate) oldest_pending: Option<f64>,
+    /// Age of the oldest pending row; `None` when nothing is pending or the table has no
+    /// creation-time column.
+    pub(crate) oldest_pending: Option<Duration>,
 }
 
 /// A row that holds back the later rows of its key: dead, or waiting for a retry.
@@ -72,7 +75,9 @@ impl TablePlan {
             waiting: counts.get(4),
             next_attempt: counts.get(5),
             held_back: counts.get(6),
-            oldest_pending: counts.get(7),
+            oldest_pending: counts
+                .get::<_, Option<f64>>(7)
+                .map(|s| Duration::from_secs_f64(s.max(0.0))),
         })
     }
 

@@ -5,7 +5,7 @@
 //! [`FOLDERS`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Each top-level module and the modules it may import.
 const ALLOWED: &[(&str, &[&str])] = &[
@@ -34,23 +34,28 @@ const FOLDERS: &[&str] = &["source", "config", "relay", "ops"];
 /// Who imports whom: importer -> imported -> the files that do it.
 type Graph = BTreeMap<String, BTreeMap<String, BTreeSet<String>>>;
 
-/// One source file: where it is, its module path (`["source", "migrate"]` for
-/// `src/source/migrate.rs`, `["source"]` for `src/source/mod.rs`), and its code without
-/// comment lines and without what follows the first `#[cfg(test)]`.
+/// One source file as the layering reads it: its path and module path (as in [`Source`]),
+/// and its code without comment lines and without what follows the first `#[cfg(test)]`.
 struct File {
     rel: String,
     module: Vec<String>,
     code: String,
 }
 
-fn src() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+/// One file under `src/` as it is on disk: its path from the crate root, its module path
+/// (`["source", "migrate"]` for `src/source/migrate.rs`, `["source"]` for
+/// `src/source/mod.rs`) and its text. The other source checks (`lengths`) read these too.
+pub(super) struct Source {
+    pub(super) rel: String,
+    pub(super) module: Vec<String>,
+    pub(super) text: String,
 }
 
-/// Every file under `src/` but `main.rs` and `lib.rs`.
-fn files() -> Vec<File> {
-    let mut files = Vec::new();
-    let mut stack = vec![src()];
+/// Every file under `src/`, in no particular order.
+pub(super) fn sources() -> Vec<Source> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut found = Vec::new();
+    let mut stack = vec![root.join("src")];
     while let Some(dir) = stack.pop() {
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -58,8 +63,11 @@ fn files() -> Vec<File> {
                 stack.push(path);
                 continue;
             }
-            let rel = path.strip_prefix(env!("CARGO_MANIFEST_DIR")).unwrap();
-            let rel = rel.to_string_lossy().into_owned();
+            let rel = path
+                .strip_prefix(root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
             let mut module: Vec<String> = rel
                 .trim_start_matches("src/")
                 .trim_end_matches(".rs")
@@ -69,20 +77,28 @@ fn files() -> Vec<File> {
             if module.last().is_some_and(|m| m == "mod") {
                 module.pop();
             }
-            if module == ["main"] || module == ["lib"] {
-                continue;
-            }
             let text = std::fs::read_to_string(&path).unwrap();
+            found.push(Source { rel, module, text });
+        }
+    }
+    found
+}
+
+/// Every file under `src/` but `main.rs` and `lib.rs`.
+fn files() -> Vec<File> {
+    sources()
+        .into_iter()
+        .filter(|s| s.module != ["main"] && s.module != ["lib"])
+        .map(|Source { rel, module, text }| {
             let code = text.split("#[cfg(test)]").next().unwrap();
             let code = code
                 .lines()
                 .filter(|l| !l.trim_start().starts_with("//"))
                 .collect::<Vec<_>>()
                 .join("\n");
-            files.push(File { rel, module, code });
-        }
-    }
-    files
+            File { rel, module, code }
+        })
+        .collect()
 }
 
 /// The crate-absolute paths `file` names: each `crate::a::b` and each `super::x` (as many

@@ -26,6 +26,7 @@ mod kafka_leaders;
 mod kafka_mock;
 mod kafka_tansu;
 mod layers;
+mod lengths;
 mod monitoring;
 mod nats_cluster;
 mod nats_relay;

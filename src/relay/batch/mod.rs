@@ -8,7 +8,8 @@
 //!    connection; outcomes are recorded row by row as acknowledgements arrive.
 //! 3. **settle** ([`settle`], pure): from the outcomes alone, decide what is written back.
 //!    Only rows the broker acknowledged are marked or deleted; a row refused for its own
-//!    sake records an attempt; everything else stays pending as it was.
+//!    sake records an attempt; a row whose destination cannot take it now is postponed
+//!    without one; everything else stays pending as it was.
 //! 4. **finalize**: write that back and commit.
 //!
 //! From the claim on, only `abort` (the shutdown deadline) interrupts: the transaction is

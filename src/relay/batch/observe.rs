@@ -67,7 +67,7 @@ pub(super) async fn observe(
     meters.replayed.inc_by(replayed);
     for (id, error) in failed.ids.iter().zip(&failed.errors) {
         if dead.contains(id) {
-            tracing::error!(table = %table.name(), id, %error, "Row dead-lettered; its key is held back until it is re-queued or deleted");
+            tracing::error!(table = %table.name(), id, %error, "Row dead-lettered; the later rows of its key are held back until it is re-queued or deleted");
         } else {
             tracing::warn!(table = %table.name(), id, %error, "Row failed; will retry");
         }

@@ -222,7 +222,8 @@ fn batch_statements<'t>(shared: &Shared, table: &'t TablePlan) -> Vec<&'t str> {
     table.sql.batch_statements(relay.ordering, relay.on_publish)
 }
 
-/// Phase 1: opens the transaction and claims up to a batch of rows from the floor on.
+/// The work [`claim_phase`] races against `stop`: opens a transaction on `session`,
+/// prepares the batch statements it lacks and claims up to `rows` rows in it.
 async fn claim<'a>(
     shared: &Shared,
     lane: usize,

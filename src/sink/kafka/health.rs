@@ -15,12 +15,12 @@
 //!
 //! Why the producer keeps a connection to every broker (`enable.sparse.connections =
 //! false`, a relay default). With sparse connections librdkafka connects to a broker only
-//! while records are queued for it; a broker whose keys are held back has none, so the
+//! while records are queued for it; a broker whose rows are postponed has none, so the
 //! producer would stop trying to reach it and never see it come back. With a connection
 //! to each broker it retries on its own (`reconnect.backoff.ms` up to
 //! `reconnect.backoff.max.ms`, 1 s by the relay's default where librdkafka's grows to 10
 //! s) and the statistics say when the broker is back: [`Health::available_again`] counts
-//! it, and the relay makes the rows held back for it due at once (`relay::held`).
+//! it, and the relay makes the rows postponed for it due at once (`relay::postponed`).
 //!
 //! Where a key goes. The relay's partitioner is `murmur2_random` (a Java producer's
 //! choice): `murmur2(key) & 0x7fffffff % partitions` ([`partition_of`]). When the operator
@@ -232,7 +232,7 @@ impl State {
             let leader = self.leaders[topic][*partition as usize];
             tracing::warn!(
                 topic, partition, leader,
-                "Kafka partition unavailable: its keys are held back (their rows stay pending, in order) while the other partitions flow"
+                "Kafka partition unavailable: its rows are postponed (they stay pending, in key order) while the other partitions flow"
             );
         }
         let mut back = false;
@@ -240,7 +240,7 @@ impl State {
             tracing::info!(
                 topic,
                 partition,
-                "Kafka partition available again: its held keys follow in order"
+                "Kafka partition available again: its postponed rows follow in key order"
             );
             back = true;
         }

@@ -4,23 +4,45 @@
 use super::parts::Parts;
 use crate::config::Ordering;
 
-/// See the fields of the same names on [`super::TableSql`].
+/// See the fields of the same names on [`super::TableSql`], by group.
 pub(super) struct Admin {
+    pub(crate) probes: Probes,
+    pub(crate) status: Status,
+    pub(crate) requeue: Requeue,
+    pub(crate) replay: Replay,
+}
+
+/// What is left to publish, read by the probe, `drain`, the poller and the metrics:
+/// `publishable_exists`, `claimable`, `waiting`, `backlog`.
+pub(super) struct Probes {
     pub(crate) publishable_exists: String,
     pub(crate) claimable: (String, String),
     pub(crate) waiting: String,
+    pub(crate) backlog: String,
+}
+
+/// `status`: `status` and `held_rows`.
+pub(super) struct Status {
     pub(crate) status: String,
     pub(crate) held_rows: String,
-    pub(crate) requeue_ids: String,
-    pub(crate) requeue_waiting: String,
-    pub(crate) requeue_all: String,
-    pub(crate) replay_ids: String,
-    pub(crate) replay_range: Option<String>,
-    pub(crate) replay_count: Option<String>,
-    pub(crate) replay_hold_ids: Option<String>,
-    pub(crate) replay_hold_range: Option<String>,
-    pub(crate) replay_release: String,
-    pub(crate) backlog: String,
+}
+
+/// `requeue`: `requeue_ids`, `requeue_waiting`, `requeue_all`.
+pub(super) struct Requeue {
+    pub(crate) ids: String,
+    pub(crate) waiting: String,
+    pub(crate) all: String,
+}
+
+/// `replay`: `replay_ids`, `replay_range`, `replay_count`, `replay_hold_ids`,
+/// `replay_hold_range`, `replay_release`.
+pub(super) struct Replay {
+    pub(crate) ids: String,
+    pub(crate) range: Option<String>,
+    pub(crate) count: Option<String>,
+    pub(crate) hold_ids: Option<String>,
+    pub(crate) hold_range: Option<String>,
+    pub(crate) release: String,
 }
 
 /// The next attempt of a row `replay` holds: far enough never to come, finite so that
@@ -29,29 +51,34 @@ pub(super) struct Admin {
 const REPLAY_HOLD: &str = "'9999-12-31 00:00:00+00'::timestamptz";
 
 pub(super) fn statements(p: &Parts) -> Admin {
+    Admin {
+        probes: probes(p),
+        status: status(p),
+        requeue: requeue(p),
+        replay: replay(p),
+    }
+}
+
+fn probes(p: &Parts) -> Probes {
     let Parts {
         t,
         id,
         key,
         published_at,
         dead_at,
-        attempts,
-        last_error,
         next,
         pending,
         due,
         retrying,
-        held,
         not_behind_dead,
         waiting,
         low_stragglers,
         low_retrying,
-        held_back,
         created_at,
         ordering,
         ..
     } = p;
-    Admin {
+    Probes {
         claimable: (
             format!("(EXISTS (SELECT 1 FROM {t} WHERE {pending} AND {due} AND {id} >= (SELECT "),
             format!("::bigint)) OR EXISTS (SELECT 1 FROM {t} WHERE {retrying} AND {due}))"),
@@ -67,6 +94,44 @@ pub(super) fn statements(p: &Parts) -> Admin {
             "SELECT count(*), (min({next}) - now())::text, \
              extract(epoch FROM min({next}) - now())::float8 FROM {t} WHERE {waiting}"
         ),
+        backlog: format!(
+            "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
+             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_stragglers}) \
+             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_retrying}), \
+             COALESCE(({}), 0)::float8",
+            match created_at {
+                Some(c) => format!(
+                    "SELECT extract(epoch FROM now() - LEAST(\
+                     (SELECT {c} FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint) \
+                     ORDER BY {id} LIMIT 1), \
+                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_stragglers}), \
+                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_retrying})))",
+                    c = c.quoted()
+                ),
+                None => "NULL".to_owned(),
+            }
+        ),
+    }
+}
+
+fn status(p: &Parts) -> Status {
+    let Parts {
+        t,
+        id,
+        key,
+        published_at,
+        dead_at,
+        attempts,
+        last_error,
+        next,
+        pending,
+        held,
+        waiting,
+        held_back,
+        created_at,
+        ..
+    } = p;
+    Status {
         status: format!(
             "SELECT count(*) FILTER (WHERE {pending}), \
              count(*) FILTER (WHERE {pending} AND {attempts} > 0), \
@@ -90,25 +155,56 @@ pub(super) fn statements(p: &Parts) -> Admin {
              AND o.{published_at} IS NULL AND o.{dead_at} IS NULL) \
              FROM {t} d WHERE {held} ORDER BY d.{id} LIMIT $1"
         ),
+    }
+}
+
+fn requeue(p: &Parts) -> Requeue {
+    let Parts {
+        t,
+        id,
+        published_at,
+        dead_at,
+        attempts,
+        next,
+        waiting,
+        ..
+    } = p;
+    Requeue {
         // Released rows keep `next_attempt_at` (due now), and with it their place in the
         // held index until published: see `held_in_window`.
-        requeue_ids: format!(
+        ids: format!(
             "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
              WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
              AND {published_at} IS NULL RETURNING {id}::bigint"
         ),
-        requeue_waiting: format!(
-            "UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"
-        ),
-        requeue_all: format!(
+        waiting: format!("UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"),
+        all: format!(
             "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
              WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
         ),
+    }
+}
+
+fn replay(p: &Parts) -> Replay {
+    let Parts {
+        t,
+        id,
+        published_at,
+        dead_at,
+        attempts,
+        last_error,
+        next,
+        pending,
+        created_at,
+        ordering,
+        ..
+    } = p;
+    Replay {
         // Like requeue, a replayed row is due now with `next_attempt_at` set, not NULL:
         // that is how claims find it below the claim floor (the retry index) and how
         // bucket reads past a first window hold its key's later pending rows back until
         // it is published.
-        replay_ids: format!(
+        ids: format!(
             "WITH chosen AS (SELECT {id} FROM {t} WHERE {id} = ANY($1::bigint[]) \
              AND {published_at} IS NOT NULL AND {dead_at} IS NULL), \
              replayed AS (UPDATE {t} SET {published_at} = NULL, {attempts} = 0, \
@@ -122,9 +218,9 @@ pub(super) fn statements(p: &Parts) -> Admin {
         // committed while it runs, is held back behind it (`held`, see
         // `Parts::not_held_back`) until `replay_release`. Rows without a key carry no
         // order, and without key order nothing is held back: neither is held.
-        replay_hold_ids: (*ordering == Ordering::Key)
+        hold_ids: (*ordering == Ordering::Key)
             .then(|| hold(p, &format!("{id} = ANY($1::bigint[])"))),
-        replay_hold_range: match (ordering, created_at) {
+        hold_range: match (ordering, created_at) {
             (Ordering::Key, Some(c)) => Some(hold(
                 p,
                 &format!(
@@ -136,13 +232,13 @@ pub(super) fn statements(p: &Parts) -> Admin {
         },
         // The last: every held row is due now. Every hold, this replay's and one a replay
         // that stopped part way left (run it again to finish it): see docs/operations.md.
-        replay_release: format!(
+        release: format!(
             "UPDATE {t} SET {next} = now() WHERE {pending} AND {next} = {REPLAY_HOLD} \
              RETURNING {id}::bigint"
         ),
         // `until` is never later than now, the replay's start: rows committed while it
         // runs are not replayed (those of keys it does not hold could be published by then).
-        replay_count: created_at.as_ref().map(|c| {
+        count: created_at.as_ref().map(|c| {
             format!(
                 "SELECT count(*), to_char(LEAST($2::text::timestamptz, now()) \
                  AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"') \
@@ -152,7 +248,7 @@ pub(super) fn statements(p: &Parts) -> Admin {
                 c = c.quoted()
             )
         }),
-        replay_range: created_at.as_ref().map(|c| {
+        range: created_at.as_ref().map(|c| {
             format!(
                 "SELECT {id}::bigint FROM {t} WHERE {published_at} IS NOT NULL \
                  AND {dead_at} IS NULL AND {c} >= $1::text::timestamptz \
@@ -161,23 +257,6 @@ pub(super) fn statements(p: &Parts) -> Admin {
                 c = c.quoted()
             )
         }),
-        backlog: format!(
-            "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
-             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_stragglers}) \
-             + (SELECT count(*) FROM {t} WHERE {pending} AND {low_retrying}), \
-             COALESCE(({}), 0)::float8",
-            match created_at {
-                Some(c) => format!(
-                    "SELECT extract(epoch FROM now() - LEAST(\
-                     (SELECT {c} FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint) \
-                     ORDER BY {id} LIMIT 1), \
-                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_stragglers}), \
-                     (SELECT min({c}) FROM {t} WHERE {pending} AND {low_retrying})))",
-                    c = c.quoted()
-                ),
-                None => "NULL".to_owned(),
-            }
-        ),
     }
 }
 

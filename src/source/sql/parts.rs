@@ -70,75 +70,18 @@ impl Parts {
         // Not waiting for a later attempt. `now()` is the transaction's start: one instant
         // for every statement of a claim, so its window and its locks agree.
         let due = format!("({next} IS NULL OR {next} <= now())");
-        // A *held* row holds back the later rows of its key: dead (until re-queued or
-        // deleted), or waiting for its next attempt. The held index covers exactly these
-        // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
-        // reads are index lookups, and only the reads' last resort: see
-        // `Parts::not_held_back` (with no held row in the table, the common case, the
-        // uncorrelated test in front spares every row the per-key probe).
-        let held =
-            format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
-        // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
-        // (`next_attempt_at` set: waiting, or released by `requeue`, which sets it to the
-        // time of the requeue) holds back its key too. A key left out of the first window
-        // because its head was held must not reappear in a later one with a later row as
-        // its "head" when a requeue committed between the two windows; the head itself is
-        // due and is taken by the next claim's first window. Every arm implies the held
-        // index's predicate, so the probes stay on that small index.
-        let held_in_window = format!(
-            "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now() \
-             OR ($1 > '{FIRST_WINDOW}'::bigint AND d.{next} IS NOT NULL))"
-        );
-        // Work left for `drain`: rows held back by a *waiting* row become publishable when
-        // it is due, so only a dead row takes its key's rows out of the count.
-        let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
-        let not_behind_dead = format!(
-            "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {dead}) \
-             OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {dead} \
-             AND d.{id} < o.{id}))"
-        );
+        let names = Names {
+            t: &t,
+            id: &id,
+            key: &key,
+            published_at: &published_at,
+            dead_at: &dead_at,
+            next: &next,
+        };
+        let holds = hold_parts(&names, &pending, ordering);
         let waiting = format!("{pending} AND {next} > now()");
         let obucket = bucket_of("o.", &key, &id);
-        // The floor's bookkeeping (super::floor): rows with a failure history are found
-        // below the floor through the retry index; the others are *fresh*.
-        let retrying = format!("{pending} AND {next} IS NOT NULL");
-        let fresh =
-            format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{next} IS NULL");
-        // Bounds on the order column are written `(SELECT $n)`: an index condition all the
-        // same, but a value the planner does not see. Seen, a bound in the first bucket of
-        // the column's histogram (`i64::MIN` for a claim's first window; the floor, right
-        // after ANALYZE) made every custom plan ask the index for the column's actual
-        // minimum, walking the entries of every row published since the last VACUUM, so
-        // a large drain slowed as it went (perf: get_actual_variable_range under the
-        // planner; benchmark F measures a large table against a small one).
-        // Below the floor: the stragglers, by primary key (skipped outright, a one-time
-        // filter, when there are none), and rows with a failure history, from the retry
-        // index. The order column is hidden from the retry part's bounds (`+ 0`) so that no
-        // plan - a cached generic one included - answers it with a range scan of the
-        // pending index below the floor: that range holds the entries of every row
-        // published since the last VACUUM (a generic plan did, and with a snapshot held
-        // the latency climbed minute after minute: benchmark G).
-        let low_stragglers = stragglers_part(&id, "", "$2::bigint[]");
-        let low_retrying = retry_part(&id, &next, "", "$1", "$2::bigint[]");
-        // Whether a fresh row is held back by an earlier held row of its key (dead, or with
-        // a failure history): the held index answers it.
-        let held_with_history = format!(
-            "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL)"
-        );
-        let held_back_row = match ordering {
-            Ordering::Key => format!(
-                "(o.{key} IS NOT NULL AND EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} \
-                 AND d.{id} < o.{id} AND {held_with_history}))"
-            ),
-            Ordering::None => "false".to_owned(),
-        };
-        let held_back = match ordering {
-            Ordering::Key => format!(
-                "count(*) FILTER (WHERE {pending} AND {key} IS NOT NULL AND EXISTS \
-                 (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND d.{id} < o.{id} AND {held}))"
-            ),
-            Ordering::None => "0::bigint".to_owned(),
-        };
+        let below = floor_parts(&names, &pending);
         Parts {
             t,
             id,
@@ -152,18 +95,18 @@ impl Parts {
             columns,
             pending,
             due,
-            held,
-            not_behind_dead,
+            held: holds.held,
+            not_behind_dead: holds.not_behind_dead,
             waiting,
-            held_in_window,
-            held_with_history,
+            held_in_window: holds.held_in_window,
+            held_with_history: holds.held_with_history,
             obucket,
-            retrying,
-            fresh,
-            low_stragglers,
-            low_retrying,
-            held_back_row,
-            held_back,
+            retrying: below.retrying,
+            fresh: below.fresh,
+            low_stragglers: below.low_stragglers,
+            low_retrying: below.low_retrying,
+            held_back_row: holds.held_back_row,
+            held_back: holds.held_back,
             created_at: shape.created_at.clone(),
             ordering,
             layout,
@@ -262,6 +205,139 @@ impl Parts {
     /// Below the floor `floor`: rows with a failure history, from the retry index.
     pub(crate) fn retry_part(&self, o: &str, floor: &str, ids: &str) -> String {
         retry_part(&self.id, &self.next, o, floor, ids)
+    }
+}
+
+/// The quoted names of one table that the fragment builders below share.
+struct Names<'a> {
+    t: &'a str,
+    id: &'a str,
+    key: &'a str,
+    published_at: &'a str,
+    dead_at: &'a str,
+    next: &'a str,
+}
+
+/// The fragments that tell which rows hold back the later rows of their key (see
+/// [`Read`]), and which rows count as held back.
+struct HoldParts {
+    held: String,
+    held_in_window: String,
+    not_behind_dead: String,
+    held_with_history: String,
+    held_back_row: String,
+    held_back: String,
+}
+
+/// [`HoldParts`] of the table `names` names.
+fn hold_parts(names: &Names, pending: &str, ordering: Ordering) -> HoldParts {
+    let Names {
+        t,
+        id,
+        key,
+        published_at,
+        dead_at,
+        next,
+    } = *names;
+
+    // A *held* row holds back the later rows of its key: dead (until re-queued or
+    // deleted), or waiting for its next attempt. The held index covers exactly these
+    // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
+    // reads are index lookups, and only the reads' last resort: see
+    // `Parts::not_held_back` (with no held row in the table, the common case, the
+    // uncorrelated test in front spares every row the per-key probe).
+    let held =
+        format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
+    // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
+    // (`next_attempt_at` set: waiting, or released by `requeue`, which sets it to the
+    // time of the requeue) holds back its key too. A key left out of the first window
+    // because its head was held must not reappear in a later one with a later row as
+    // its "head" when a requeue committed between the two windows; the head itself is
+    // due and is taken by the next claim's first window. Every arm implies the held
+    // index's predicate, so the probes stay on that small index.
+    let held_in_window = format!(
+        "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now() \
+         OR ($1 > '{FIRST_WINDOW}'::bigint AND d.{next} IS NOT NULL))"
+    );
+    // Work left for `drain`: rows held back by a *waiting* row become publishable when
+    // it is due, so only a dead row takes its key's rows out of the count.
+    let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
+    let not_behind_dead = format!(
+        "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {dead}) \
+         OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {dead} \
+         AND d.{id} < o.{id}))"
+    );
+    // Whether a fresh row is held back by an earlier held row of its key (dead, or with
+    // a failure history): the held index answers it.
+    let held_with_history =
+        format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL)");
+    let held_back_row = match ordering {
+        Ordering::Key => format!(
+            "(o.{key} IS NOT NULL AND EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} \
+             AND d.{id} < o.{id} AND {held_with_history}))"
+        ),
+        Ordering::None => "false".to_owned(),
+    };
+    let held_back = match ordering {
+        Ordering::Key => format!(
+            "count(*) FILTER (WHERE {pending} AND {key} IS NOT NULL AND EXISTS \
+             (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND d.{id} < o.{id} AND {held}))"
+        ),
+        Ordering::None => "0::bigint".to_owned(),
+    };
+    HoldParts {
+        held,
+        held_in_window,
+        not_behind_dead,
+        held_with_history,
+        held_back_row,
+        held_back,
+    }
+}
+
+/// The floor's fragments ([`super::floor`]): rows with a failure history, fresh rows, and
+/// the two parts of a read below the floor.
+struct FloorParts {
+    retrying: String,
+    fresh: String,
+    low_stragglers: String,
+    low_retrying: String,
+}
+
+/// [`FloorParts`] of the table `names` names.
+fn floor_parts(names: &Names, pending: &str) -> FloorParts {
+    let Names {
+        id,
+        published_at,
+        dead_at,
+        next,
+        ..
+    } = *names;
+    // The floor's bookkeeping (super::floor): rows with a failure history are found
+    // below the floor through the retry index; the others are *fresh*.
+    let retrying = format!("{pending} AND {next} IS NOT NULL");
+    let fresh = format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{next} IS NULL");
+    // Bounds on the order column are written `(SELECT $n)`: an index condition all the
+    // same, but a value the planner does not see. Seen, a bound in the first bucket of
+    // the column's histogram (`i64::MIN` for a claim's first window; the floor, right
+    // after ANALYZE) made every custom plan ask the index for the column's actual
+    // minimum, walking the entries of every row published since the last VACUUM, so
+    // a large drain slowed as it went (perf: get_actual_variable_range under the
+    // planner; benchmark F measures a large table against a small one).
+    // Below the floor: the stragglers, by primary key (skipped outright, a one-time
+    // filter, when there are none), and rows with a failure history, from the retry
+    // index. The order column is hidden from the retry part's bounds (`+ 0`) so that no
+    // plan - a cached generic one included - answers it with a range scan of the
+    // pending index below the floor: that range holds the entries of every row
+    // published since the last VACUUM (a generic plan did, and with a snapshot held
+    // the latency climbed minute after minute: benchmark G).
+    let low_stragglers = stragglers_part(id, "", "$2::bigint[]");
+    let low_retrying = retry_part(id, next, "", "$1", "$2::bigint[]");
+    FloorParts {
+        retrying,
+        fresh,
+        low_stragglers,
+        low_retrying,
     }
 }
 

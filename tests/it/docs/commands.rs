@@ -61,17 +61,11 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// README.md, then docs/*.md by name.
+/// README.md, then docs/*.md by name ([`super::page_paths`]), each with its text.
 fn pages() -> Vec<(String, String)> {
     let root = root();
-    let mut docs: Vec<PathBuf> = std::fs::read_dir(root.join("docs"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "md"))
-        .collect();
-    docs.sort();
-    std::iter::once(root.join("README.md"))
-        .chain(docs)
+    super::page_paths()
+        .into_iter()
         .map(|p| {
             let name = p.strip_prefix(&root).unwrap().display().to_string();
             (name, std::fs::read_to_string(&p).unwrap())
