@@ -122,26 +122,11 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
                 "(SELECT $3::bigint[])::bigint[]"
             ),
         ),
-        // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
-        // are got: the lock function runs once per bucket tried), then each bucket's
-        // rows through the bucket index (a nested loop over the buckets got, one index
-        // range each); the rows below the floor (few) filtered by bucket.
-        //
-        // The floor bound is written as a row comparison on the bucket index's two
-        // columns, `(bucket, id) >= (b, floor)`: only that index can start a scan there.
-        // Written `id >= floor`, the pending index (on `id`) could answer it too, reading
-        // every bucket's rows in id order and filtering, and on a table with no
-        // statistics yet (filled since the last ANALYZE: the planner takes the default
-        // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did,
-        // reading and dropping dozens of rows for each one kept, most of a drain's
-        // statement time (found with auto_explain in benchmark L).
-        // With the row comparison the bucket index is chosen with or without
-        // statistics (checked with EXPLAIN both ways).
-        // The bucket read, and in the same statement the row locks on the first `$8` rows
-        // read (in id order) that are still pending and due, `SKIP LOCKED`: every row
-        // read comes back with its candidate columns last, after the locked row's
-        // columns (NULL when it was not locked). One round trip where a pick and its
-        // lock round took two (`source::claim`, *Round trips*).
+        // The bucket read (`pick_read`, above), and in the same statement the row locks on
+        // the first `$8` rows read (in id order) that are still pending and due,
+        // `SKIP LOCKED`: every row read comes back with its candidate columns last, after
+        // the locked row's columns (NULL when it was not locked). One round trip where a
+        // pick and its lock round took two (`source::claim`, *Round trips*).
         pick_lock: format!(
             "{pick_read}, locked ({names}) AS MATERIALIZED (SELECT {columns} FROM {t} \
              WHERE {id} = ANY (ARRAY(SELECT id FROM (SELECT id, size, sum(size) \
