@@ -4,11 +4,11 @@
 //! rows waiting to retry per table (from the pending and retry indexes), dead tuples, and
 //! the vacuum horizon with its WARN (see [`crate::source::vacuum`]).
 //!
-//! The backlog gauges count the pending rows, which costs in proportion to the backlog
-//! (about 0.6 s of one connection per million rows), in every relay of the table. So they
-//! are read only when something shows them: `drain`'s progress line, or a `/metrics`
-//! request that came since the last read (a scrape shows the value read after the scrape
-//! before it: at most one scrape interval and [`GAUGE_INTERVAL`] old). Measured:
+//! The backlog gauges count the pending rows, which costs in proportion to the backlog, in
+//! every relay of the table. So they are read only when something shows them: `drain`'s
+//! progress line, or a `/metrics` request that came since the last read (a scrape shows
+//! the value read after the scrape before it: at most one scrape interval and
+//! [`GAUGE_INTERVAL`] old). Read on a timer instead:
 //!
 //! - `drain` processes started at once on a deep backlog each counted it for nobody (a
 //!   drain without the progress line no longer reads them);

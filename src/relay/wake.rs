@@ -15,9 +15,9 @@
 //!    `relay.poll_interval`: one statement a poll for
 //!    every such table of the process ([`crate::source::sql::TableSql::claimable`]),
 //!    which makes a table with a claimable row due and settles the others as a claim
-//!    that found nothing would (rule 2). Polled by a claim each, 50 tables cost 546
-//!    transactions a second at the default 100 ms (benchmark I); polled together, one
-//!    statement per interval for all of them.
+//!    that found nothing would (rule 2). Polled by a claim each, quiet tables cost a
+//!    transaction per table and interval (benchmark I); polled together, one statement
+//!    per interval for all of them.
 //! 4. The floor keeper ([`crate::source::floor`]) ticks only while the table was active in
 //!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
 //! 5. A paused table ([`crate::source::pause`]) is never due, in `drain` too; its resume

@@ -53,12 +53,11 @@ impl Worker {
         let mut backoff = Backoff::new(TROUBLE_FIRST, TROUBLE_MAX);
         // A claimer one too many for a table's buckets waits a poll interval, doubling up to
         // eight: it tries again soon enough to take a bucket that frees up, without every
-        // surplus claimer reading the first window ten times a second (measured: 8 relays
-        // of 4 workers on 20 hot keys used three times the CPU per row of one relay). In
+        // surplus claimer reading the first window at every poll (many relays on a few hot
+        // keys then spent several times the CPU per row of one relay: benchmark S). In
         // `drain` it does not double: a process whose workers all waited up to eight polls
-        // when the table emptied exited that much later (4 drains of 4 workers: the last
-        // exit 0.26-0.44 s after the last row was stored, against 0.11-0.16 s), and a
-        // surplus claim costs one statement now (`source::claim`, surplus lanes).
+        // when the table emptied exited that much later after the last row was stored,
+        // and a surplus claim costs one statement now (`source::claim`, surplus lanes).
         let poll = shared.relay.poll_interval;
         let mut surplus = poll;
         // Workers start at different tables, and each round starts past the last table

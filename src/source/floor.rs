@@ -7,9 +7,9 @@
 //! removes it, and VACUUM removes nothing a snapshot still open anywhere may see: a report,
 //! `pg_dump`, a forgotten `BEGIN`, a replica with `hot_standby_feedback`. A claim that
 //! starts at the left end visits every such entry, and the heap tuple behind it, before the
-//! first pending row: measured here, a second drain of 300,000 rows behind one held
-//! REPEATABLE READ snapshot ran at 0.57 of the first, which ran at 0.44 of a drain without
-//! it (stdout sink, key order, 4 workers, batch 1,000).
+//! first pending row: behind one held snapshot, a claim costs more with every row published
+//! since, so each drain is slower than the last (benchmark E3 measures a new process
+//! draining behind a held snapshot).
 //!
 //! # The invariant
 //!
@@ -81,11 +81,11 @@
 //!
 //! One stuck Kafka partition holds back a third of the keys, tens of thousands of rows:
 //! far more than [`STRAGGLER_CAP`]. With the floor kept below them, every claim walked
-//! them and the entries of every row published above them (measured: the other keys
-//! flowed at 0.3 of their rate). So when a floor would list more stragglers than the cap,
-//! it *withholds* their keys instead: a key `K` is listed once, with `w(K)`, the lowest
-//! of its held-back rows below the floor, and claims leave alone every row of `K` from
-//! `w(K)` on ([`FloorView::hides`]), wherever they read it. The invariant becomes:
+//! them and the entries of every row published above them, and the other keys flowed at a
+//! fraction of their rate (benchmark K). So when a floor would list more stragglers than
+//! the cap, it *withholds* their keys instead: a key `K` is listed once, with `w(K)`, the
+//! lowest of its held-back rows below the floor, and claims leave alone every row of `K`
+//! from `w(K)` on ([`FloorView::hides`]), wherever they read it. The invariant becomes:
 //!
 //! > Every fresh pending row with an id below `F` is in `S`, or is a row of a withheld key
 //! > `K` with an id of at least `w(K)` (again except ids drawn before their xid).

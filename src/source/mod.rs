@@ -274,7 +274,7 @@ impl<'a> Tx<'a> {
     /// Inside the transaction, never before it: PostgreSQL runs a Parse sent outside a
     /// transaction block in an implicit transaction of its own, counted like any other.
     /// Prepared ahead of `BEGIN`, a relay of many idle tables warming its sessions ran
-    /// such a transaction for every table and session, which doubled what idle tables
+    /// such a transaction for every table and session, a large share of what idle tables
     /// cost over its first minute (benchmark I). A prepared statement outlives the
     /// transaction, rolled back or not.
     pub(crate) async fn prepare_together(&self, sqls: &[&str]) -> Result<(), SourceError> {

@@ -20,8 +20,8 @@
 //! A batch whose every row was published does not wait for its `COMMIT` before the next
 //! claim: the next batch's `BEGIN` and first claim statement go out behind it on the same
 //! session ([`Tx::execute_commit_then`]), and the worker goes on with what comes back
-//! ([`relay_batches`]). On a database 10 ms away that is one round trip of the four or so
-//! a batch waits. Nothing else changes:
+//! ([`relay_batches`]). On a distant database that is one of the few round trips a batch
+//! waits (benchmark L). Nothing else changes:
 //!
 //! - **What the claim sees.** PostgreSQL runs what one session sends in order, so the
 //!   claim runs after the `COMMIT`, in a snapshot that has this batch's rows deleted or

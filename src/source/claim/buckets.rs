@@ -99,9 +99,8 @@ pub(super) async fn take_buckets(
         plan_locked(plan, &window, &tried, &locked_ids);
         depth.observe(got.len(), keys, plan.reserved - before, room);
         // Fewer buckets than asked for: the pick tried every candidate and the others are
-        // held elsewhere, so another pick would try the same ones again (measured, 8
-        // relays of 4 workers: 311 of 378 second picks got no bucket on 2,000 keys, 978
-        // of 1,071 on 20 keys). The batch goes with what it has.
+        // held elsewhere, so another pick would try the same ones again, and under
+        // contention mostly get none (benchmark S). The batch goes with what it has.
         if got.len() < want {
             break;
         }
@@ -152,17 +151,14 @@ fn pick_limits(
 ) -> (usize, Candidates) {
     // Twice a bucket's share of the room, and at least a quarter of the room, so that
     // a few buckets fill the batch (other claimers may hold most of the buckets asked
-    // for: with an eighth of the room a bucket, a claim on 50 keys after a database
-    // restart took batches of 12-40 rows of 100), not so many that a pick of many
-    // buckets reads many batches. Half the room at least read 1,500-2,000 rows a pick
-    // of 6-8 buckets to lock 625 with a third of the keys held back (every row read
-    // cost a held-row probe then, before `sql::parts::Parts::not_held_back` told the
-    // held keys' rows by a hash table; a quarter of the room read less and let the
-    // other keys' rows flow faster in benchmark K). Up
-    // to the rows it may lock (a quarter more than the room): a bucket whose keys
-    // are partly held elsewhere still fills the batch in one pick, where reading at
-    // most the room needed a second pick (and round trip) about twice as often
-    // (benchmark L).
+    // for: with an eighth of the room a bucket, a claim after a database restart took
+    // batches far below the batch size), not so many that a pick of many buckets
+    // reads many batches (with half the room at least and a third of the keys held back,
+    // a pick read several times the rows it locked; a quarter of the room read less and
+    // let the other keys' rows flow faster in benchmark K). Up to the rows it may lock
+    // (a quarter more than the room): a bucket whose keys are partly held elsewhere
+    // still fills the batch in one pick, where reading at most the room needed a second
+    // pick (and round trip) more often (benchmark L).
     let per_bucket = room
         .div_ceil(want)
         .saturating_mul(2)
@@ -283,11 +279,11 @@ impl Picked {
 /// not cost one statement per bucket. Keys: a batch of few keys is sent in many waves (a
 /// key's next row waits for its last one's ack on NATS, see `relay::order`), so a claim
 /// asks for enough buckets to hold about one key per [`ROWS_PER_KEY`] rows of room (at
-/// least [`MIN_KEYS`]): on 20 hot keys, one bucket a claim sent each batch as 500 waves
-/// of one message, slower than the claim before buckets, which took every key at once
-/// (benchmark S, 20 keys); 16 keys a claim still made batches of 100 on
-/// 50 keys go out in about 8 waves instead of 2, too slow for `faults::postgres_restarted_…`
-/// to drain 100,000 rows in a loaded CI run.
+/// least [`MIN_KEYS`]): on a few hot keys, one bucket a claim sent each batch as one wave
+/// per row, slower than the claim before buckets, which took every key at once
+/// (benchmark S, 20 keys); [`MIN_KEYS`] alone still sent small batches on a few dozen keys
+/// in several times the waves a claim of every key needs, too slow for
+/// `faults::postgres_restarted_…` to drain in a loaded CI run.
 ///
 /// It also remembers which lanes are *surplus* (their last claim of a deep backlog found
 /// every bucket, or every key it met, taken) and the buckets the last deep first window

@@ -14,11 +14,11 @@ use super::{Budget, Claimed, ClaimedRow, FloorView};
 /// A shallow first window (it holds every pending row) is planned as it is, in id order.
 ///
 /// Lanes: every worker reads the same first window, so without lanes they would all plan
-/// the same heads, and all but one would find them locked and plan again (measured: 4.3
-/// lock statements per batch with 4 workers on a deep backlog, 2.1 with lanes). When the
-/// first window is deep enough, the claim of lane `l` starts planning `l` batches into it,
-/// leaving the keys met before that point to the lanes below (they are marked blocked, so
-/// the head rule holds: a key planned here has no pending row earlier in the window).
+/// the same heads, and all but one would find them locked and plan again, a lock statement
+/// (and a round trip) each time. When the first window is deep enough, the claim of lane
+/// `l` starts planning `l` batches into it, leaving the keys met before that point to the
+/// lanes below (they are marked blocked, so the head rule holds: a key planned here has no
+/// pending row earlier in the window).
 /// Lane 0 always starts at the oldest pending row, and a shallow window is planned from its
 /// start by every lane, so no row waits on a lane that is not claiming.
 ///
@@ -32,8 +32,8 @@ use super::{Budget, Claimed, ClaimedRow, FloorView};
 /// first batches was left to them, the claim would take nothing and call the table empty:
 /// on a deep backlog of few keys, its rows then waited for a lower lane's next look, and
 /// when a lane above 0 kept taking the looks they waited for good (found by
-/// `faults::a_hung_database_connection_is_discarded_not_reused`: 1,000 rows over 10 keys,
-/// worker 1 claiming alone every 5 s and finding nothing, 1 run in 10). So
+/// `faults::a_hung_database_connection_is_discarded_not_reused`, where worker 1, claiming
+/// alone on a backlog of few keys, found nothing look after look). So
 /// [`claim_batch`] plans again as lane 0, from the oldest row, when a claim that left
 /// keys to lower lanes took nothing.
 pub(super) async fn claim_by_key(
@@ -49,9 +49,9 @@ pub(super) async fn claim_by_key(
     let limit = budget.rows;
     let stragglers: &[i64] = &floor.stragglers;
     // Past a few rows per bucket the first window only ranks buckets: a deep claim reads
-    // its rows from the buckets it gets. Every claim reads it, idle claimers' included
-    // (measured: 8 relays of 4 workers at 0.64 of one relay with 2,000 rows read per
-    // claim, most of them by claimers that then found every bucket taken).
+    // its rows from the buckets it gets. Every claim reads it, idle claimers' included: a
+    // larger window was read mostly by claimers that then found every bucket taken, and
+    // held many relays on one table well below one relay's rate (benchmark S).
     let window_size = super::super::sql::window_rows(limit).min(sql.window_rows);
     let read = tx
         .query(&sql.window, &[&window_size, &floor.value, &stragglers])

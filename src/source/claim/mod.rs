@@ -36,8 +36,8 @@
 //! Every claimer reads the same first window. When it holds every pending row (a shallow
 //! backlog) the claim plans from it as above. When it does not (a deep backlog), claimers
 //! that all planned from it would meet on the same heads, and one that found every key in
-//! it taken would have to walk the table past them: measured, 8 relays of 4 workers on
-//! one table delivered 0.12 of what one relay did, and 0.05 on 20 hot keys.
+//! it taken would have to walk the table past them: many relays on one table delivered a
+//! fraction of what one relay did, and less still on a few hot keys (benchmark S).
 //!
 //! So a claim plans from its first window as above, and when that window is deep and
 //! left room in the batch (its keys are other claimers'), takes *buckets* for the rest.
@@ -67,7 +67,7 @@
 //! leaving a head before the first window's end that the bucket read never saw, and the
 //! key's later rows were taken as if one of them were its head. Found by
 //! `ordering::keys_held_back_for_an_unavailable_destination_keep_their_order_and_lose_nothing`
-//! (a key's row published ahead of 21,000 earlier ids of its key; 2 of 4 runs failed).
+//! (a key's row published ahead of earlier rows of its key).
 //! Reading from the floor, in the bucket read's own snapshot, a key's first row there is
 //! its head in that snapshot. The rows it reads again (the first window's rows of its
 //! bucket) are added to its per-bucket limit; benchmark S did not slow down with it.
@@ -83,17 +83,17 @@
 //! and goes idle, instead of walking the table. It is *surplus* then, and its next claims
 //! start with that one statement ([`claim_as_surplus`]: buckets first, in the order the
 //! last deep first window ranked them), not with the first window and the heads other
-//! claimers own in it, until one takes rows: measured on 8 relays of 4 workers, 20 hot
-//! keys, first windows read fell from 1,483 to 586 per 200,000 rows. A hot key's backlog
-//! fills only its bucket: the other buckets are read through the
-//! index without passing its rows. How many buckets a claim asks for at once follows how
-//! deep they have been lately ([`BucketDepth`]): one when a bucket fills a batch, several
-//! when the backlog is spread thin.
+//! claimers own in it, until one takes rows: otherwise every surplus claimer reads the
+//! first window again at each look, only to find its heads owned (benchmark S, 20 hot
+//! keys). A hot key's backlog fills only its bucket: the other buckets are read through
+//! the index without passing its rows. How many buckets a claim asks for at once follows
+//! how deep they have been lately ([`BucketDepth`]): one when a bucket fills a batch,
+//! several when the backlog is spread thin.
 //!
 //! # Round trips
 //!
 //! Each statement of a claim waits one round trip to the database, which on a distant
-//! database (another zone: 5-20 ms) is most of a batch's time. Three rules keep them few:
+//! database (another zone: 5-20 ms) is most of a batch's time. Four rules keep them few:
 //!
 //! - *Tails ride along.* The tails of a key this claim owns are locked with its next
 //!   round's heads, and only those not tried yet are left for the last statement (often
@@ -125,13 +125,12 @@
 //! ends; a claimer that owns such a key meets its tail locked and its run stops there,
 //! so that key's next rows wait for a later batch (nothing is skipped: they stay
 //! pending, behind a head). Locking only heads, then the runs behind the heads got, in
-//! one statement was tried and made each pick cost about three times as much
+//! one statement was tried and made each pick much slower
 //! (docs/benchmark.md, *What did not work, and why*).
 //!
-//! Measured with `outbox-bench --distant` (100,000 rows, 4 workers, batches of 500):
-//! 8.5-8.9 round trips per batch before these rules, 4.1-4.4 after the first three
-//! (every connection's, the floor keeper's included), 2.9-3.1 with the fourth and a
-//! batch's `COMMIT` carrying the next claim (`relay::batch`, *Batches that follow on*).
+//! Benchmark L (`outbox-bench --distant`) counts the round trips a batch waits, every
+//! connection's (the floor keeper's included), with these rules and a batch's `COMMIT`
+//! carrying the next claim (`relay::batch`, *Batches that follow on*).
 //!
 //! Throughout, "id" means the table's order column: `id` in the default table, or the
 //! column `[tables.columns] order` names (an integer with a unique index).

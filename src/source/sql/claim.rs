@@ -51,7 +51,7 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     // The per-bucket limit is hidden from the planner, `(SELECT $2)`, as in the generic
     // plan a session keeps after five runs. Seen as a value, in the custom plans of a
     // session's first five picks, a limit near the planner's estimate of a bucket's rows
-    // (it estimates about a tenth of the rows a deep bucket holds) made it read each
+    // (it estimates far fewer rows than a deep bucket holds) made it read each
     // bucket whole, a bitmap scan, and sort it: many times the rows it keeps, read, and
     // a pick several times as slow as in the generic plan. Relays started at once open
     // many sessions, so many of their picks were such first picks. (The relay's sessions
@@ -98,8 +98,7 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         // One statement, so one snapshot: a window read in two statements could see a
         // row's key released in one and not the other, and take a later row for its head.
         // The two parts are materialized and sorted together: as a UNION ALL under a
-        // Merge Append, the same scans ran 3-4x slower in the relay (measured, 300,000
-        // rows, key order).
+        // Merge Append, the same scans ran several times slower in the relay.
         window: format!(
             "WITH {held_keys}, \
              low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \

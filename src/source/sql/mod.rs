@@ -21,11 +21,12 @@ pub const FIRST_WINDOW: i64 = i64::MIN;
 /// one). Written into [`TableSql::advance`] rather than bound, and the stragglers bound as
 /// `(SELECT $2)`: with every value the planner could use fixed or hidden, the look's
 /// custom and generic plans cost the same, so PostgreSQL keeps the generic plan after five
-/// runs instead of planning every look, 40 times a second per relay process and table
-/// while rows flow. (A custom plan saw the usually empty straggler list and costed its
-/// index probe far below the generic plan's, so every look was planned.) The relay's sessions now force the generic plan
-/// (`plan_cache_mode`, see `source::session::settings`); the hidden values keep the plan
-/// the same in a session that does not.
+/// runs instead of planning every look, every tick of the floor's keeper per relay process
+/// and table while rows flow. (A custom plan saw the usually empty straggler list and
+/// costed its index probe far below the generic plan's, so every look was planned.) The
+/// relay's sessions now force the generic plan (`plan_cache_mode`, see
+/// `source::session::settings`); the hidden values keep the plan the same in a session
+/// that does not.
 pub(crate) const LOOK_LIMIT: usize = 1001;
 
 /// Held rows a claim's statement lists at most, with their keys, so that the rows it reads
