@@ -5,11 +5,25 @@
 use super::Shared;
 use crate::source::SourceError;
 
-/// True when no worker is inside a batch and no table that is not paused has a row a
-/// relay could publish.
-pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
+/// What a look at the tables found: whether `drain` is done, and if not, where to look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Left {
+    /// No worker is inside a batch, and no table that is not paused has a row a relay
+    /// could publish.
+    Nothing,
+    /// Table `t` (an index into `Shared::tables`) has a row a relay could publish now.
+    In(usize),
+    /// A worker is inside a batch: its commit says where rows are.
+    Working,
+    /// The look failed: anything may be left.
+    Unknown,
+}
+
+/// Looks for the first table, in configuration order, that is not paused and has a row a
+/// relay could publish; [`Left::Working`] without a look while a worker is inside a batch.
+pub(super) async fn left(shared: &Shared) -> Left {
     if !shared.state.idle() {
-        return false;
+        return Left::Working;
     }
     let check = shared.source.in_transaction(async |tx| {
         for table in &shared.tables {
@@ -17,18 +31,46 @@ pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
                 continue;
             }
             if table.plan.has_publishable(tx).await? {
-                return Ok(false);
+                return Ok(Left::In(table.index));
             }
         }
-        Ok(shared.state.idle())
+        Ok(match shared.state.idle() {
+            true => Left::Nothing,
+            false => Left::Working,
+        })
     });
     match check.await {
-        Ok(done) => done,
+        Ok(left) => left,
         Err(e) => {
             tracing::warn!(error = %e, "Could not check for remaining rows");
-            false
+            Left::Unknown
         }
     }
+}
+
+/// Before the workers start: only the tables that hold a publishable row start due (rule
+/// 7), so a drain among many empty tables does not begin with a claim on each of them from
+/// every worker. If the look fails, every table stays due.
+pub(super) async fn look_first(shared: &Shared) {
+    let look = shared.source.in_transaction(async |tx| {
+        let mut found = Vec::new();
+        for table in &shared.tables {
+            if !shared.wakes.paused(table.index) && table.plan.has_publishable(tx).await? {
+                found.push(table.index);
+            }
+        }
+        Ok(found)
+    });
+    match look.await {
+        Ok(found) => shared.wakes.settle_all_but(&found),
+        Err(e) => tracing::warn!(error = %e, "Could not look for rows before the drain"),
+    }
+}
+
+/// True when no worker is inside a batch and no table that is not paused has a row a
+/// relay could publish.
+pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
+    left(shared).await == Left::Nothing
 }
 
 /// The paused tables that still hold publishable rows, with their pauses.

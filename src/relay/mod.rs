@@ -295,6 +295,10 @@ async fn relay(
         "Relaying"
     );
     pause::apply_pauses(&shared, paused);
+    // Before the floor keepers start: they pace themselves by what it settles.
+    if mode == Mode::Drain {
+        drain::look_first(&shared).await;
+    }
     spawn_background(&shared, mode, background);
 
     let tracker = TaskTracker::new();
@@ -426,6 +430,7 @@ async fn keep_table(shared: Arc<Shared>, t: usize, done: CancellationToken) {
         active: &active,
         poke: shared.wakes.keeper(t),
         lowered: &lowered,
+        idle_tick: (!shared.drain).then_some(floor::IDLE_TICK),
     };
     let keeper = floor::keep(&name, &shared.source, &table.sql, &table.floor, pace, &done);
     let Some(retention) = shared.relay.retention else {

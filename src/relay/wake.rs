@@ -31,12 +31,17 @@
 //!    mark, and writers stop notifying) when its NOTIFYs come faster than
 //!    [`BUSY_NOTIFY_RATE`], and then not marked again for [`CROWD_AWAKE`]; or by a raise
 //!    while it is wanted or pending, a pause or a new LISTEN session.
-//! 7. `drain` has no LISTEN and no poller, and must end: every table starts due, a table
-//!    settled by rule 2 stays settled while other tables keep the workers busy, and a
-//!    round that finds nothing makes every table due again ([`Wakes::rearm`]) unless
-//!    nothing publishable is left. So a busy table among idle ones is claimed back to
-//!    back, not after a look at every idle table, and a row committed to a settled table
-//!    is found by the next round that finds nothing else.
+//! 7. `drain` has no LISTEN and no poller, and must end: the tables a first look finds
+//!    rows in start due ([`Wakes::settle_all_but`]; every table if that look fails), and a
+//!    table settled (then, or by rule 2) stays settled until a look finds rows in it. A round that
+//!    finds nothing, with no worker inside a batch, asks the database for the first table
+//!    (in configuration order) that has a publishable row and makes that one due again
+//!    ([`Wakes::rearm`]; every table when the look fails), or ends the drain when there is
+//!    none. While a worker is inside a batch, its commit says where rows are (rule 1). So
+//!    a busy table among idle ones is claimed back to back, never after a look at every
+//!    idle table, even when its claims find only keys other workers hold, and a row
+//!    committed to a settled table is found by the first look that finds nothing before
+//!    it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -398,10 +403,35 @@ impl Wakes {
         Some(Ticket(raised))
     }
 
-    /// `drain`: every table is due again (rule 7), without waking a worker.
-    pub(crate) fn rearm(&self) {
-        for table in &self.tables {
-            table.raised.fetch_add(1, Ordering::AcqRel);
+    /// `drain`: table `t` is due again (rule 7), or every table with `None`, without
+    /// waking a worker.
+    pub(crate) fn rearm(&self, t: Option<usize>) {
+        let Some(t) = t else {
+            for table in &self.tables {
+                table.raised.fetch_add(1, Ordering::AcqRel);
+            }
+            return;
+        };
+        let table = &self.tables[t];
+        table.raised.fetch_add(1, Ordering::AcqRel);
+        // Its floor keeper may have waited since the table was found empty.
+        *table.last_active.lock().unwrap() = Instant::now();
+        table.keeper.notify_waiters();
+    }
+
+    /// `drain`, before its workers start: every table but those of `due` is settled, as if
+    /// a claim had found it empty (rule 7).
+    /// Their floor keepers wait too (rule 4: not active), until a look finds rows in them.
+    pub(crate) fn settle_all_but(&self, due: &[usize]) {
+        let now = Instant::now();
+        let long_ago = now.checked_sub(ACTIVE_FOR).unwrap_or(now);
+        for (t, table) in self.tables.iter().enumerate() {
+            if !due.contains(&t) {
+                table
+                    .settled
+                    .fetch_max(table.raised.load(Ordering::Acquire), Ordering::AcqRel);
+                *table.last_active.lock().unwrap() = long_ago;
+            }
         }
     }
 
@@ -606,6 +636,26 @@ mod tests {
     }
 
     #[test]
+    fn a_drain_starts_with_only_the_tables_its_first_look_found_rows_in() {
+        let w = Wakes::new(
+            vec![
+                ("public.busy".into(), WakeTrigger::Gated),
+                ("public.idle".into(), WakeTrigger::Gated),
+            ],
+            Duration::from_millis(100),
+            true,
+        );
+        w.settle_all_but(&[0]);
+        let now = Instant::now();
+        assert!(w.begin(0, now).is_some(), "rows were found in it");
+        assert!(w.begin(1, now).is_none(), "empty at the look: not claimed");
+        assert!(!w.active(1), "its floor keeper waits");
+        w.rearm(Some(1));
+        assert!(w.active(1));
+        assert!(w.begin(1, now).is_some(), "a later look found rows in it");
+    }
+
+    #[test]
     fn a_drain_skips_a_table_found_empty_until_a_round_finds_nothing() {
         let w = Wakes::new(
             vec![
@@ -627,9 +677,15 @@ mod tests {
             w.begin(1, later).is_none(),
             "found empty, not looked at again"
         );
-        // A round that found nothing (and rows left somewhere): every table again.
-        w.rearm();
+        // A round that found nothing, and a look that found rows in the idle table: that
+        // table again, not the others.
+        w.found_nothing(0, w.begin(0, later).expect("raised"));
+        w.rearm(Some(1));
         assert!(w.begin(1, later).is_some());
+        assert!(w.begin(0, later).is_none(), "only the table the look found");
+        // A look that failed: every table again.
+        w.rearm(None);
+        assert!(w.begin(0, later).is_some());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use super::batch::{relay_batch, Batch, Ended};
 use super::breaker::BreakerState;
+use super::drain::Left;
 use super::{Shared, TableFailed};
 use crate::error::ErrorClass;
 use crate::retry::Backoff;
@@ -124,13 +125,18 @@ impl Worker {
     async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         let shared = &self.shared;
         if shared.drain {
-            if super::drain::nothing_publishable(shared).await {
-                shared.state.set_drained(true);
-                shared.shutdown.request_stop();
-                return false;
+            // Rows are left, maybe in a table found empty earlier (`wake`, rule 7): that
+            // table is due again, the other settled ones stay settled.
+            match super::drain::left(shared).await {
+                Left::Nothing => {
+                    shared.state.set_drained(true);
+                    shared.shutdown.request_stop();
+                    return false;
+                }
+                Left::In(t) => shared.wakes.rearm(Some(t)),
+                Left::Working => {}
+                Left::Unknown => shared.wakes.rearm(None),
             }
-            // Rows are left, maybe in a table found empty earlier (`wake`, rule 7).
-            shared.wakes.rearm();
         }
         // A table raised after the ticket of the claim that found it empty is still due
         // (`wake`, rule 2): a batch's own "there may be more" comes after the ticket of

@@ -577,14 +577,24 @@ pub(crate) const IDLE_TICK: Duration = Duration::from_secs(5);
 
 /// How fast the keeper goes: a look every [`TICK`] while the table is `active` (rows were
 /// claimed or announced lately; fewer while this process claims little, see *The pace* in
-/// the module doc), else every [`IDLE_TICK`] or at a `poke`. The floor only
-/// saves claims work, so an idle table's floor may wait; its rows are not held back by it.
-/// `lowered` is told when the sweep lowered the floor: a row is pending below it, and
-/// claims should look.
+/// the module doc), else every `idle_tick` ([`IDLE_TICK`] for `run`; never in `drain`,
+/// where an idle table's rows are found by the drain's own look) or at a `poke`. The
+/// floor only saves claims work, so an idle table's floor may wait; its rows are not held
+/// back by it. `lowered` is told when the sweep lowered the floor: a row is pending below
+/// it, and claims should look.
 pub(crate) struct Pace<'a> {
     pub(crate) active: &'a (dyn Fn() -> bool + Sync),
     pub(crate) poke: &'a tokio::sync::Notify,
     pub(crate) lowered: &'a (dyn Fn() + Sync),
+    pub(crate) idle_tick: Option<Duration>,
+}
+
+/// Sleeps for `tick`; never ends without one.
+async fn sleep_some(tick: Option<Duration>) {
+    match tick {
+        Some(tick) => tokio::time::sleep(tick).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Keeps the floor of one table until `done`: a look every tick ([`Pace`]), sweep steps
@@ -628,7 +638,7 @@ pub(crate) async fn keep(
             tokio::select! {
                 _ = done.cancelled() => return,
                 _ = poked => {}
-                _ = tokio::time::sleep(IDLE_TICK) => {}
+                _ = sleep_some(pace.idle_tick) => {}
             }
         }
         let before = floor.value();
