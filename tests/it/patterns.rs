@@ -78,7 +78,8 @@ fn level(line: &str) -> Option<&str> {
 /// granted, as a tenant-creation job would.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_tenant_table_created_while_the_relay_runs_is_found_and_its_rows_arrive_in_key_order() {
-    let env = Env::new(relay().workers(4).section(TENANTS)).await;
+    let addr = format!("127.0.0.1:{}", testkit::free_port());
+    let env = Env::new(relay().workers(4).http(&addr).section(TENANTS)).await;
     let client = env.client().await;
     create_tenant(&client, "tenant_a").await;
     migrate_tenants(&env, &["tenant_a"]).await;
@@ -108,6 +109,12 @@ async fn a_tenant_table_created_while_the_relay_runs_is_found_and_its_rows_arriv
         "a new tenant's table was relayed {found:?} after it was ready; the promise is 10 s"
     );
     assert_eq!(relay.try_wait().unwrap(), None, "{}", log_of(&log)());
+    // Its metrics are the table's own, by name.
+    let (_, metrics) = testkit::http_get(&addr, "/metrics").unwrap();
+    for table in ["tenant_a.outbox", "tenant_b.outbox"] {
+        let published = format!("outbox_relay_rows_published_total{{table=\"{table}\"");
+        assert!(metrics.contains(&published), "{published} in:\n{metrics}");
+    }
 
     terminate_cleanly(&mut relay);
     let sends = sends_so_far(&env.nats, &sent).await;
