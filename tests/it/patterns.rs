@@ -302,3 +302,44 @@ async fn migrate_covers_every_matched_table_and_status_and_check_list_each() {
         text(&out)
     );
 }
+
+/// The patterns reach PostgreSQL as `LIKE` patterns with `_`, `%` and `\` escaped, bound
+/// as values: a `_` or `%` in a pattern is that character, a quote is harmless, and the
+/// catalog agrees with the relay's own matching.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_patterns_literal_underscore_percent_and_quote_match_only_themselves() {
+    let entries = [
+        "\"t_\"?.outbox",
+        "\"p%\"*.outbox",
+        "\"o'k\"*.outbox",
+        "\"B\\\"*.outbox",
+    ];
+    let section: String = (entries.iter())
+        .map(|e| e.replace('\\', "\\\\").replace('"', "\\\""))
+        .map(|e| format!("[[tables]]\nname = \"{e}\"\ntopic = \"{{topic}}\"\n"))
+        .collect();
+    let env = Env::new(relay().section(&section)).await;
+    let client = env.client().await;
+    for schema in [
+        "t_1", "tx1", "t_12", "p%1", "px1", "o'k", "o'kay", "ok", "B\\1", "B1",
+    ] {
+        let quoted = format!("\"{}\"", schema.replace('"', "\"\""));
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {quoted}; CREATE TABLE {quoted}.outbox (id bigint PRIMARY KEY)"
+            ))
+            .await
+            .unwrap();
+    }
+    let out = env.relay(&["check"]);
+    let said = text(&out);
+    for (entry, matched) in [
+        (1, "matches 1: t_1.outbox"),
+        (2, "matches 1: p%1.outbox"),
+        (3, "matches 2: o'k.outbox, o'kay.outbox"),
+        (4, "matches 1: B\\1.outbox"),
+    ] {
+        let line = format!("tables[{entry}] {}: {matched}", entries[entry - 1]);
+        assert!(said.contains(&line), "{line:?} in:\n{said}");
+    }
+}
