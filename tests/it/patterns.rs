@@ -343,3 +343,77 @@ async fn a_patterns_literal_underscore_percent_and_quote_match_only_themselves()
         assert!(said.contains(&line), "{line:?} in:\n{said}");
     }
 }
+
+/// A relay whose only entry is a pattern that matches nothing yet starts, waits, and
+/// relays the first tenant's table once it exists.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_started_before_any_tenant_relays_the_first_one_created() {
+    let env = Env::new(relay().workers(2)).await;
+    let config = std::fs::read_to_string(&env.config).unwrap();
+    let only_pattern = config.replacen("name = \"public.outbox\"", "name = \"tenant_*.outbox\"", 1);
+    std::fs::write(&env.config, only_pattern).unwrap();
+    let client = env.client().await;
+    let (mut relay, log) = env.spawn_run_logged();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(relay.try_wait().unwrap(), None, "{}", log_of(&log)());
+
+    create_tenant(&client, "tenant_a").await;
+    migrate_tenants(&env, &["tenant_a"]).await;
+    let ids = insert(&client, "tenant_a.outbox", 50, 5).await;
+    let took = wait_until(
+        Detailed("the first tenant's rows relayed", log_of(&log)),
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM tenant_a.outbox").await == 0,
+    )
+    .await;
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    terminate_cleanly(&mut relay);
+    let stored = env.stored().await;
+    assert_eq!(analyse(&stored).counts.len(), ids.len());
+}
+
+/// A table that comes to match two entries while the relay runs is left out with one
+/// ERROR naming both entries (an operator must choose); the other tables flow on.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_table_created_matching_two_patterns_while_running_is_left_out_with_one_error() {
+    let both = format!("{TENANTS}[[tables]]\nname = \"*_x.outbox\"\ntopic = \"{{topic}}\"\n");
+    let env = Env::new(relay().workers(2).section(&both)).await;
+    let client = env.client().await;
+    create_tenant(&client, "tenant_a").await;
+    migrate_tenants(&env, &["tenant_a"]).await;
+    let (mut relay, log) = env.spawn_run_logged();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    create_tenant(&client, "tenant_x").await;
+    let errors = |log: &str| -> Vec<String> {
+        (log.lines())
+            .filter(|l| level(l) == Some("ERROR"))
+            .map(str::to_owned)
+            .collect()
+    };
+    wait_until(
+        Detailed("the ERROR naming both entries", log_of(&log)),
+        Duration::from_secs(15),
+        async || !errors(&std::fs::read_to_string(&log).unwrap()).is_empty(),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    insert(&client, "tenant_a.outbox", 10, 2).await;
+    wait_until(
+        Detailed("tenant_a's rows relayed", log_of(&log)),
+        Duration::from_secs(20),
+        async || count(&client, "SELECT count(*) FROM tenant_a.outbox").await == 0,
+    )
+    .await;
+    assert_eq!(relay.try_wait().unwrap(), None, "{}", log_of(&log)());
+    terminate_cleanly(&mut relay);
+    let errors = errors(&std::fs::read_to_string(&log).unwrap());
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    for part in [
+        "tenant_x.outbox",
+        "tables[1] (tenant_*.outbox)",
+        "tables[2] (*_x.outbox)",
+    ] {
+        assert!(errors[0].contains(part), "{part} in {}", errors[0]);
+    }
+}
