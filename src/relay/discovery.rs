@@ -140,8 +140,9 @@ pub(super) async fn next(
 }
 
 /// One line per change from the generation `before` (none: the first) to `after`: a table
-/// found (INFO), a table gone (WARN, unless its worker said so already), a table left out
-/// because its check fails (WARN) or two entries match it (ERROR: an operator must act).
+/// found (INFO), a table gone (WARN, unless its worker said so already; its metrics
+/// series removed), a table left out because its check fails (WARN) or two entries match
+/// it (ERROR: an operator must act).
 pub(super) fn log_changes(before: Option<&Shared>, after: &Prepared, said: &mut Said) {
     let found = &after.found;
     let now: BTreeSet<&TableName> = after.tables.iter().map(|t| &t.config.name).collect();
@@ -159,6 +160,8 @@ pub(super) fn log_changes(before: Option<&Shared>, after: &Prepared, said: &mut 
             if !t.is_gone() && !found.matched.contains(t.name()) {
                 tracing::warn!(table = %t.name(), "Table no longer there; letting it go");
             }
+            let name = t.name().to_string();
+            before.ops.metrics.forget_table(&name, before.sink.name());
         }
     }
     for (table, problems) in &found.left_out {

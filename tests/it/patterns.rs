@@ -152,7 +152,8 @@ async fn a_tenant_table_created_while_the_relay_runs_is_found_and_its_rows_arriv
 /// the relay goes on serving the other tables.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_dropped_tenant_table_is_let_go_with_one_warn_while_the_others_flow() {
-    let env = Env::new(relay().workers(2).section(TENANTS)).await;
+    let addr = format!("127.0.0.1:{}", testkit::free_port());
+    let env = Env::new(relay().workers(2).http(&addr).section(TENANTS)).await;
     let client = env.client().await;
     create_tenant(&client, "tenant_a").await;
     create_tenant(&client, "tenant_b").await;
@@ -197,6 +198,10 @@ async fn a_dropped_tenant_table_is_let_go_with_one_warn_while_the_others_flow() 
     )
     .await;
     assert_eq!(relay.try_wait().unwrap(), None, "{}", log_of(&log)());
+    // Its series are gone from the metrics; the others' are there.
+    let (_, metrics) = testkit::http_get(&addr, "/metrics").unwrap();
+    assert!(!metrics.contains("tenant_b"), "{metrics}");
+    assert!(metrics.contains("table=\"tenant_a.outbox\""), "{metrics}");
     terminate_cleanly(&mut relay);
     let text = std::fs::read_to_string(&log).unwrap();
     assert_eq!(warned(&text), 1, "one WARN for the dropped table:\n{text}");
