@@ -46,7 +46,7 @@ pub(super) async fn resolve(
             ),
         }
     }
-    for problem in ambiguous {
+    for (_, problem) in ambiguous {
         out.push(Level::Fail, "tables by pattern", problem);
     }
     resolved

@@ -153,14 +153,10 @@ pub(crate) async fn prepare_found(
         ..Found::default()
     };
     let (config, ambiguous) = discover::expand(config, matched);
-    if let (true, Some(problem)) = (first, ambiguous.first()) {
+    if let (true, Some((_, problem))) = (first, ambiguous.first()) {
         return Err(SourceError::Config(problem.clone()));
     }
-    found.ambiguous = (found.matched.iter())
-        .filter(|name| !config.tables.iter().any(|t| &t.name == *name))
-        .cloned()
-        .zip(ambiguous)
-        .collect();
+    found.ambiguous = ambiguous;
     let (checked, ()) = tokio::join!(
         table::prepare_each(&source, &config),
         source.warm(config.relay.workers),

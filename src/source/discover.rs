@@ -69,17 +69,12 @@ pub async fn resolve(source: &Source, config: &Config) -> Result<Config, SourceE
     if config.patterns.is_empty() {
         return Ok(config.clone());
     }
-    let found = source
-        .in_transaction(async |tx| matching(tx.client(), &config.patterns).await)
-        .await?;
-    let (config, ambiguous) = expand(config, found);
-    match ambiguous.into_iter().next() {
-        Some(problem) => Err(SourceError::Config(problem)),
-        None => Ok(config),
-    }
+    source
+        .in_transaction(async |tx| resolve_on(tx.client(), config).await)
+        .await
 }
 
-/// [`resolve`] with a client of its own (`migrate`'s session).
+/// [`resolve`] on `client` (`migrate`'s session of its own).
 pub(crate) async fn resolve_on(
     client: &impl GenericClient,
     config: &Config,
@@ -87,15 +82,18 @@ pub(crate) async fn resolve_on(
     let found = matching(client, &config.patterns).await?;
     let (config, ambiguous) = expand(config, found);
     match ambiguous.into_iter().next() {
-        Some(problem) => Err(SourceError::Config(problem)),
+        Some((_, problem)) => Err(SourceError::Config(problem)),
         None => Ok(config),
     }
 }
 
 /// `config` with a copy of its pattern entry for each table `found` (pattern index,
-/// table), but those matched by two entries: they are left out, each with a sentence
-/// naming the table and both entries.
-pub(crate) fn expand(config: &Config, found: Vec<(usize, TableName)>) -> (Config, Vec<String>) {
+/// table), but those matched by two entries: they are left out, each returned with a
+/// sentence naming the table and both entries.
+pub(crate) fn expand(
+    config: &Config,
+    found: Vec<(usize, TableName)>,
+) -> (Config, Vec<(TableName, String)>) {
     let mut by_table: BTreeMap<TableName, Vec<&TableConfig>> = BTreeMap::new();
     for (entry, name) in found {
         by_table
@@ -110,12 +108,15 @@ pub(crate) fn expand(config: &Config, found: Vec<(usize, TableName)>) -> (Config
         let mut all = plain.into_iter().chain(entries.iter().copied());
         let first = all.next().expect("found at least once");
         match all.next() {
-            Some(second) => ambiguous.push(format!(
-                "table {name} is matched by two [[tables]] entries, {} and {}: a table is \
-                 relayed by one entry (narrow a pattern or remove one)",
-                first.entry_name(),
-                second.entry_name()
-            )),
+            Some(second) => {
+                let problem = format!(
+                    "table {name} is matched by two [[tables]] entries, {} and {}: a table is \
+                     relayed by one entry (narrow a pattern or remove one)",
+                    first.entry_name(),
+                    second.entry_name()
+                );
+                ambiguous.push((name, problem));
+            }
             None => tables.push(first.matched(name)),
         }
     }
@@ -173,8 +174,10 @@ mod tests {
         let (expanded, ambiguous) = expand(&c, found);
         let names: Vec<String> = expanded.tables.iter().map(|t| t.name.to_string()).collect();
         assert_eq!(names, ["tenant_b.outbox"]);
+        let problems: Vec<&str> = ambiguous.iter().map(|(_, p)| p.as_str()).collect();
+        assert_eq!(ambiguous[0].0, name("tenant_a.outbox"));
         assert_eq!(
-            ambiguous,
+            problems,
             [
                 "table tenant_a.outbox is matched by two [[tables]] entries, tables[0] \
               (tenant_*.outbox) and tables[1] (*_a.outbox): a table is relayed by one entry \
