@@ -127,14 +127,31 @@ pub(super) async fn next(
     if shared.shutdown.run_stop_token().is_cancelled() {
         return Ok(None);
     }
-    let prepared = start::retry_transient(
-        "PostgreSQL",
-        &shared.shutdown.generation(),
-        SourceError::class,
-        |up| shared.ops.postgres_reachable(up),
-        || start::prepare_found(shared.source.clone(), config, false),
-    )
-    .await?;
+    // A table dropped between the checks and the pause state's read fails the read: the
+    // next look at the catalog no longer finds it. Any other failure persists, and stops
+    // the run as it would at start.
+    let mut attempts = 0;
+    let prepared = loop {
+        let prepared = start::retry_transient(
+            "PostgreSQL",
+            &shared.shutdown.generation(),
+            SourceError::class,
+            |up| shared.ops.postgres_reachable(up),
+            || start::prepare_found(shared.source.clone(), config, false),
+        )
+        .await;
+        attempts += 1;
+        match prepared {
+            Err(RelayError::Source(SourceError::Schema(e))) if attempts < 3 => {
+                tracing::debug!(error = %e, "Tables changed while being prepared; looking again");
+                tokio::select! {
+                    _ = shared.shutdown.run_stop_token().cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(DISCOVERY_INTERVAL) => {}
+                }
+            }
+            prepared => break prepared?,
+        }
+    };
     log_changes(Some(shared), &prepared, said);
     Ok(Some(prepared))
 }
