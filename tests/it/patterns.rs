@@ -298,6 +298,12 @@ async fn migrate_covers_every_matched_table_and_status_and_check_list_each() {
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     let out = env.relay(&["resume", "--table", "tenant_z.outbox"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let out = env.relay(&["requeue", "--table", "tenant_c.outbox", "--waiting"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(text(&out).contains("tenant_c.outbox"), "{}", text(&out));
+    // Several tables: which one must be said.
+    let out = env.relay(&["requeue", "--all"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 
     let out = env.relay(&["drain", "--timeout", "30s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
