@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::start::{self, Background, Found, Prepared};
+use super::start::{self, Background, Found, Matches, Prepared};
 use super::tasks::TaskSet;
 use super::{RelayError, Shared, BACKGROUND_STOP, BACKGROUND_STOP_ABORTED};
 use crate::config::{Config, TableConfig, TableName};
@@ -137,7 +137,7 @@ pub(super) async fn next(
             &shared.shutdown.generation(),
             SourceError::class,
             |up| shared.ops.postgres_reachable(up),
-            || start::prepare_found(shared.source.clone(), config, false),
+            || start::prepare_found(shared.source.clone(), config, Matches::RunLater),
         )
         .await;
         attempts += 1;

@@ -304,7 +304,7 @@ async fn relay(
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let prepared = prepare_tables(config, limits, &shutdown, &background.ops);
+    let prepared = prepare_tables(config, mode, limits, &shutdown, &background.ops);
     let (sink, mut prepared) = tokio::try_join!(sink, prepared)?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
     let otel = match ops::otel::traces_url(&config.tracing) {

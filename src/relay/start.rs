@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pause::PauseState;
 use super::tasks::TaskSet;
-use super::RelayError;
+use super::{Mode, RelayError};
 use crate::config::{Config, TableConfig, TableName};
 use crate::error::ErrorClass;
 use crate::ops::{self, Ops};
@@ -102,10 +102,15 @@ pub(crate) struct Found {
 /// from the database. A table's problems are reported before the pause state's.
 pub(crate) async fn prepare_tables(
     config: &Config,
+    mode: Mode,
     limits: SessionLimits,
     shutdown: &Shutdown,
     ops: &Ops,
 ) -> Result<Prepared, RelayError> {
+    let matches = match mode {
+        Mode::Run => Matches::RunStart,
+        Mode::Drain => Matches::Drain,
+    };
     retry_transient(
         "PostgreSQL",
         shutdown,
@@ -114,7 +119,7 @@ pub(crate) async fn prepare_tables(
         || async {
             let source = Source::open(&config.postgres, limits).await?;
             if !config.patterns.is_empty() {
-                return prepare_found(source, config, true).await;
+                return prepare_found(source, config, matches).await;
             }
             let pauses = PauseState::new(config.tables.iter().map(|t| t.name.clone()).collect());
             let (tables, paused, ()) = tokio::join!(
@@ -136,14 +141,26 @@ pub(crate) async fn prepare_tables(
     .await
 }
 
+/// What [`prepare_found`] does with a matched table it cannot relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Matches {
+    /// `drain`: a table matched twice, or whose check fails, is an error (exit 2, exit 1),
+    /// as a listed table's would be: `drain` exits 0 only when every table is empty.
+    Drain,
+    /// `run` starting: a table matched twice is an error; one whose check fails is left
+    /// out (one tenant's table not migrated yet stops no one) and looked at again.
+    RunStart,
+    /// `run`, a later generation (`discovery`): both are left out, and said so.
+    RunLater,
+}
+
 /// [`prepare_tables`] for a configuration with patterns, on `source`: reads what they
-/// match, checks every table, and leaves out each matched table whose check fails (the
-/// others are relayed: one tenant's table not migrated yet stops no one). `first`: a table
-/// matched by two entries is an error (start-up); later it is left out.
+/// match, checks every table, and (by `matches`) fails on or leaves out a matched table
+/// it cannot relay.
 pub(crate) async fn prepare_found(
     source: Source,
     config: &Config,
-    first: bool,
+    matches: Matches,
 ) -> Result<Prepared, SourceError> {
     let matched = source
         .in_transaction(async |tx| discover::matching(tx.client(), &config.patterns).await)
@@ -153,7 +170,7 @@ pub(crate) async fn prepare_found(
         ..Found::default()
     };
     let (config, ambiguous) = discover::expand(config, matched);
-    if let (true, Some((_, problem))) = (first, ambiguous.first()) {
+    if let (false, Some((_, problem))) = (matches == Matches::RunLater, ambiguous.first()) {
         return Err(SourceError::Config(problem.clone()));
     }
     found.ambiguous = ambiguous;
@@ -165,7 +182,9 @@ pub(crate) async fn prepare_found(
     for (table, checked) in config.tables.iter().zip(checked) {
         match checked {
             Ok(plan) => tables.push(plan),
-            Err(SourceError::Schema(problems)) if table.pattern.is_some() => {
+            Err(SourceError::Schema(problems))
+                if table.pattern.is_some() && matches != Matches::Drain =>
+            {
                 found.left_out.push((table.clone(), problems));
             }
             Err(e) => return Err(e),

@@ -312,6 +312,13 @@ async fn migrate_covers_every_matched_table_and_status_and_check_list_each() {
         "{}",
         text(&out)
     );
+
+    // A matched table that cannot be relayed (created, not migrated) fails a drain, as a
+    // listed one would: exit 0 says every table is empty.
+    create_tenant(&client, "tenant_d").await;
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("tenant_d.outbox"), "{}", text(&out));
 }
 
 /// The patterns reach PostgreSQL as `LIKE` patterns with `_`, `%` and `\` escaped, bound
