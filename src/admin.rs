@@ -11,6 +11,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::config::{Config, TableName};
+use crate::source::discover;
 pub(crate) use crate::source::operator::HeldRow;
 use crate::source::operator::{self, RequeueRows, StatusCounts};
 use crate::source::pause::{self, Paused};
@@ -140,15 +141,18 @@ pub enum AdminError {
     Source(#[from] SourceError),
 }
 
-async fn connect(config: &Config) -> Result<(Source, Vec<TablePlan>), AdminError> {
+/// Opens a session and prepares every configured table, those the patterns match now
+/// included; returns the configuration with them (`tables` lists each by name).
+async fn connect(config: &Config) -> Result<(Source, Config, Vec<TablePlan>), AdminError> {
     let source = Source::open(&config.postgres, SessionLimits::one_shot(&config.postgres)).await?;
-    let tables = table::prepare(&source, config).await?;
-    Ok((source, tables))
+    let config = discover::resolve(&source, config).await?;
+    let tables = table::prepare(&source, &config).await?;
+    Ok((source, config, tables))
 }
 
 /// Every configured table's state.
 pub async fn status(config: &Config) -> Result<Vec<TableStatus>, AdminError> {
-    let (source, tables) = connect(config).await?;
+    let (source, _, tables) = connect(config).await?;
     let names: Vec<TableName> = tables.iter().map(|t| t.config.name.clone()).collect();
     let paused = source
         .in_transaction(async |tx| pause::read(tx, &pause::read_sql(&names), &names).await)
@@ -242,9 +246,9 @@ pub async fn requeue(
     table: Option<&str>,
     which: Requeue,
 ) -> Result<RequeueReport, AdminError> {
-    let index = pick_table(config, table)?;
-    let (source, tables) = connect(config).await?;
-    let table = &tables[index];
+    precheck(config, table, true)?;
+    let (source, config, tables) = connect(config).await?;
+    let table = &tables[pick_table(&config, table)?];
     let waiting = matches!(which, Requeue::Waiting);
     let requeued: Vec<i64> = source
         .in_transaction(async |tx| {
@@ -312,8 +316,9 @@ pub async fn pause(
     table: Option<&str>,
     reason: &str,
 ) -> Result<Vec<PauseReport>, AdminError> {
-    let chosen = chosen_tables(config, table)?;
-    let (source, tables) = connect(config).await?;
+    precheck(config, table, false)?;
+    let (source, config, tables) = connect(config).await?;
+    let chosen = chosen_tables(&config, table)?;
     let by = pause::by_operator();
     let mut out = Vec::new();
     for t in chosen {
@@ -331,8 +336,9 @@ pub async fn pause(
 
 /// Resumes `table`, or every configured table, and wakes idle relays.
 pub async fn resume(config: &Config, table: Option<&str>) -> Result<Vec<PauseReport>, AdminError> {
-    let chosen = chosen_tables(config, table)?;
-    let (source, tables) = connect(config).await?;
+    precheck(config, table, false)?;
+    let (source, config, tables) = connect(config).await?;
+    let chosen = chosen_tables(&config, table)?;
     let mut out = Vec::new();
     for t in chosen {
         let name = &tables[t].config.name;
@@ -355,7 +361,27 @@ fn chosen_tables(config: &Config, table: Option<&str>) -> Result<Vec<usize>, Adm
     }
 }
 
-/// The index of `--table` among the configured tables, or of the only one.
+/// Before any connection: `--table` names a configured table or one a pattern entry may
+/// match; without it, a command that acts on `one` table has one to act on, unless
+/// patterns may match more.
+fn precheck(config: &Config, table: Option<&str>, one: bool) -> Result<(), AdminError> {
+    match table {
+        Some(name) => {
+            let wanted = TableName::parse(name)
+                .map_err(|e| AdminError::Usage(format!("--table {name}: {e}")))?;
+            let patterns = config.patterns.iter().filter_map(|t| t.pattern.as_ref());
+            if patterns.clone().any(|p| p.matches(&wanted)) {
+                return Ok(());
+            }
+            pick_table(config, table).map(|_| ())
+        }
+        None if one && config.patterns.is_empty() => pick_table(config, None).map(|_| ()),
+        None => Ok(()),
+    }
+}
+
+/// The index of `--table` among the configured tables (those patterns matched included,
+/// once resolved), or of the only one.
 fn pick_table(config: &Config, table: Option<&str>) -> Result<usize, AdminError> {
     Ok(match table {
         Some(name) => {
@@ -481,15 +507,15 @@ pub async fn replay(
     dry_run: bool,
     progress: &ReplayProgress,
 ) -> Result<ReplayReport, AdminError> {
-    let index = pick_table(config, table)?;
+    precheck(config, table, true)?;
     if config.relay.on_publish == crate::config::OnPublish::Delete {
         return Err(AdminError::Usage(
             "replay needs relay.on_publish = \"mark\": in delete mode no published row is kept"
                 .to_owned(),
         ));
     }
-    let (source, tables) = connect(config).await?;
-    let table = &tables[index];
+    let (source, config, tables) = connect(config).await?;
+    let table = &tables[pick_table(&config, table)?];
     let name = table.config.name.to_string();
     let replayer = Replayer {
         source: &source,
@@ -634,11 +660,9 @@ impl Replayer<'_> {
     }
 }
 
+/// The configured tables, and the patterns, for a usage error.
 fn table_list(config: &Config) -> String {
-    config
-        .tables
-        .iter()
-        .map(|t| t.name.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+    let tables = config.tables.iter().map(|t| t.name.to_string());
+    let patterns = (config.patterns.iter()).filter_map(|t| Some(t.pattern.as_ref()?.to_string()));
+    tables.chain(patterns).collect::<Vec<_>>().join(", ")
 }

@@ -14,14 +14,16 @@
 //!   ready to relay ([`source::table`]), the SQL (`source::sql`), the key-ordered claim
 //!   (its invariant proved in [`source::claim`], key buckets for many claimers included),
 //!   the claim floor, retention, the `migrate` command ([`source::migrate`]),
-//!   LISTEN/NOTIFY and the sleep marks that gate it (`source::sleepers`), and what to do
-//!   about each error (`source::class`).
+//!   LISTEN/NOTIFY and the sleep marks that gate it (`source::sleepers`), the tables a
+//!   `[[tables]]` pattern matches ([`source::discover`]), and what to do about each error
+//!   (`source::class`).
 //! - [`sink`]: the sink contract (`sink::SinkService`) and one folder per implementation:
 //!   Kafka, NATS JetStream, stdout, memory (tests: the `testing` feature).
 //! - [`relay`]: `run`/`drain`: start-up, the workers, which tables are due for a claim
 //!   (`relay::wake`: idle tables cost next to nothing; `relay::sleep`: the writers notify
 //!   only while a relay sleeps), one batch in phases (claim ->
-//!   publish -> settle -> finalize), per-key publish order (`relay::order`), the circuit
+//!   publish -> settle -> finalize), per-key publish order (`relay::order`), tables found
+//!   by pattern while running (`relay::discovery`: a generation per set of tables), the circuit
 //!   breaker, the run's state and report, and the background tasks it awaits at the end.
 //! - [`shutdown`]: signals -> cancellation-token tree (`stop`, then `abort` at the deadline).
 //! - [`ops`]: metrics, `/healthz` `/readyz`, the probe, drain's progress line, systemd.

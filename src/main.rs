@@ -176,7 +176,8 @@ async fn run_requeue(config: &Config, table: Option<&str>, which: admin::Requeue
 fn admin_error(e: admin::AdminError) -> u8 {
     fail(&e.to_string());
     match e {
-        admin::AdminError::Usage(_) => EXIT_CONFIG,
+        admin::AdminError::Usage(_)
+        | admin::AdminError::Source(outbox_relay::source::SourceError::Config(_)) => EXIT_CONFIG,
         admin::AdminError::Source(_) => EXIT_FAILURE,
     }
 }
@@ -212,6 +213,11 @@ async fn relay_until_stopped(
         Err(relay::RelayError::Unreachable { what, .. }) if mode == Mode::Run => {
             tracing::info!(dependency = %what, "Stopped before it was reached");
             EXIT_OK
+        }
+        // Two [[tables]] entries match one table: a config error only the catalog shows.
+        Err(e @ relay::RelayError::Source(outbox_relay::source::SourceError::Config(_))) => {
+            fail(&e.to_string());
+            EXIT_CONFIG
         }
         Err(e) => {
             fail(&e.to_string());

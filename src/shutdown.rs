@@ -6,6 +6,11 @@
 //!             stop claiming, let in-flight batches finish
 //! ```
 //!
+//! A relay whose tables are found by pattern runs its workers in generations
+//! ([`Shutdown::generation`]): each generation's `stop` is a child of the run's, cancelled
+//! alone ([`Shutdown::end_generation`]) when the set of tables changes, so the workers
+//! finish their batches and a new generation starts with the new set.
+//!
 //! Cancelling `abort` cancels `stop` too. Workers race only their idle wait and their claim
 //! against `stop`; publish -> ack -> mark -> commit runs to its end or to `abort`.
 
@@ -18,6 +23,10 @@ use tokio_util::sync::CancellationToken;
 pub struct Shutdown {
     abort: CancellationToken,
     stop: CancellationToken,
+    /// The run's `stop`: `stop` itself, or for a generation its parent.
+    run: CancellationToken,
+    /// Made by [`Shutdown::generation`].
+    generation: bool,
 }
 
 impl Default for Shutdown {
@@ -30,7 +39,36 @@ impl Shutdown {
     pub fn new() -> Shutdown {
         let abort = CancellationToken::new();
         let stop = abort.child_token();
-        Shutdown { abort, stop }
+        Shutdown {
+            abort,
+            run: stop.clone(),
+            stop,
+            generation: false,
+        }
+    }
+
+    /// A generation of the run's workers: its `stop` fires with the run's, or alone at
+    /// [`Shutdown::end_generation`]; `abort` and [`Shutdown::request_stop`] are the run's.
+    pub(crate) fn generation(&self) -> Shutdown {
+        Shutdown {
+            abort: self.abort.clone(),
+            stop: self.run.child_token(),
+            run: self.run.clone(),
+            generation: true,
+        }
+    }
+
+    /// Ends this generation only: its workers stop claiming and finish their batches.
+    /// Nothing for a run without generations.
+    pub(crate) fn end_generation(&self) {
+        if self.generation {
+            self.stop.cancel();
+        }
+    }
+
+    /// Cancelled when the whole run should stop claiming (not at a generation's end).
+    pub(crate) fn run_stop_token(&self) -> &CancellationToken {
+        &self.run
     }
 
     /// Cancelled when the relay should stop claiming.
@@ -45,6 +83,7 @@ impl Shutdown {
 
     /// First signal: stop claiming, drain what is in flight.
     pub fn request_stop(&self) {
+        self.run.cancel();
         self.stop.cancel();
     }
 
@@ -107,6 +146,21 @@ mod tests {
         assert!(!s.abort_token().is_cancelled());
         tokio::time::sleep(Duration::from_secs(26)).await;
         assert!(s.abort_token().is_cancelled());
+    }
+
+    #[test]
+    fn a_generation_ends_alone_and_stops_with_the_run() {
+        let s = Shutdown::new();
+        s.end_generation();
+        assert!(!s.stop_token().is_cancelled());
+        let first = s.generation();
+        first.end_generation();
+        assert!(first.stop_token().is_cancelled());
+        assert!(!s.stop_token().is_cancelled());
+        let second = s.generation();
+        second.request_stop();
+        assert!(s.stop_token().is_cancelled() && second.stop_token().is_cancelled());
+        assert!(s.generation().stop_token().is_cancelled());
     }
 
     #[test]

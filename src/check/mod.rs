@@ -20,6 +20,7 @@ use tokio_postgres::GenericClient;
 mod durability;
 mod kafka;
 mod nats;
+mod patterns;
 
 /// The longest `check` waits to connect to NATS (the publish timeout, if shorter): a
 /// check must answer soon, and a server that is up answers well within it.
@@ -224,6 +225,7 @@ async fn check_postgres(config: &Config, out: &mut Report) -> Vec<(String, BTree
     if mode == SessionMode::Pooled {
         pooler_findings(config, &target, out);
     }
+    let config = &patterns::resolve(&client, config, out).await;
     let mut subjects = Vec::new();
     for table in &config.tables {
         let subject = format!("table {}", table.name);

@@ -21,6 +21,7 @@ pub(crate) mod headers;
 pub(crate) mod kafka;
 mod names;
 mod nats;
+pub(crate) mod pattern;
 mod pem;
 pub(crate) mod postgres;
 pub(crate) mod raw;
@@ -58,8 +59,12 @@ pub struct Config {
     pub(crate) relay: RelayConfig,
     /// `[sink]`.
     pub sink: SinkConfig,
-    /// `[[tables]]`, at least one, no table twice.
+    /// `[[tables]]` entries that name a table, and (once `source::discover::resolve` has
+    /// read the catalog) one per table a pattern entry matches; no table twice.
     pub tables: Vec<TableConfig>,
+    /// `[[tables]]` entries whose `name` is a pattern (`tenant_*.outbox`): the tables they
+    /// match are found in the catalog, at start and while running.
+    pub(crate) patterns: Vec<TableConfig>,
     /// `[http]`; `None`: no HTTP server.
     pub(crate) http: Option<HttpConfig>,
     /// `[shutdown]`.
@@ -186,7 +191,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
     let relay = relay(raw.relay)?;
     let postgres = postgres::validate(raw.postgres, connection, relay.workers)?;
     let sink = sink(raw.sink)?;
-    let tables = tables::validate(raw.tables, &sink.target)?;
+    let (tables, patterns) = tables::validate(raw.tables, &sink.target)?;
     let http = http(raw.http)?;
     let shutdown = ShutdownConfig {
         drain_timeout: positive("shutdown.drain_timeout", raw.shutdown.drain_timeout)?,
@@ -197,6 +202,7 @@ fn validate(raw: raw::RawConfig) -> Result<Config, ConfigError> {
         relay,
         sink,
         tables,
+        patterns,
         http,
         shutdown,
         tracing,

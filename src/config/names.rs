@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 /// A PostgreSQL identifier as PostgreSQL itself resolves it: unquoted names fold to lower
 /// case, `"Quoted"` names are kept exactly.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Ident(String);
 
 impl Ident {
@@ -81,7 +81,7 @@ impl fmt::Display for Ident {
 }
 
 /// A schema-qualified table name. `outbox` alone means `public.outbox`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct TableName {
     pub(crate) schema: Ident,
     pub(crate) table: Ident,
@@ -103,6 +103,24 @@ impl TableName {
             schema: first,
             table: Ident::parse(second)?,
         })
+    }
+
+    /// A table as the catalog names it (`pg_namespace.nspname`, `pg_class.relname`): kept
+    /// exactly, as a quoted name would be.
+    pub(crate) fn from_catalog(schema: String, table: String) -> TableName {
+        TableName {
+            schema: Ident(schema),
+            table: Ident(table),
+        }
+    }
+
+    /// The name an entry that names a pattern carries until a table matches it (never
+    /// used in SQL: only matched copies of the entry are relayed).
+    pub(super) fn placeholder() -> TableName {
+        TableName {
+            schema: Ident("*".to_owned()),
+            table: Ident("*".to_owned()),
+        }
     }
 
     /// `"schema"."table"`, for SQL.

@@ -4,14 +4,20 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::cloudevents::{self, CloudEvents};
+use super::pattern::TablePattern;
 use super::raw::{RawColumns, RawTable};
 use super::{headers, ConfigError, Ident, SinkTarget, TableName, Template};
 
 /// One `[[tables]]` entry.
 #[derive(Debug, Clone)]
 pub struct TableConfig {
-    /// `name`: the schema-qualified table.
+    /// `name`: the schema-qualified table (for an entry that names a pattern, the matching
+    /// table this copy of the entry is for: see [`TableConfig::matched`]).
     pub(crate) name: TableName,
+    /// Which `[[tables]]` entry this is, counted from 0: errors name it.
+    pub(crate) entry: usize,
+    /// The entry's pattern, when its `name` is one (`tenant_*.outbox`).
+    pub(crate) pattern: Option<Arc<TablePattern>>,
     /// `topic`: the Kafka topic or NATS subject, from literals and columns. Default
     /// `{topic}`.
     pub(crate) topic: Template,
@@ -26,6 +32,24 @@ pub struct TableConfig {
     pub(crate) dead_letter_topic: Option<Template>,
     /// `envelope = "cloudevents"` and `[tables.cloudevents]`; `None`: the payload as is.
     pub(crate) cloudevents: Option<CloudEvents>,
+}
+
+impl TableConfig {
+    /// The entry's settings for `name`, a table its pattern matches.
+    pub(crate) fn matched(&self, name: TableName) -> TableConfig {
+        TableConfig {
+            name,
+            ..self.clone()
+        }
+    }
+
+    /// The entry as errors name it: `tables[2] (tenant_*.outbox)`.
+    pub(crate) fn entry_name(&self) -> String {
+        match &self.pattern {
+            Some(p) => format!("tables[{}] ({p})", self.entry),
+            None => format!("tables[{}] ({})", self.entry, self.name),
+        }
+    }
 }
 
 /// The columns the relay reads and writes. The default is the contract's table
@@ -188,11 +212,13 @@ impl Columns {
     }
 }
 
-/// Validates every `[[tables]]` entry: at least one, none listed twice.
+/// Validates every `[[tables]]` entry: at least one, none listed twice, no table named by
+/// one entry and matched by another's pattern. Returns the entries that name a table, and
+/// those that name a pattern (their `name` is a placeholder until a table matches).
 pub(super) fn validate(
     raw: Vec<RawTable>,
     sink: &SinkTarget,
-) -> Result<Vec<TableConfig>, ConfigError> {
+) -> Result<(Vec<TableConfig>, Vec<TableConfig>), ConfigError> {
     if raw.is_empty() {
         return Err(ConfigError::new(
             "tables",
@@ -202,8 +228,16 @@ pub(super) fn validate(
     let mut tables: Vec<TableConfig> = Vec::new();
     for (i, t) in raw.into_iter().enumerate() {
         let at = |key: &str| format!("tables[{i}].{key}");
-        let name = TableName::parse(&t.name).map_err(|e| ConfigError::new(at("name"), e))?;
-        if tables.iter().any(|other| other.name == name) {
+        let pattern = TablePattern::parse(&t.name).map_err(|e| ConfigError::new(at("name"), e))?;
+        let name = match &pattern {
+            Some(_) => TableName::placeholder(),
+            None => TableName::parse(&t.name).map_err(|e| ConfigError::new(at("name"), e))?,
+        };
+        if pattern.is_none()
+            && tables
+                .iter()
+                .any(|other| other.pattern.is_none() && other.name == name)
+        {
             return Err(ConfigError::new(
                 at("name"),
                 format!("{name} is listed twice"),
@@ -224,6 +258,8 @@ pub(super) fn validate(
         };
         tables.push(TableConfig {
             name,
+            entry: i,
+            pattern: pattern.map(Arc::new),
             topic,
             columns: Columns::from_raw(t.columns, &at("columns"))?,
             header_columns: header_columns(t.header_columns, &at("header_columns"))?,
@@ -236,7 +272,37 @@ pub(super) fn validate(
             cloudevents: cloudevents::validate(t.envelope, t.cloudevents, sink, &at)?,
         });
     }
-    Ok(tables)
+    check_overlap(&tables)?;
+    Ok(tables.into_iter().partition(|t| t.pattern.is_none()))
+}
+
+/// A table named by one entry and matched by another's pattern would be relayed twice
+/// over: refused, naming both entries. (Two patterns that both match a table are found
+/// when the catalog is read: `source::discover`.)
+fn check_overlap(tables: &[TableConfig]) -> Result<(), ConfigError> {
+    for plain in tables.iter().filter(|t| t.pattern.is_none()) {
+        let by = tables
+            .iter()
+            .find(|t| t.pattern.as_ref().is_some_and(|p| p.matches(&plain.name)));
+        if let Some(by) = by {
+            let (first, second) = if by.entry < plain.entry {
+                (by, plain)
+            } else {
+                (plain, by)
+            };
+            return Err(ConfigError::new(
+                format!("tables[{}].name", second.entry),
+                format!(
+                    "table {} is matched by two [[tables]] entries, {} and {}: a table is \
+                     relayed by one entry (narrow the pattern or remove one)",
+                    plain.name,
+                    first.entry_name(),
+                    second.entry_name()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Validates `[tables.header_columns]`; `at` is the key prefix for errors.

@@ -228,6 +228,32 @@ impl Metrics {
         out
     }
 
+    /// Removes every series of `table` (a table found by pattern that was dropped): a
+    /// scrape no longer shows its last backlog as if it were still there.
+    pub(crate) fn forget_table(&self, table: &str, sink: &str) {
+        let with_sink = Self::table_sink(table, sink);
+        for family in [&self.published, &self.failed, &self.dead, &self.replayed] {
+            family.remove(&with_sink);
+        }
+        self.publish_seconds.remove(&with_sink);
+        self.batch_seconds.remove(&with_sink);
+        let label = TableLabel {
+            table: table.to_owned(),
+        };
+        self.retention_deleted.remove(&label);
+        self.valve_paused.remove(&label);
+        self.delivery_lag.remove(&label);
+        for family in [
+            &self.waiting_retry,
+            &self.backlog,
+            &self.dead_tuples,
+            &self.table_paused,
+        ] {
+            family.remove(&label);
+        }
+        self.oldest_age_seconds.remove(&label);
+    }
+
     /// One table's batch metrics, looked up once: a batch then updates them without
     /// building label strings or searching a family.
     pub(crate) fn table_meters(&self, table: &str, sink: &str) -> TableMeters {

@@ -26,7 +26,7 @@ pub(super) async fn left(shared: &Shared) -> Left {
         return Left::Working;
     }
     let check = shared.source.in_transaction(async |tx| {
-        for table in &shared.tables {
+        for table in shared.tables.iter().filter(|t| !t.is_gone()) {
             if shared.wakes.paused(table.index) {
                 continue;
             }
@@ -76,7 +76,7 @@ pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
 /// The paused tables that still hold publishable rows, with their pauses.
 pub(super) async fn paused_left(shared: &Shared) -> Vec<(String, crate::source::pause::Paused)> {
     let mut left = Vec::new();
-    for table in &shared.tables {
+    for table in shared.tables.iter().filter(|t| !t.is_gone()) {
         let Some(paused) = shared.pauses.of(table.index) else {
             continue;
         };
@@ -99,7 +99,7 @@ pub(super) async fn waiting(shared: &Shared) -> Option<(i64, String)> {
     let read = shared.source.in_transaction(async |tx| {
         let mut total = 0;
         let mut next: Option<(f64, String)> = None;
-        for table in &shared.tables {
+        for table in shared.tables.iter().filter(|t| !t.is_gone()) {
             let waiting = table.plan.waiting(tx).await?;
             total += waiting.rows;
             if let Some((text, secs)) = waiting.next {

@@ -8,6 +8,7 @@
 
 mod batch;
 mod breaker;
+mod discovery;
 mod drain;
 mod envelope;
 mod error;
@@ -23,6 +24,7 @@ mod valve;
 mod wake;
 mod worker;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -44,6 +46,7 @@ pub use error::{RelayError, TableFailed};
 use start::Background;
 use start::{connect_sink, prepare_tables};
 use state::RunState;
+use tasks::TaskSet;
 
 /// What a run or drain achieved.
 #[derive(Debug, Clone, Default)]
@@ -70,8 +73,9 @@ pub struct Report {
 /// What the workers share: the dependencies, the run's settings and its state.
 struct Shared {
     source: Source,
-    sink: Sink,
-    /// The run's tables, in the configuration's order.
+    sink: Arc<Sink>,
+    /// The run's tables, in the configuration's order (those patterns matched after the
+    /// others, see `discovery`).
     tables: Vec<RunTable>,
     relay: RelayConfig,
     publish_timeout: Duration,
@@ -86,9 +90,18 @@ struct Shared {
     valve: Option<valve::Valve>,
     breaker: breaker::Breaker,
     ops: Arc<Ops>,
-    state: RunState,
+    /// The run's, across generations (`discovery`).
+    state: Arc<RunState>,
     /// Trace spans, when exported.
-    otel: Otel,
+    otel: Arc<Otel>,
+}
+
+/// What every generation of a run's workers shares (see `discovery`): the sink, the span
+/// exporter and the run's state.
+struct RunWide {
+    sink: Arc<Sink>,
+    otel: Arc<Otel>,
+    state: Arc<RunState>,
 }
 
 /// One of the run's tables, as a batch carries it from the claim to the commit: its plan
@@ -103,6 +116,8 @@ struct RunTable {
     /// Its batch metrics, from its first batch on (a series appears once it has something
     /// to say).
     meters: OnceLock<TableMeters>,
+    /// A table a pattern matched was dropped: claims leave it alone (`Shared::let_go`).
+    gone: AtomicBool,
 }
 
 impl RunTable {
@@ -114,7 +129,13 @@ impl RunTable {
             plan,
             rate,
             meters: OnceLock::new(),
+            gone: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the table was let go (dropped while relayed, see `Shared::let_go`).
+    fn is_gone(&self) -> bool {
+        self.gone.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The table's name, as the configuration gives it.
@@ -132,7 +153,7 @@ impl Shared {
     fn new(
         config: &Config,
         mode: Mode,
-        (source, sink, ops, otel): (Source, Sink, Arc<Ops>, Otel),
+        (source, ops, run): (Source, Arc<Ops>, &RunWide),
         (tables, pauses): (Vec<TablePlan>, pause::PauseState),
         shutdown: &Shutdown,
     ) -> Shared {
@@ -149,7 +170,7 @@ impl Shared {
         let valve = valve::Valve::new(config.relay.bad_row_valve, tables.len());
         Shared {
             source,
-            sink,
+            sink: run.sink.clone(),
             tables: tables
                 .into_iter()
                 .enumerate()
@@ -164,8 +185,8 @@ impl Shared {
             valve,
             breaker: breaker::Breaker::default(),
             ops,
-            state: RunState::default(),
-            otel,
+            state: run.state.clone(),
+            otel: run.otel.clone(),
         }
     }
 
@@ -175,6 +196,22 @@ impl Shared {
             let name = table.name().to_string();
             self.ops.metrics.table_meters(&name, self.sink.name())
         })
+    }
+
+    /// Lets table `t` go if `error` says it was dropped and a pattern matched it: one WARN,
+    /// no more claims from it, and the next generation starts without it (`discovery`).
+    /// False for any other error, which stays what it was.
+    fn let_go(&self, t: usize, error: &batch::BatchError) -> bool {
+        let table = &self.tables[t];
+        let dropped = matches!(error, batch::BatchError::Source(e) if e.is_missing_relation());
+        if !(dropped && table.plan.config.pattern.is_some()) {
+            return false;
+        }
+        if !table.gone.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(table = %table.name(), %error, "Table dropped; letting it go");
+            self.shutdown.end_generation();
+        }
+        true
     }
 
     /// Records a fatal error and stops the relay.
@@ -256,6 +293,8 @@ async fn stop_background(
 
 /// Connects the sink (`sink`) and prepares the tables at once: neither needs the other,
 /// and each waits out its own transient failures; the first to fail for good ends both.
+/// Then runs the workers: in one generation, or (`run` with tables found by pattern) in one
+/// per set of tables (`discovery`).
 async fn relay(
     config: &Config,
     mode: Mode,
@@ -265,14 +304,8 @@ async fn relay(
 ) -> Result<Report, RelayError> {
     let started = Instant::now();
     let limits = SessionLimits::relay(&config.postgres, config.sink.publish_timeout);
-    let prepared = prepare_tables(config, limits, &shutdown, &background.ops);
-    let (sink, prepared) = tokio::try_join!(sink, prepared)?;
-    let start::Prepared {
-        source,
-        tables,
-        pauses,
-        paused,
-    } = prepared;
+    let prepared = prepare_tables(config, mode, limits, &shutdown, &background.ops);
+    let (sink, mut prepared) = tokio::try_join!(sink, prepared)?;
     shutdown.arm_deadline(config.shutdown.drain_timeout);
     let otel = match ops::otel::traces_url(&config.tracing) {
         None => Otel::off(),
@@ -283,9 +316,63 @@ async fn relay(
                 .map_err(RelayError::TracingTask)??
         }
     };
-    let dependencies = (source, sink, background.ops.clone(), otel);
-    let tables = (tables, pauses);
-    let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &shutdown));
+    let run = RunWide {
+        sink: Arc::new(sink),
+        otel: Arc::new(otel),
+        state: Arc::default(),
+    };
+    let watch = mode == Mode::Run && !config.patterns.is_empty();
+    let mut said = discovery::Said::default();
+    discovery::log_changes(None, &prepared, &mut said);
+    loop {
+        let (generation, tasks) = match watch {
+            true => (
+                shutdown.generation(),
+                Some(discovery::Tasks::new(background)),
+            ),
+            false => (shutdown.clone(), None),
+        };
+        let found = std::mem::take(&mut prepared.found);
+        let start::Prepared {
+            source,
+            tables,
+            pauses,
+            paused,
+            ..
+        } = prepared;
+        let dependencies = (source, background.ops.clone(), &run);
+        let tables = (tables, pauses);
+        let shared = Arc::new(Shared::new(config, mode, dependencies, tables, &generation));
+        pause::apply_pauses(&shared, paused);
+        // Before the floor keepers start: they pace themselves by what it settles.
+        if mode == Mode::Drain {
+            drain::look_first(&shared).await;
+        }
+        let (set, done) = match &tasks {
+            Some(t) => (&t.set, &t.done),
+            None => (&background.tasks, &background.done),
+        };
+        spawn_background(&shared, mode, set, done);
+        if watch {
+            let (s, d) = (shared.clone(), done.clone());
+            let patterns = config.patterns.clone();
+            set.spawn("table discovery", discovery::watch(s, patterns, found, d));
+        }
+        run_workers(&shared, config, mode, limits).await;
+        let next = match tasks {
+            Some(tasks) => discovery::next(&shared, config, tasks, &mut said).await?,
+            None => None,
+        };
+        match next {
+            Some(next) => prepared = next,
+            None => return finish(&shared, mode, started).await,
+        }
+    }
+}
+
+/// Runs the workers (and the LISTEN task and the breaker's prober) of one generation until
+/// they stop.
+async fn run_workers(shared: &Arc<Shared>, config: &Config, mode: Mode, limits: SessionLimits) {
     tracing::info!(
         tables = shared.tables.len(),
         workers = config.relay.workers,
@@ -294,14 +381,8 @@ async fn relay(
         ?mode,
         "Relaying"
     );
-    pause::apply_pauses(&shared, paused);
-    // Before the floor keepers start: they pace themselves by what it settles.
-    if mode == Mode::Drain {
-        drain::look_first(&shared).await;
-    }
-    spawn_background(&shared, mode, background);
-
     let tracker = TaskTracker::new();
+    let stop = shared.shutdown.stop_token().clone();
     // A drain looks at every table in every round (`wake`), so NOTIFY would tell it
     // nothing: it opens no LISTEN session (one backend fewer per drain; eight drains
     // started at once open 48 sessions instead of 56).
@@ -310,12 +391,11 @@ async fn relay(
             config.postgres.for_listen(),
             limits,
             shared.wakes.clone(),
-            shutdown.stop_token().clone(),
+            stop.clone(),
         ));
     }
     {
         let shared = shared.clone();
-        let stop = shutdown.stop_token().clone();
         tracker.spawn(async move {
             shared
                 .breaker
@@ -323,14 +403,27 @@ async fn relay(
                 .await
         });
     }
-    for lane in 0..config.relay.workers {
+    // No table yet (a pattern that matches none): the workers wait for the next generation.
+    let workers = if shared.tables.is_empty() {
+        0
+    } else {
+        config.relay.workers
+    };
+    for lane in 0..workers {
         let shared = shared.clone();
         tracker.spawn(worker::Worker { lane, shared }.run());
     }
     tracker.close();
     ops::notify_ready();
-    wait_for_workers(&shared, &tracker).await;
-    flush_sink(&shared).await;
+    if workers == 0 {
+        shared.shutdown.stop_token().cancelled().await;
+    }
+    wait_for_workers(shared, &tracker).await;
+}
+
+/// After the last generation: flushes the sink and the spans, and reports.
+async fn finish(shared: &Arc<Shared>, mode: Mode, started: Instant) -> Result<Report, RelayError> {
+    flush_sink(shared).await;
     if shared.otel.is_on() {
         let shared = shared.clone();
         let _ = tokio::task::spawn_blocking(move || shared.otel.shutdown(OTEL_FLUSH)).await;
@@ -338,15 +431,14 @@ async fn relay(
     if let Some(failed) = shared.state.take_fatal() {
         return Err(failed.into());
     }
-    Ok(report(&shared, mode, started).await)
+    Ok(report(shared, mode, started).await)
 }
 
 /// Tasks that outlive the workers, stopped by `done` after them and awaited by
 /// [`stop_background`]: the probe, the floor's keeper and retention per table, the pause,
 /// connection and availability followers, drain's progress line on a terminal, the systemd watchdog,
 /// and the STOPPING notification.
-fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
-    let (tasks, done) = (&background.tasks, &background.done);
+fn spawn_background(shared: &Arc<Shared>, mode: Mode, tasks: &TaskSet, done: &CancellationToken) {
     let progress = mode == Mode::Drain && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let (s, d) = (shared.clone(), done.clone());
     tasks.spawn("probe", async move {
@@ -412,7 +504,7 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, background: &Background) {
         // `done` too: a run that ends without a stop (a failed start) has nothing to notify.
         tokio::select! {
             biased;
-            _ = s.shutdown.stop_token().cancelled() => {}
+            _ = s.shutdown.run_stop_token().cancelled() => {}
             _ = d.cancelled() => return,
         }
         s.ops.health.set_stopping();

@@ -3,6 +3,7 @@
 //! backoff while it answers with a transient failure (a database or broker still
 //! starting), for as long as `stop` allows (`drain --timeout` bounds start-up too).
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::pause::PauseState;
 use super::tasks::TaskSet;
-use super::RelayError;
-use crate::config::Config;
+use super::{Mode, RelayError};
+use crate::config::{Config, TableConfig, TableName};
 use crate::error::ErrorClass;
 use crate::ops::{self, Ops};
 use crate::retry::Backoff;
@@ -19,12 +20,12 @@ use crate::shutdown::Shutdown;
 use crate::sink::{Sink, SinkError};
 use crate::source::pause::Paused;
 use crate::source::table::{self, TablePlan};
-use crate::source::{SessionLimits, Source, SourceError};
+use crate::source::{discover, SessionLimits, Source, SourceError};
 
 /// Runs `attempt` until it succeeds, fails for good, or `shutdown` stops the wait (during
 /// an attempt too); failures `class` calls transient are retried with backoff. `reached`
 /// hears whether each attempt got an answer.
-async fn retry_transient<T, E, F, Fut>(
+pub(super) async fn retry_transient<T, E, F, Fut>(
     what: &str,
     shutdown: &Shutdown,
     class: fn(&E) -> ErrorClass,
@@ -76,6 +77,21 @@ pub(crate) struct Prepared {
     pub(crate) pauses: PauseState,
     /// The pause state as first read, for every table in order.
     pub(crate) paused: Vec<Option<Paused>>,
+    /// What the patterns matched (see [`Found`]).
+    pub(crate) found: Found,
+}
+
+/// The tables the `[[tables]]` patterns matched when a generation was prepared.
+#[derive(Debug, Default)]
+pub(crate) struct Found {
+    /// Every table matched, relayed or not.
+    pub(crate) matched: BTreeSet<TableName>,
+    /// Matched tables left out because their check failed (a tenant's table created but
+    /// not migrated yet), with the problems: looked at again at each discovery.
+    pub(crate) left_out: Vec<(TableConfig, String)>,
+    /// Matched tables left out because two entries match them, with the sentence that
+    /// says so.
+    pub(crate) ambiguous: Vec<(TableName, String)>,
 }
 
 /// Opens the pool (learning how sessions get their settings), checks every table and
@@ -86,10 +102,15 @@ pub(crate) struct Prepared {
 /// from the database. A table's problems are reported before the pause state's.
 pub(crate) async fn prepare_tables(
     config: &Config,
+    mode: Mode,
     limits: SessionLimits,
     shutdown: &Shutdown,
     ops: &Ops,
 ) -> Result<Prepared, RelayError> {
+    let matches = match mode {
+        Mode::Run => Matches::RunStart,
+        Mode::Drain => Matches::Drain,
+    };
     retry_transient(
         "PostgreSQL",
         shutdown,
@@ -97,6 +118,9 @@ pub(crate) async fn prepare_tables(
         |up| ops.postgres_reachable(up),
         || async {
             let source = Source::open(&config.postgres, limits).await?;
+            if !config.patterns.is_empty() {
+                return prepare_found(source, config, matches).await;
+            }
             let pauses = PauseState::new(config.tables.iter().map(|t| t.name.clone()).collect());
             let (tables, paused, ()) = tokio::join!(
                 table::prepare(&source, config),
@@ -110,10 +134,71 @@ pub(crate) async fn prepare_tables(
                 tables,
                 pauses,
                 paused,
+                found: Found::default(),
             })
         },
     )
     .await
+}
+
+/// What [`prepare_found`] does with a matched table it cannot relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Matches {
+    /// `drain`: a table matched twice, or whose check fails, is an error (exit 2, exit 1),
+    /// as a listed table's would be: `drain` exits 0 only when every table is empty.
+    Drain,
+    /// `run` starting: a table matched twice is an error; one whose check fails is left
+    /// out (one tenant's table not migrated yet stops no one) and looked at again.
+    RunStart,
+    /// `run`, a later generation (`discovery`): both are left out, and said so.
+    RunLater,
+}
+
+/// [`prepare_tables`] for a configuration with patterns, on `source`: reads what they
+/// match, checks every table, and (by `matches`) fails on or leaves out a matched table
+/// it cannot relay.
+pub(crate) async fn prepare_found(
+    source: Source,
+    config: &Config,
+    matches: Matches,
+) -> Result<Prepared, SourceError> {
+    let matched = source
+        .in_transaction(async |tx| discover::matching(tx.client(), &config.patterns).await)
+        .await?;
+    let mut found = Found {
+        matched: matched.iter().map(|(_, name)| name.clone()).collect(),
+        ..Found::default()
+    };
+    let (config, ambiguous) = discover::expand(config, matched);
+    if let (false, Some((_, problem))) = (matches == Matches::RunLater, ambiguous.first()) {
+        return Err(SourceError::Config(problem.clone()));
+    }
+    found.ambiguous = ambiguous;
+    let (checked, ()) = tokio::join!(
+        table::prepare_each(&source, &config),
+        source.warm(config.relay.workers),
+    );
+    let mut tables = Vec::new();
+    for (table, checked) in config.tables.iter().zip(checked) {
+        match checked {
+            Ok(plan) => tables.push(plan),
+            Err(SourceError::Schema(problems))
+                if table.pattern.is_some() && matches != Matches::Drain =>
+            {
+                found.left_out.push((table.clone(), problems));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let pauses = PauseState::new(tables.iter().map(|t| t.config.name.clone()).collect());
+    let paused = pauses.read(&source).await?;
+    Ok(Prepared {
+        source,
+        tables,
+        pauses,
+        paused,
+        found,
+    })
 }
 
 /// Connects the configured sink, waiting out transient failures.

@@ -170,6 +170,9 @@ impl Worker {
         let mut throttled: Option<Duration> = None;
         for k in 0..tables {
             let t = (*next + k) % tables;
+            if shared.tables[t].is_gone() {
+                continue;
+            }
             let Some(ticket) = shared.wakes.begin(t, std::time::Instant::now()) else {
                 continue;
             };
@@ -212,6 +215,7 @@ impl Worker {
                     shared.state.set_aborted();
                     return Round::Exit;
                 }
+                Err(e) if shared.let_go(t, &e) => continue,
                 Err(e) if e.class() == ErrorClass::Fatal => {
                     let table = shared.tables[t].name().to_string();
                     shared.fail(TableFailed::new(table, e));

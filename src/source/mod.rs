@@ -7,6 +7,7 @@
 
 pub mod claim;
 mod class;
+pub mod discover;
 pub(crate) mod floor;
 mod hosts;
 pub(crate) mod listen;
@@ -58,6 +59,10 @@ pub enum SourceError {
     /// The table is missing, lacks a column or has one of an unusable type.
     #[error("{0}")]
     Schema(String),
+    /// A configuration problem only the catalog reveals: a table matched by two
+    /// `[[tables]]` entries (exit 2).
+    #[error("invalid config: {0}")]
+    Config(String),
     /// TLS could not be set up (a certificate or key file unreadable since start-up).
     #[error("PostgreSQL TLS: {0}")]
     Tls(#[from] tls::TlsError),
@@ -70,15 +75,29 @@ impl SourceError {
         match self {
             SourceError::Timeout(_) => true,
             SourceError::Db(e) => e.code().is_none(),
-            SourceError::Pool(_) | SourceError::Schema(_) | SourceError::Tls(_) => false,
+            SourceError::Pool(_)
+            | SourceError::Schema(_)
+            | SourceError::Config(_)
+            | SourceError::Tls(_) => false,
         }
+    }
+
+    /// Whether the statement named a table or schema that is not there (any more):
+    /// `undefined_table` or `invalid_schema_name`.
+    pub(crate) fn is_missing_relation(&self) -> bool {
+        use tokio_postgres::error::SqlState;
+        matches!(self, SourceError::Db(e)
+            if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME))
     }
 
     pub(crate) fn class(&self) -> ErrorClass {
         match self {
             SourceError::Db(e) => class::classify(e),
             SourceError::Pool(_) | SourceError::Timeout(_) => ErrorClass::Transient,
-            SourceError::Schema(_) | SourceError::Tls(_) => ErrorClass::Fatal,
+            SourceError::Schema(_) | SourceError::Config(_) | SourceError::Tls(_) => {
+                ErrorClass::Fatal
+            }
         }
     }
 }

@@ -29,7 +29,16 @@ pub struct TablePlan {
 /// table's checks wait about four round trips, and a relay of 50 tables 10 ms from its
 /// database would otherwise spend 2 s on them before its first claim.
 pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
-    use futures_util::{StreamExt as _, TryStreamExt as _};
+    prepare_each(source, config).await.into_iter().collect()
+}
+
+/// [`prepare`], each table's outcome on its own, in the configuration's order: a relay
+/// leaves out a table a pattern matched whose check fails, and relays the others.
+pub(crate) async fn prepare_each(
+    source: &Source,
+    config: &Config,
+) -> Vec<Result<TablePlan, SourceError>> {
+    use futures_util::StreamExt as _;
     let checks: Vec<_> = config
         .tables
         .iter()
@@ -37,7 +46,7 @@ pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>,
         .collect();
     futures_util::stream::iter(checks)
         .buffered(TABLES_AT_ONCE)
-        .try_collect()
+        .collect()
         .await
 }
 

@@ -421,3 +421,20 @@ fn sink_input_refused_only_at_connect_before_is_a_config_error_exit_2() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A table named by one entry and matched by another's pattern is refused before any
+/// connection, naming the table and both entries; so is a pattern that is not one.
+#[test]
+fn a_table_named_and_matched_by_a_pattern_is_a_config_error_naming_both_entries() {
+    assert_config_error(
+        &format!("{VALID}[[tables]]\nname = \"public.out*\"\n"),
+        &[],
+        "tables[1].name: table public.outbox is matched by two [[tables]] entries, tables[0] \
+         (public.outbox) and tables[1] (public.out*)",
+    );
+    assert_config_error(
+        &format!("{VALID}[[tables]]\nname = \"tenant-*.outbox\"\n"),
+        &[],
+        "tables[1].name:",
+    );
+}

@@ -32,6 +32,7 @@ mod nats_cluster;
 mod nats_relay;
 mod ops;
 mod ordering;
+mod patterns;
 mod pgbouncer;
 mod pgbouncer_harness;
 mod recovery;
