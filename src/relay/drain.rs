@@ -19,28 +19,33 @@ pub(super) enum Left {
     Unknown,
 }
 
+/// How many sessions a look at the tables uses at once.
+const LOOK_SESSIONS: usize = 2;
+
 /// Looks for the first table, in configuration order, that is not paused and has a row a
 /// relay could publish; [`Left::Working`] without a look while a worker is inside a batch.
+/// One worker looks at a time: the others, which found nothing too, wait for its answer
+/// rather than ask the same of every table beside it (after a look that found nothing the
+/// drain is stopping, and they return [`Left::Working`] to stop with it).
 pub(super) async fn left(shared: &Shared) -> Left {
+    let _one = shared.drain_look.lock().await;
+    if shared.shutdown.stop_token().is_cancelled() {
+        return Left::Working;
+    }
+    look_left(shared).await
+}
+
+/// [`left`]'s look, whoever else looks.
+async fn look_left(shared: &Shared) -> Left {
     if !shared.state.idle() {
         return Left::Working;
     }
-    let check = shared.source.in_transaction(async |tx| {
-        for table in shared.tables.iter().filter(|t| !t.is_gone()) {
-            if shared.wakes.paused(table.index) {
-                continue;
-            }
-            if table.plan.has_publishable(tx).await? {
-                return Ok(Left::In(table.index));
-            }
-        }
-        Ok(match shared.state.idle() {
-            true => Left::Nothing,
-            false => Left::Working,
-        })
-    });
-    match check.await {
-        Ok(left) => left,
+    match publishable(shared, true).await {
+        Ok(found) => match found.first() {
+            Some(&t) => Left::In(t),
+            None if shared.state.idle() => Left::Nothing,
+            None => Left::Working,
+        },
         Err(e) => {
             tracing::warn!(error = %e, "Could not check for remaining rows");
             Left::Unknown
@@ -52,25 +57,47 @@ pub(super) async fn left(shared: &Shared) -> Left {
 /// 7), so a drain among many empty tables does not begin with a claim on each of them from
 /// every worker. If the look fails, every table stays due.
 pub(super) async fn look_first(shared: &Shared) {
-    let look = shared.source.in_transaction(async |tx| {
-        let mut found = Vec::new();
-        for table in &shared.tables {
-            if !shared.wakes.paused(table.index) && table.plan.has_publishable(tx).await? {
-                found.push(table.index);
-            }
-        }
-        Ok(found)
-    });
-    match look.await {
+    match publishable(shared, false).await {
         Ok(found) => shared.wakes.settle_all_but(&found),
         Err(e) => tracing::warn!(error = %e, "Could not look for rows before the drain"),
     }
 }
 
+/// The tables, not paused and not let go, that hold a row a relay could publish, in
+/// configuration order; with `first`, only the first of them. The tables are shared out
+/// in runs among [`LOOK_SESSIONS`] sessions, each looking in one transaction.
+async fn publishable(shared: &Shared, first: bool) -> Result<Vec<usize>, SourceError> {
+    let tables: Vec<&super::RunTable> = (shared.tables.iter())
+        .filter(|t| !t.is_gone() && !shared.wakes.paused(t.index))
+        .collect();
+    let run = tables.len().div_ceil(LOOK_SESSIONS).max(1);
+    let looks = tables.chunks(run).map(|tables| {
+        shared.source.in_transaction(async move |tx| {
+            let mut found = Vec::new();
+            for table in tables {
+                if table.plan.has_publishable(tx).await? {
+                    found.push(table.index);
+                    if first {
+                        break;
+                    }
+                }
+            }
+            Ok(found)
+        })
+    });
+    let found = futures_util::future::try_join_all(looks).await?;
+    // Runs in order, each in order: the first found is the first table with rows.
+    let mut found: Vec<usize> = found.into_iter().flatten().collect();
+    if first {
+        found.truncate(1);
+    }
+    Ok(found)
+}
+
 /// True when no worker is inside a batch and no table that is not paused has a row a
 /// relay could publish.
 pub(super) async fn nothing_publishable(shared: &Shared) -> bool {
-    left(shared).await == Left::Nothing
+    look_left(shared).await == Left::Nothing
 }
 
 /// The paused tables that still hold publishable rows, with their pauses.

@@ -94,6 +94,8 @@ struct Shared {
     state: Arc<RunState>,
     /// Trace spans, when exported.
     otel: Arc<Otel>,
+    /// `drain`: held by the worker looking for rows left (`drain::left`).
+    drain_look: tokio::sync::Mutex<()>,
 }
 
 /// What every generation of a run's workers shares (see `discovery`): the sink, the span
@@ -187,6 +189,7 @@ impl Shared {
             ops,
             state: run.state.clone(),
             otel: run.otel.clone(),
+            drain_look: tokio::sync::Mutex::new(()),
         }
     }
 
