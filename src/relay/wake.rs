@@ -635,16 +635,21 @@ mod tests {
         assert!(drain.poll_tickets().iter().all(Option::is_none));
     }
 
-    #[test]
-    fn a_drain_starts_with_only_the_tables_its_first_look_found_rows_in() {
-        let w = Wakes::new(
+    /// A drain's wake-ups of two tables: `public.busy` (0) and `public.idle` (1).
+    fn busy_and_idle_drain() -> Wakes {
+        Wakes::new(
             vec![
                 ("public.busy".into(), WakeTrigger::Gated),
                 ("public.idle".into(), WakeTrigger::Gated),
             ],
             Duration::from_millis(100),
             true,
-        );
+        )
+    }
+
+    #[test]
+    fn a_drain_starts_with_only_the_tables_its_first_look_found_rows_in() {
+        let w = busy_and_idle_drain();
         w.settle_all_but(&[0]);
         let now = Instant::now();
         assert!(w.begin(0, now).is_some(), "rows were found in it");
@@ -657,14 +662,7 @@ mod tests {
 
     #[test]
     fn a_drain_skips_a_table_found_empty_until_a_round_finds_nothing() {
-        let w = Wakes::new(
-            vec![
-                ("public.busy".into(), WakeTrigger::Gated),
-                ("public.idle".into(), WakeTrigger::Gated),
-            ],
-            Duration::from_millis(100),
-            true,
-        );
+        let w = busy_and_idle_drain();
         let now = Instant::now();
         assert!(w.begin(0, now).is_some(), "every table starts due");
         w.found_nothing(1, w.begin(1, now).expect("every table starts due"));
