@@ -78,8 +78,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "1,8,32,64",
           value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) writers: Vec<u32>,
-    /// With `--scale`: only these of S, R, I, E3 and M (comma-separated, e.g. `S,E3`; M,
-    /// a busy table among 49 and 499 idle ones, only when named).
+    /// With `--scale`: only these of S, R, I, E3, M and I500 (comma-separated, e.g. `S,E3`;
+    /// M, a busy table among 49 and 499 idle ones, and I500, 500 idle tables, only when
+    /// named).
     #[arg(long, value_name = "PARTS", default_value = "S,R,I,E3")]
     pub(crate) scale_parts: String,
 }

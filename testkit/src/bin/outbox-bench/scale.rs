@@ -10,10 +10,12 @@
 //!   that commit to the stream holding every row, as a ratio to 1 x 4. No process
 //!   start-up or exit is in its timing, which S's drains pay once per relay.
 //! - I. Idle tables: `outbox-relay run` watching 1, 10 and 50 quiet tables (NOTIFY
-//!   trigger installed), and 50 without it (polling only); over 15 s after start-up, the
-//!   cores the relay and every PostgreSQL process used and the transactions per second
-//!   PostgreSQL counted; then the wake-up: a row in a random table, from commit to the
-//!   consumer, 20 times.
+//!   trigger installed), and 50 without it (polling only), and 500 with the trigger when
+//!   `I500` is named; start-up is timed from the process's start to the stream holding the
+//!   one row each table held (every table's first claim); over 15 s after that, the cores
+//!   the relay and every PostgreSQL process used and the transactions per second
+//!   PostgreSQL counted, and the series one `/metrics` scrape returns; then the wake-up: a
+//!   row in a random table, from commit to the consumer, 20 times.
 //! - E3. A held snapshot and a new process: one session holds a REPEATABLE READ snapshot,
 //!   300,000 rows (10,000 keys, 200-byte payloads) are drained by one `drain` (4 workers,
 //!   batches of 1,000); the table is analyzed empty, as autovacuum does after such a
@@ -21,7 +23,8 @@
 //!   deleted rows VACUUM cannot remove, with no ANALYZE between the fill and the drain.
 //! - M. One busy table among idle ones: a `drain` (4 workers, batches of 500) of 200,000
 //!   rows over 2,000 keys, alone and with 49 (then 499) empty tables configured after it,
-//!   alternated, two rounds each; the rate with them as a ratio to the rate alone.
+//!   alternated, two rounds each; then the same as R measures it (`run`, ready before the
+//!   rows commit at once); the rate with them as a ratio to the rate alone.
 
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -114,6 +117,17 @@ pub(crate) struct Idle {
     pub(crate) xact_per_sec: f64,
     pub(crate) wake_p50_ms: f64,
     pub(crate) wake_p99_ms: f64,
+    /// From the process's start to every table's first row in the stream.
+    pub(crate) startup_secs: f64,
+    /// Samples in one `/metrics` scrape (lines that are not comments).
+    pub(crate) series: usize,
+}
+
+/// M's rates: each round's (alone, among them), for `drain` and for `run`.
+pub(crate) struct Among {
+    pub(crate) idle: usize,
+    pub(crate) drain: Vec<(f64, f64)>,
+    pub(crate) run: Vec<(f64, f64)>,
 }
 
 /// What `--scale` measured.
@@ -124,8 +138,8 @@ pub(crate) struct Scale {
     pub(crate) idle: Vec<Idle>,
     /// E3: the first drain's rate, the new process's rate.
     pub(crate) history: (f64, f64),
-    /// M: idle tables, and each round's (alone, among them) drain rates.
-    pub(crate) among: Vec<(usize, Vec<(f64, f64)>)>,
+    /// M: for 49 and 499 idle tables.
+    pub(crate) among: Vec<Among>,
 }
 
 /// CPU seconds so far of some processes (summed) and of every PostgreSQL process: two
@@ -422,7 +436,7 @@ impl Bench {
                     self.drains_at_once(relays, workers, 500, S_ROWS).await?
                 }
                 Part::Running => {
-                    self.running_replicas(relays, workers, 500, S_ROWS, keys)
+                    self.running_replicas(relays, workers, 500, S_ROWS, keys, &[])
                         .await?
                 }
             };
@@ -478,6 +492,7 @@ impl Bench {
         batch: usize,
         rows: i64,
         keys: i64,
+        idle: &[String],
     ) -> Result<Drained> {
         self.reset_nats().await?;
         let stats = self.pg.connect("app").await?;
@@ -486,13 +501,15 @@ impl Bench {
         stats
             .batch_execute("TRUNCATE public.outbox; ANALYZE public.outbox")
             .await?;
-        let tables = ["public.outbox".to_owned()];
+        let mut tables = vec!["public.outbox".to_owned()];
+        tables.extend_from_slice(idle);
         let mut configs = Vec::new();
         for i in 0..relays {
             let (http, addr) = http_section();
-            let path = self
-                .dir
-                .join(format!("running-{relays}x{workers}-{i}.toml"));
+            let path = self.dir.join(format!(
+                "running-{relays}x{workers}-{i}-{}.toml",
+                idle.len()
+            ));
             std::fs::write(&path, self.scale_config(workers, batch, &tables) + &http)?;
             configs.push((path, addr));
         }
@@ -656,21 +673,41 @@ impl Bench {
         })
     }
 
-    /// I: `outbox-relay run` on `n` empty tables.
+    /// I: `outbox-relay run` on `n` tables, each holding one row at start, then quiet.
     async fn idle(&self, n: usize, notify: bool) -> Result<Idle> {
         let client = self.pg.connect("app").await?;
         let tables: Vec<String> = (0..n).map(|i| format!("public.idle_{i}")).collect();
         let path = self.dir.join(format!("idle-{n}.toml"));
         // A long-running relay serves its metrics, as a sidecar or unit does: the gauges it
         // reads for them are part of its idle cost.
-        let (http, _) = http_section();
+        let (http, addr) = http_section();
         std::fs::write(&path, self.scale_config(4, 500, &tables) + &http)?;
         self.migrate(&path, notify)?;
+        for t in &tables {
+            client
+                .execute(
+                    &format!(
+                        "INSERT INTO {t} (topic, key, payload) VALUES ('bench.start', 's', 'x')"
+                    ),
+                    &[],
+                )
+                .await?;
+        }
         self.reset_nats().await?;
         let nc = async_nats::connect(self.nats.url()).await?;
-        let mut sub = nc.subscribe("bench.>").await?;
+        let mut sub = nc.subscribe("bench.wake").await?;
+        let js = async_nats::jetstream::new(self.nats.client().await?);
+        let started = Instant::now();
         let mut relay = self.spawn_relay("run", &path)?;
-        // Start-up: connections, schema checks, the first claims.
+        // Start-up: connections, schema checks, every table's first claim.
+        while (stored_so_far(&js).await as usize) < n {
+            if started.elapsed() > Duration::from_secs(120) {
+                bail!("{n} tables: their first rows were not all in the stream within 120 s");
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let startup_secs = started.elapsed().as_secs_f64();
+        // The tables that just published count as active for a moment; then all are quiet.
         tokio::time::sleep(Duration::from_secs(5)).await;
         let (cpu0, x0) = (Cpu::now(&[relay.id()]), Self::xacts(&client).await?);
         let t0 = Instant::now();
@@ -680,6 +717,13 @@ impl Bench {
         let used = Cpu::now(&[relay.id()]).since(cpu0);
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let x1 = Self::xacts(&client).await?;
+        let scrape = tokio::task::spawn_blocking(move || testkit::http_get(&addr, "/metrics"))
+            .await??
+            .1;
+        let series = scrape
+            .lines()
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .count();
         let mut wakes = Vec::new();
         for i in 0..20u64 {
             let t = &tables[(i as usize * 7 + 3) % n];
@@ -712,30 +756,46 @@ impl Bench {
             xact_per_sec: (x1 - x0) as f64 / secs,
             wake_p50_ms: percentile(&wakes, 0.5),
             wake_p99_ms: percentile(&wakes, 0.99),
+            startup_secs,
+            series,
         })
     }
 
     /// M: one drain of 1 x 4 on [`M_ROWS`] rows over 2,000 keys, alone and with `n` empty
-    /// tables configured after it, alternated, [`M_ROUNDS`] rounds: (alone, among) rates.
-    async fn busy_among_idle(&self, n: usize) -> Result<Vec<(f64, f64)>> {
+    /// tables configured after it, alternated, [`M_ROUNDS`] rounds; then as many rounds of
+    /// one `run` of 1 x 4, ready before the rows commit at once (as R), alone and among them.
+    async fn busy_among_idle(&self, n: usize) -> Result<Among> {
         let idle: Vec<String> = (0..n).map(|i| format!("public.idle_{i}")).collect();
         let path = self.dir.join(format!("among-{n}.toml"));
         std::fs::write(&path, self.scale_config(4, 500, &idle))?;
         self.migrate(&path, true)?;
-        let mut rounds = Vec::new();
+        let mut among = Among {
+            idle: n,
+            drain: Vec::new(),
+            run: Vec::new(),
+        };
         for _ in 0..M_ROUNDS {
             self.fill(M_ROWS, 2_000, 200).await?;
             let alone = self.drains_among(1, 4, 500, M_ROWS, &[]).await?.rate;
             self.fill(M_ROWS, 2_000, 200).await?;
-            let among = self.drains_among(1, 4, 500, M_ROWS, &idle).await?.rate;
-            eprintln!("    M. {n} idle tables: {alone:.0} rows/s alone, {among:.0} among them");
-            rounds.push((alone, among));
+            let with = self.drains_among(1, 4, 500, M_ROWS, &idle).await?.rate;
+            eprintln!(
+                "    M. drain, {n} idle tables: {alone:.0} rows/s alone, {with:.0} among them"
+            );
+            among.drain.push((alone, with));
+        }
+        for _ in 0..M_ROUNDS {
+            let run = |idle| self.running_replicas(1, 4, 500, M_ROWS, 2_000, idle);
+            let alone = run(&[]).await?.rate;
+            let with = run(&idle).await?.rate;
+            eprintln!("    M. run, {n} idle tables: {alone:.0} rows/s alone, {with:.0} among them");
+            among.run.push((alone, with));
         }
         let client = self.pg.connect("app").await?;
         for t in &idle {
             client.batch_execute(&format!("DROP TABLE {t}")).await?;
         }
-        Ok(rounds)
+        Ok(among)
     }
 
     /// E3: a first drain, then a new process's drain behind the first's deleted rows with
@@ -782,17 +842,20 @@ impl Bench {
             Vec::new()
         };
         let mut idle = Vec::new();
-        let idle_shapes: &[(usize, bool)] = if part("I") {
-            &[(1, true), (10, true), (50, true), (50, false)]
+        let mut idle_shapes: Vec<(usize, bool)> = if part("I") {
+            vec![(1, true), (10, true), (50, true), (50, false)]
         } else {
-            &[]
+            Vec::new()
         };
-        for &(n, notify) in idle_shapes {
+        if part("I500") {
+            idle_shapes.push((500, true));
+        }
+        for (n, notify) in idle_shapes {
             let row = self.idle(n, notify).await?;
             eprintln!(
-                "    I. {n} tables (notify {notify}): relay {:.3} + PostgreSQL {:.3} cores, \
-                 {:.0} transactions/s",
-                row.relay_cores, row.pg_cores, row.xact_per_sec
+                "    I. {n} tables (notify {notify}): started in {:.2} s; relay {:.3} + \
+                 PostgreSQL {:.3} cores, {:.0} transactions/s",
+                row.startup_secs, row.relay_cores, row.pg_cores, row.xact_per_sec
             );
             idle.push(row);
         }
@@ -804,7 +867,7 @@ impl Bench {
         let mut among = Vec::new();
         if part("M") {
             for n in [49, 499] {
-                among.push((n, self.busy_among_idle(n).await?));
+                among.push(self.busy_among_idle(n).await?);
             }
         }
         Ok(Scale {
@@ -828,33 +891,38 @@ pub(crate) fn print(scale: &Scale) {
         &scale.running,
     );
     println!("\n### I. Idle tables: `outbox-relay run`, nothing written, {IDLE_SECS} s\n");
-    println!("| tables | NOTIFY | relay (cores) | PostgreSQL (cores) | transactions/s | wake-up p50 | p99 |");
-    println!("|---:|---|---:|---:|---:|---:|---:|");
+    println!("| tables | NOTIFY | start-up | relay (cores) | PostgreSQL (cores) | transactions/s | wake-up p50 | p99 | metrics series |");
+    println!("|---:|---|---:|---:|---:|---:|---:|---:|---:|");
     for i in &scale.idle {
         println!(
-            "| {} | {} | {:.3} | {:.3} | {:.0} | {:.1} ms | {:.1} ms |",
+            "| {} | {} | {:.2} s | {:.3} | {:.3} | {:.0} | {:.1} ms | {:.1} ms | {} |",
             i.tables,
             if i.notify { "yes" } else { "no (polling)" },
+            i.startup_secs,
             i.relay_cores,
             i.pg_cores,
             i.xact_per_sec,
             i.wake_p50_ms,
-            i.wake_p99_ms
+            i.wake_p99_ms,
+            i.series
         );
     }
     if !scale.among.is_empty() {
         println!(
-            "\n### M. One busy table among idle ones: `drain`, 1 x 4, {M_ROWS} rows over 2,000 keys, NATS, key order\n"
+            "\n### M. One busy table among idle ones: 1 x 4, {M_ROWS} rows over 2,000 keys, NATS, key order\n"
         );
-        println!("| idle tables | round | alone (rows/s) | among them (rows/s) | ratio |");
-        println!("|---:|---:|---:|---:|---:|");
-        for (n, rounds) in &scale.among {
-            for (i, (alone, among)) in rounds.iter().enumerate() {
-                println!(
-                    "| {n} | {} | {alone:.0} | {among:.0} | {:.2} |",
-                    i + 1,
-                    among / alone
-                );
+        println!("| idle tables | mode | round | alone (rows/s) | among them (rows/s) | ratio |");
+        println!("|---:|---|---:|---:|---:|---:|");
+        for among in &scale.among {
+            for (mode, rounds) in [("drain", &among.drain), ("run", &among.run)] {
+                for (i, (alone, with)) in rounds.iter().enumerate() {
+                    println!(
+                        "| {} | {mode} | {} | {alone:.0} | {with:.0} | {:.2} |",
+                        among.idle,
+                        i + 1,
+                        with / alone
+                    );
+                }
             }
         }
     }
