@@ -1,70 +1,19 @@
-//! What an outbox table looks like in the catalog, and whether the relay can use it.
+//! The catalog's answers for every table at once: one statement per kind of question
+//! (see the parent module), each turned back into each table's problems.
 //!
-//! The checks ask about every table at once ([`inspect_all`]): each kind of question
-//! (schema, columns, unique order column, claim indexes, privileges, the relay's own
-//! tables, the wake-up trigger) is one statement over arrays of the tables' names, one
-//! element per table or per (table, item), unrolled by `unnest(...) WITH ORDINALITY` and
-//! answered one row per element in their order. A relay of 500 tables asks the same eight
-//! statements as a relay of one, where about 14 a table (7,000, 0.7 s before its first
-//! claim) were asked before.
-//!
-//! Three round trips, as for one table: the schemas first (in a schema this role may not
-//! use, `to_regclass` raises an error, so its tables are asked nothing more), then the
-//! columns (the questions after them ask only about columns that exist), then the rest,
-//! sent together (tokio-postgres pipelines the statements a client is asked at once).
-//! Every statement is an unnamed one with its parameters' types (`query_typed`): parsed,
-//! bound and run in one round trip, with no session state, so it works behind a pooler
-//! in transaction mode.
+//! Each statement asks its question of every element of its `text[]` parameters (all of
+//! one length), and answers one row per element, in their order (`q.n`), except
+//! [`COLUMNS_SQL`] (a row per column). Names are quoted identifiers, looked up with
+//! `to_regclass`: NULL, not an error, for a relation that does not exist.
 
 use std::collections::HashMap;
 
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{GenericClient, Row};
 
-use super::SourceError;
-use crate::config::{Ident, OnPublish, OptionalColumn, RelayConfig, TableConfig};
-
-/// How the payload column is turned into message bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PayloadType {
-    /// Sent as stored.
-    Bytea,
-    /// `text`, `varchar`, `json` or `jsonb`: sent as its UTF-8 text.
-    Text,
-}
-
-/// The parts of a table's catalog entry the relay's SQL depends on.
-#[derive(Debug, Clone)]
-pub(crate) struct TableShape {
-    pub(crate) payload: PayloadType,
-    /// The headers column, when the table has one.
-    pub(crate) headers: Option<Ident>,
-    /// The creation-time column, when the table has one.
-    pub(crate) created_at: Option<Ident>,
-    /// Which wake-up trigger the table has.
-    pub(crate) wake: WakeTrigger,
-}
-
-/// The trigger that wakes idle relays when rows of a table commit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WakeTrigger {
-    /// None (`migrate --no-notify`, or disabled): relays poll the table.
-    None,
-    /// A previous release's `outbox_relay_notify`: every INSERT statement notifies.
-    Every,
-    /// `outbox_relay_wake`: an INSERT notifies while a relay is asleep on the table
-    /// ([`super::sleepers`]).
-    Gated,
-}
-
-/// A table's outcome: the shape the relay's statements are built for, or every problem
-/// found, each a sentence saying what to fix.
-pub(crate) type Inspection = Result<TableShape, Vec<String>>;
-
-// Each statement below asks its question of every element of its `text[]` parameters
-// (all of one length), and answers one row per element, in their order (`q.n`), except
-// COLUMNS_SQL (a row per column). Names are quoted identifiers, looked up with
-// `to_regclass`: NULL, not an error, for a relation that does not exist.
+use super::super::SourceError;
+use super::{by_table, index_name, merge, Found, WakeTrigger, CLAIM_INDEXES};
+use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 
 /// Whether each schema `$1` exists (NULL when it does not) and this role may use it
 /// (looked up in the catalog, so a schema this role cannot use is reported, not raised as
@@ -177,48 +126,9 @@ pub(crate) async fn order_is_unique(
     Ok(orders_unique(client, &[table]).await?[0])
 }
 
-/// Every problem found with each of `tables`, in their order (see [`Inspection`]); each
-/// table's problems the same, and in the same order, as if it were asked about alone.
-pub(crate) async fn inspect_all(
-    client: &impl GenericClient,
-    tables: &[&TableConfig],
-    relay: &RelayConfig,
-) -> Result<Vec<Inspection>, SourceError> {
-    let usable = check_schemas(client, tables).await?;
-    let found = find_columns(client, usable).await?;
-    let checked = {
-        let asked: Vec<&Found> = found.iter().filter_map(|f| f.as_ref().ok()).collect();
-        check_found(client, &asked, relay).await?
-    };
-    Ok(merge(found, checked))
-}
-
-/// `earlier`, each table still `Ok` in it replaced by its outcome in `later` (one for each,
-/// in order).
-fn merge<T, U>(
-    earlier: Vec<Result<T, Vec<String>>>,
-    later: Vec<Result<U, Vec<String>>>,
-) -> Vec<Result<U, Vec<String>>> {
-    let mut later = later.into_iter();
-    earlier
-        .into_iter()
-        .map(|e| e.and_then(|_| later.next().expect("an outcome for each table asked")))
-        .collect()
-}
-
-/// `problems`, each with its table's place among `n` tables, gathered by table (each
-/// table's in the order given).
-fn by_table(n: usize, problems: impl IntoIterator<Item = (usize, String)>) -> Vec<Vec<String>> {
-    let mut by = vec![Vec::new(); n];
-    for (i, problem) in problems {
-        by[i].push(problem);
-    }
-    by
-}
-
 /// Each of `tables`, or the problem with its schema: one that does not exist, or that
 /// this role may not use.
-async fn check_schemas<'a>(
+pub(super) async fn check_schemas<'a>(
     client: &impl GenericClient,
     tables: &[&'a TableConfig],
 ) -> Result<Vec<Result<&'a TableConfig, Vec<String>>>, SourceError> {
@@ -249,15 +159,9 @@ async fn check_schemas<'a>(
         .collect())
 }
 
-/// A table that exists, with its columns' types (name -> type name).
-struct Found<'a> {
-    table: &'a TableConfig,
-    types: HashMap<String, String>,
-}
-
 /// Each of the tables still `Ok` in `tables` with its columns, or the problem that it
 /// does not exist.
-async fn find_columns<'a>(
+pub(super) async fn find_columns<'a>(
     client: &impl GenericClient,
     tables: Vec<Result<&'a TableConfig, Vec<String>>>,
 ) -> Result<Vec<Result<Found<'a>, Vec<String>>>, SourceError> {
@@ -288,47 +192,9 @@ async fn find_columns<'a>(
     Ok(merge(tables, found))
 }
 
-/// Checks the columns of each of the tables `found`, then asks the questions left, which
-/// do not depend on each other's answers: sent together, they share a round trip.
-async fn check_found(
-    client: &impl GenericClient,
-    found: &[&Found<'_>],
-    relay: &RelayConfig,
-) -> Result<Vec<Inspection>, SourceError> {
-    let (shapes, mut problems): (Vec<_>, Vec<_>) = found
-        .iter()
-        .map(|f| {
-            let mut problems = Vec::new();
-            let shape = check_columns(&f.types, f.table, relay, &mut problems);
-            (shape, problems)
-        })
-        .unzip();
-    let (unique, indexes, privileges, relay_tables, (wakes, wake_problems)) = futures_util::try_join!(
-        unique_problems(client, found),
-        check_indexes(client, found),
-        check_privileges(client, found, relay),
-        check_relay_tables(client, found),
-        wake_triggers(client, found),
-    )?;
-    for more in [unique, indexes, privileges, relay_tables, wake_problems] {
-        for (problems, more) in problems.iter_mut().zip(more) {
-            problems.extend(more);
-        }
-    }
-    Ok(shapes
-        .into_iter()
-        .zip(problems)
-        .zip(wakes)
-        .map(|((shape, problems), wake)| match shape {
-            Some(shape) if problems.is_empty() => Ok(TableShape { wake, ..shape }),
-            _ => Err(problems),
-        })
-        .collect())
-}
-
 /// The tables `found` whose order column has no unique values by an index (not asked
 /// about, nor reported, when the column is missing: that is reported already).
-async fn unique_problems(
+pub(super) async fn unique_problems(
     client: &impl GenericClient,
     found: &[&Found<'_>],
 ) -> Result<Vec<Vec<String>>, SourceError> {
@@ -358,167 +224,9 @@ async fn unique_problems(
     ))
 }
 
-/// Checks every column the configuration names against the table's columns (`types`:
-/// name -> type name) and returns the shape, or `None` when a problem was pushed.
-fn check_columns(
-    types: &HashMap<String, String>,
-    table: &TableConfig,
-    relay: &RelayConfig,
-    problems: &mut Vec<String>,
-) -> Option<TableShape> {
-    let before = problems.len();
-    let c = &table.columns;
-    let mut expect = |column: &str, role: &str, allowed: &[&str]| -> Option<String> {
-        let problem = column_problem(types, table, column, role, allowed);
-        let ty = problem.is_none().then(|| types[column].clone());
-        problems.extend(problem);
-        ty
-    };
-    let integers = &["int8", "int4", "int2"][..];
-    let times = &["timestamptz", "timestamp"][..];
-    if c.order == c.id {
-        expect(c.id.as_str(), "message id and order", integers);
-    } else {
-        expect(c.id.as_str(), "message id", &[]);
-        expect(c.order.as_str(), "order", integers);
-    }
-    expect(c.key.as_str(), "ordering key", &[]);
-    let payload = expect(
-        c.payload.as_str(),
-        "message body",
-        &["bytea", "text", "varchar", "json", "jsonb"],
-    );
-    // An optional column left at its default name is used only if the table has it.
-    let mut optional = |column: &OptionalColumn, role: &str, allowed: &[&str]| match column {
-        OptionalColumn::Off => None,
-        OptionalColumn::Default(name) if !types.contains_key(name.as_str()) => None,
-        OptionalColumn::Default(name) | OptionalColumn::Named(name) => {
-            expect(name.as_str(), role, allowed).map(|_| name.clone())
-        }
-    };
-    let headers = optional(&c.headers, "message headers", &["jsonb", "json"]);
-    let created_at = optional(&c.created_at, "creation time", times);
-    expect(c.attempts.as_str(), "failed attempts", integers);
-    expect(c.last_error.as_str(), "last error", &["text", "varchar"]);
-    expect(c.dead_at.as_str(), "dead-letter time", times);
-    expect(
-        c.next_attempt_at.as_str(),
-        "next attempt time, added by migrate 0002",
-        times,
-    );
-    let published_role = match relay.on_publish {
-        OnPublish::Mark => "publish time, set in mark mode",
-        OnPublish::Delete => "publish time",
-    };
-    expect(c.published_at.as_str(), published_role, times);
-    check_mapped_columns(types, table, problems);
-    // (A mapped creation-time column that is missing is reported above.)
-    if relay.retention.is_some()
-        && created_at.is_none()
-        && !matches!(c.created_at, OptionalColumn::Named(_))
-    {
-        problems.push(format!(
-            "table {}: relay.retention needs a creation-time column to tell where the old rows \
-             end, and this table has none: map tables.columns.created_at to a timestamptz \
-             column written at insert (e.g. `created_at timestamptz NOT NULL DEFAULT now()`), \
-             or remove relay.retention",
-            table.name
-        ));
-    }
-    let payload = match payload.as_deref() {
-        Some("bytea") => PayloadType::Bytea,
-        _ => PayloadType::Text,
-    };
-    (problems.len() == before).then_some(TableShape {
-        payload,
-        headers,
-        created_at,
-        wake: WakeTrigger::None,
-    })
-}
-
-/// Checks the columns the templates and the header mapping name (any type will do).
-fn check_mapped_columns(
-    types: &HashMap<String, String>,
-    table: &TableConfig,
-    problems: &mut Vec<String>,
-) {
-    let mut expect = |column: &str, role: &str| {
-        problems.extend(column_problem(types, table, column, role, &[]));
-    };
-    for column in table.topic.columns() {
-        expect(column.as_str(), "used in the topic template");
-    }
-    for (header, column) in &table.header_columns {
-        expect(column.as_str(), &format!("copied to header {header}"));
-    }
-    for column in table.dead_letter_topic.iter().flat_map(|d| d.columns()) {
-        expect(column.as_str(), "used in the dead_letter_topic template");
-    }
-    for column in table.cloudevents.iter().flat_map(|ce| ce.columns()) {
-        expect(column.as_str(), "used in a cloudevents template");
-    }
-}
-
-/// What is wrong with `column` (playing `role`), if anything: missing, or of a type not in
-/// `allowed` (any type when empty).
-fn column_problem(
-    types: &HashMap<String, String>,
-    table: &TableConfig,
-    column: &str,
-    role: &str,
-    allowed: &[&str],
-) -> Option<String> {
-    let c = &table.columns;
-    // `migrate` adds the bookkeeping columns; every other column is the application's.
-    let bookkeeping = [
-        &c.published_at,
-        &c.attempts,
-        &c.last_error,
-        &c.dead_at,
-        &c.next_attempt_at,
-    ];
-    match types.get(column) {
-        None if bookkeeping.iter().any(|b| b.as_str() == column) => Some(format!(
-            "table {}: column {column} ({role}) is missing: run `outbox-relay migrate`, \
-             which adds it",
-            table.name
-        )),
-        None => Some(format!(
-            "table {}: column {column} ({role}) is missing, and only the application \
-             can add it (migrate adds the relay's bookkeeping columns only): add the \
-             column in the application's schema migration, or change the config to \
-             name a column the table has ([[tables]] topic, [tables.columns], \
-             [tables.header_columns])",
-            table.name
-        )),
-        Some(ty) if !allowed.is_empty() && !allowed.contains(&ty.as_str()) => Some(format!(
-            "table {}: column {column} ({role}) has type {ty}; use one of {}",
-            table.name,
-            allowed.join(", ")
-        )),
-        Some(_) => None,
-    }
-}
-
-/// The quoted name of the table's index with `suffix` (`pending_idx`, ...): the name
-/// `migrate` builds it under, and the one the start-up check looks for.
-pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
-    super::name_for(&table.name, suffix)
-}
-
-/// The indexes every claim relies on, by suffix: without one of them a claim scans the
-/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub(crate) const CLAIM_INDEXES: &[(&str, &str)] = &[
-    ("pending_idx", "pending rows in order (migration 0001)"),
-    ("held_idx", "rows that hold back their key (migration 0002)"),
-    ("retry_idx", "rows with a failure history (migration 0003)"),
-    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
-];
-
 /// The claim indexes `migrate` builds, of each of the tables `found`: missing or invalid
 /// ones are problems.
-async fn check_indexes(
+pub(super) async fn check_indexes(
     client: &impl GenericClient,
     found: &[&Found<'_>],
 ) -> Result<Vec<Vec<String>>, SourceError> {
@@ -571,7 +279,7 @@ fn holds(row: &Row, privileges: &str) -> bool {
 /// Exactly what the relay's statements need of each of the tables `found`
 /// (migrations/outbox_relay_role.sql grants it): SELECT, DELETE in delete mode or with
 /// retention, and UPDATE of the bookkeeping columns only.
-async fn check_privileges(
+pub(super) async fn check_privileges(
     client: &impl GenericClient,
     found: &[&Found<'_>],
     relay: &RelayConfig,
@@ -675,7 +383,7 @@ const RATES: RelayTable = (
 
 /// The relay's own tables in the schema of each of the tables `found`, there and usable
 /// by this role: [`PAUSES`], and with `max_rate` [`RATES`].
-async fn check_relay_tables(
+pub(super) async fn check_relay_tables(
     client: &impl GenericClient,
     found: &[&Found<'_>],
 ) -> Result<Vec<Vec<String>>, SourceError> {
@@ -689,7 +397,7 @@ async fn check_relay_tables(
                     i,
                     f.table,
                     needed,
-                    super::schema_table(&f.table.name, needed.0),
+                    super::super::schema_table(&f.table.name, needed.0),
                 )
             })
         })
@@ -728,19 +436,19 @@ async fn check_relay_tables(
 /// Which wake-up trigger each of the tables `found` has enabled (this release's when both
 /// are there), and what keeps the relay from using it: with this release's trigger, the
 /// relay marks itself asleep in the schema's `outbox_relay_sleepers`
-/// ([`super::sleepers`]).
-async fn wake_triggers(
+/// ([`super::super::sleepers`]).
+pub(super) async fn wake_triggers(
     client: &impl GenericClient,
     found: &[&Found<'_>],
 ) -> Result<(Vec<WakeTrigger>, Vec<Vec<String>>), SourceError> {
     let names: Vec<String> = found.iter().map(|f| f.table.name.quoted()).collect();
     let sleepers: Vec<String> = found
         .iter()
-        .map(|f| super::sleepers::sleepers_of(&f.table.name))
+        .map(|f| super::super::sleepers::sleepers_of(&f.table.name))
         .collect();
     let sleeping: Vec<String> = found
         .iter()
-        .map(|f| super::sleepers::sleeping_of(&f.table.name))
+        .map(|f| super::super::sleepers::sleeping_of(&f.table.name))
         .collect();
     let rows = ask_each(client, WAKE_SQL, &[&names, &sleepers, &sleeping]).await?;
     Ok(found
@@ -769,78 +477,4 @@ async fn wake_triggers(
             }
         })
         .unzip())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(extra: &str) -> crate::config::Config {
-        let text = format!(
-            "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"stdout\"\n{extra}\n\
-             [[tables]]\nname = \"public.outbox\"\n"
-        );
-        crate::config::from_str(&text, |_| None, Vec::new()).unwrap()
-    }
-
-    /// The columns `migrate` creates, with their types.
-    fn migrated() -> HashMap<String, String> {
-        [
-            ("id", "int8"),
-            ("topic", "text"),
-            ("key", "text"),
-            ("payload", "jsonb"),
-            ("headers", "jsonb"),
-            ("created_at", "timestamptz"),
-            ("published_at", "timestamptz"),
-            ("attempts", "int4"),
-            ("last_error", "text"),
-            ("dead_at", "timestamptz"),
-            ("next_attempt_at", "timestamptz"),
-        ]
-        .into_iter()
-        .map(|(c, t)| (c.to_owned(), t.to_owned()))
-        .collect()
-    }
-
-    #[test]
-    fn a_migrated_table_has_the_shape_the_statements_need() {
-        let config = config("");
-        let mut problems = Vec::new();
-        let shape = check_columns(&migrated(), &config.tables[0], &config.relay, &mut problems)
-            .expect("no problem");
-        assert!(problems.is_empty(), "{problems:?}");
-        assert_eq!(shape.payload, PayloadType::Text);
-        assert_eq!(shape.headers.unwrap().as_str(), "headers");
-    }
-
-    #[test]
-    fn each_column_problem_says_who_can_fix_it() {
-        let config = config("");
-        let mut types = migrated();
-        types.remove("next_attempt_at"); // the relay's: migrate adds it
-        types.remove("key"); // the application's
-        types.insert("attempts".into(), "text".into());
-        let mut problems = Vec::new();
-        let shape = check_columns(&types, &config.tables[0], &config.relay, &mut problems);
-        assert!(shape.is_none());
-        assert_eq!(problems.len(), 3, "{problems:#?}");
-        assert!(problems[0]
-            .contains("column key (ordering key) is missing, and only the application can add it"));
-        assert!(problems[1].contains(
-            "column attempts (failed attempts) has type text; use one of int8, int4, int2"
-        ));
-        assert!(problems[2].contains("column next_attempt_at (next attempt time, added by migrate 0002) is missing: run `outbox-relay migrate`"));
-    }
-
-    #[test]
-    fn retention_needs_a_creation_time_column() {
-        let config = config("[relay]\non_publish = \"mark\"\nretention = \"7d\"");
-        let mut types = migrated();
-        types.remove("created_at");
-        let mut problems = Vec::new();
-        check_columns(&types, &config.tables[0], &config.relay, &mut problems);
-        assert_eq!(problems.len(), 1, "{problems:#?}");
-        assert!(problems[0].contains("relay.retention needs a creation-time column"));
-    }
 }
