@@ -118,7 +118,7 @@ async fn orders_unique(
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
-/// Whether `column` of `table` has unique values by an index.
+/// Whether the order column of `table` has unique values by an index.
 pub(crate) async fn order_is_unique(
     client: &impl GenericClient,
     table: &TableConfig,
