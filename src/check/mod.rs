@@ -226,38 +226,92 @@ async fn check_postgres(config: &Config, out: &mut Report) -> Vec<(String, BTree
         pooler_findings(config, &target, out);
     }
     let config = &patterns::resolve(&client, config, out).await;
-    let mut subjects = Vec::new();
-    for table in &config.tables {
-        let subject = format!("table {}", table.name);
-        // Each table's reads in a transaction of their own: behind a pooler in transaction
-        // mode that is what keeps them on one server session, with the deadlines set there.
-        let inspected = async {
-            let tx = client.transaction().await?;
-            if mode == SessionMode::Pooled {
-                tx.batch_execute(&session::set_local(limits)).await?;
+    check_tables(&mut client, mode, limits, config, out).await
+}
+
+/// Checks every table of `config`, each kind of question asked of all of them at once
+/// ([`schema::inspect_all`]): one line per problem, under its table's name. Returns the
+/// subjects of those that pass: a literal topic, or those of the table's pending rows,
+/// each table's read in a transaction of its own (a read that fails ends only its own).
+async fn check_tables(
+    client: &mut tokio_postgres::Client,
+    mode: SessionMode,
+    limits: SessionLimits,
+    config: &Config,
+    out: &mut Report,
+) -> Vec<(String, BTreeSet<String>)> {
+    let tables: Vec<&TableConfig> = config.tables.iter().collect();
+    let inspected = in_transaction(client, mode, limits, async |tx| {
+        schema::inspect_all(tx, &tables, &config.relay).await
+    })
+    .await;
+    let inspected = match inspected {
+        Ok(inspected) => inspected,
+        Err(e) => {
+            for table in &config.tables {
+                out.push(Level::Fail, format!("table {}", table.name), e.to_string());
             }
-            let shape = schema::inspect(&tx, table, &config.relay).await?;
-            let found = match shape {
-                Ok(_) => Ok(table_subjects(&tx, table).await),
-                Err(problems) => Err(problems),
-            };
-            tx.commit().await?;
-            Ok::<_, SourceError>(found)
+            return Vec::new();
+        }
+    };
+    let mut subjects = Vec::new();
+    for (table, shape) in config.tables.iter().zip(inspected) {
+        let subject = format!("table {}", table.name);
+        let read = match shape {
+            Ok(_) => subjects_of(client, mode, limits, table)
+                .await
+                .map_err(|e| vec![e.to_string()]),
+            Err(problems) => Err(problems),
         };
-        match inspected.await {
-            Ok(Ok(found)) => {
+        match read {
+            Ok(found) => {
                 out.push(Level::Ok, subject, "columns, types and privileges usable");
                 subjects.push((table.name.to_string(), found));
             }
-            Ok(Err(problems)) => {
+            Err(problems) => {
                 for p in problems {
                     out.push(Level::Fail, subject.clone(), p);
                 }
             }
-            Err(e) => out.push(Level::Fail, subject, e.to_string()),
         }
     }
     subjects
+}
+
+/// The subjects `table`'s rows go to: its topic if it is literal, else those of its
+/// pending rows ([`row_subjects`]), read in a transaction of their own.
+async fn subjects_of(
+    client: &mut tokio_postgres::Client,
+    mode: SessionMode,
+    limits: SessionLimits,
+    table: &TableConfig,
+) -> Result<BTreeSet<String>, SourceError> {
+    match table.topic.literal() {
+        Some(literal) => Ok(BTreeSet::from([literal.to_owned()])),
+        None => {
+            in_transaction(client, mode, limits, async |tx| {
+                Ok(row_subjects(tx, table).await)
+            })
+            .await
+        }
+    }
+}
+
+/// Runs `work` in a transaction of its own on `client`: behind a pooler in transaction mode
+/// that is what keeps its reads on one server session, with the deadlines set there.
+async fn in_transaction<T>(
+    client: &mut tokio_postgres::Client,
+    mode: SessionMode,
+    limits: SessionLimits,
+    work: impl AsyncFnOnce(&tokio_postgres::Transaction<'_>) -> Result<T, SourceError>,
+) -> Result<T, SourceError> {
+    let tx = client.transaction().await?;
+    if mode == SessionMode::Pooled {
+        tx.batch_execute(&session::set_local(limits)).await?;
+    }
+    let value = work(&tx).await?;
+    tx.commit().await?;
+    Ok(value)
 }
 
 /// What the relay needs behind a pooler in transaction mode (PgBouncer), and whether the
@@ -291,12 +345,9 @@ fn pooler_findings(config: &Config, target: &str, out: &mut Report) {
     }
 }
 
-/// The subjects a table's rows go to: the template itself if it is literal, else the
-/// subjects of up to 100 distinct pending rows.
-async fn table_subjects(client: &impl GenericClient, table: &TableConfig) -> BTreeSet<String> {
-    if let Some(literal) = table.topic.literal() {
-        return BTreeSet::from([literal.to_owned()]);
-    }
+/// The subjects the rows of a table whose topic is a template go to: those of up to 100
+/// distinct pending rows.
+async fn row_subjects(client: &impl GenericClient, table: &TableConfig) -> BTreeSet<String> {
     let columns: Vec<String> = table
         .topic
         .columns()

@@ -100,12 +100,9 @@ async fn changed(
             if now != found.matched {
                 return Ok(true);
             }
-            for (table, _) in &found.left_out {
-                if schema::inspect(tx.client(), table, relay).await?.is_ok() {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
+            let left_out: Vec<&TableConfig> = found.left_out.iter().map(|(t, _)| t).collect();
+            let checked = schema::inspect_all(tx.client(), &left_out, relay).await?;
+            Ok(checked.iter().any(Result::is_ok))
         })
         .await
 }

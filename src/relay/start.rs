@@ -179,15 +179,13 @@ pub(crate) async fn prepare_found(
         source.warm(config.relay.workers),
     );
     let mut tables = Vec::new();
-    for (table, checked) in config.tables.iter().zip(checked) {
+    for (table, checked) in config.tables.iter().zip(checked?) {
         match checked {
             Ok(plan) => tables.push(plan),
-            Err(SourceError::Schema(problems))
-                if table.pattern.is_some() && matches != Matches::Drain =>
-            {
+            Err(problems) if table.pattern.is_some() && matches != Matches::Drain => {
                 found.left_out.push((table.clone(), problems));
             }
-            Err(e) => return Err(e),
+            Err(problems) => return Err(SourceError::Schema(problems)),
         }
     }
     let pauses = PauseState::new(tables.iter().map(|t| t.config.name.clone()).collect());

@@ -24,60 +24,50 @@ pub struct TablePlan {
 /// its statements; no retries. A table that cannot be relayed is a
 /// [`SourceError::Schema`] listing every problem found; of several, the first in the
 /// configuration's order.
-///
-/// Up to [`TABLES_AT_ONCE`] tables are checked at once, each on a session of its own: a
-/// table's checks wait about four round trips, and a relay of 50 tables 10 ms from its
-/// database would otherwise spend 2 s on them before its first claim.
 pub async fn prepare(source: &Source, config: &Config) -> Result<Vec<TablePlan>, SourceError> {
-    prepare_each(source, config).await.into_iter().collect()
+    prepare_each(source, config)
+        .await?
+        .into_iter()
+        .map(|checked| checked.map_err(SourceError::Schema))
+        .collect()
 }
 
-/// [`prepare`], each table's outcome on its own, in the configuration's order: a relay
-/// leaves out a table a pattern matched whose check fails, and relays the others.
+/// [`prepare`], each table's outcome on its own, in the configuration's order: its plan,
+/// or its problems (one a line). A relay leaves out a table a pattern matched whose check
+/// fails, and relays the others. An error is the check's own (the database's answer).
+///
+/// Every table is checked in one transaction, each kind of question asked of all of them
+/// in one statement ([`schema::inspect_all`]): three round trips, whatever the number of
+/// tables. (Checked one by one, four at a time, 500 tables cost about 7,000 statements.)
 pub(crate) async fn prepare_each(
     source: &Source,
     config: &Config,
-) -> Vec<Result<TablePlan, SourceError>> {
-    use futures_util::StreamExt as _;
-    let checks: Vec<_> = config
+) -> Result<Vec<Result<TablePlan, String>>, SourceError> {
+    let tables: Vec<&TableConfig> = config.tables.iter().collect();
+    let shapes = source
+        .in_transaction(async |tx| schema::inspect_all(tx.client(), &tables, &config.relay).await)
+        .await?;
+    Ok(config
         .tables
         .iter()
-        .map(|table| check(source, config, table))
-        .collect();
-    futures_util::stream::iter(checks)
-        .buffered(TABLES_AT_ONCE)
-        .collect()
-        .await
+        .zip(shapes)
+        .map(|(table, shape)| match shape {
+            Ok(shape) => Ok(plan(config, table, &shape)),
+            Err(problems) => Err(problems.join("\n")),
+        })
+        .collect())
 }
 
-/// Checks `table` on a session of its own and builds its plan.
-async fn check(
-    source: &Source,
-    config: &Config,
-    table: &TableConfig,
-) -> Result<TablePlan, SourceError> {
-    let shape = source
-        .in_transaction(async |tx| schema::inspect(tx.client(), table, &config.relay).await)
-        .await?
-        .map_err(|problems| SourceError::Schema(problems.join("\n")))?;
-    Ok(TablePlan {
-        sql: TableSql::new(
-            table,
-            &shape,
-            config.relay.ordering,
-            config.relay.batch_size,
-        ),
+/// `table`'s plan, its statements built for its `shape`.
+fn plan(config: &Config, table: &TableConfig, shape: &schema::TableShape) -> TablePlan {
+    TablePlan {
+        sql: TableSql::new(table, shape, config.relay.ordering, config.relay.batch_size),
         config: table.clone(),
         floor: FloorCell::default(),
         depth: BucketDepth::default(),
         wake: shape.wake,
-    })
+    }
 }
-
-/// How many tables [`prepare`] checks at once: a few sessions, leaving the rest of the
-/// smallest pool (`pool_size` may equal `workers`) to the workers' sessions opening
-/// meanwhile.
-const TABLES_AT_ONCE: usize = 4;
 
 /// Rows of a table waiting for their next attempt.
 #[derive(Debug, Clone, PartialEq)]
