@@ -469,7 +469,8 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, tasks: &TaskSet, done: &Ca
         tasks.spawn("poller", async move {
             let interval = s.relay.poll_interval;
             let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
-            sleep::poll(&s.wakes, &s.source, &plans, interval, &d).await
+            let rechecked = || s.ops.health.progress();
+            sleep::poll(&s.wakes, &s.source, &plans, interval, &rechecked, &d).await
         });
     }
     let (s, d) = (shared.clone(), done.clone());
