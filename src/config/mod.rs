@@ -130,6 +130,21 @@ pub enum SinkTarget {
 pub(crate) struct HttpConfig {
     /// Address for /metrics, /healthz and /readyz.
     pub(crate) listen: SocketAddr,
+    /// Which label the per-table latency histograms carry.
+    pub(crate) table_histograms: TableHistograms,
+}
+
+/// `http.table_histograms`: the latency histograms (publish, batch, delivery lag) are most
+/// of a table's series; a relay of hundreds of tables found by pattern may keep one set
+/// per `[[tables]]` entry instead of one per table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum TableHistograms {
+    /// One set per table, labelled with its name (the default).
+    #[default]
+    Table,
+    /// One set per `[[tables]]` entry: the tables a pattern matches share one, labelled
+    /// with the pattern; a listed table keeps its own.
+    Entry,
 }
 
 /// `[shutdown]`, checked.
@@ -317,7 +332,23 @@ fn http(raw: raw::RawHttp) -> Result<Option<HttpConfig>, ConfigError> {
             format!("{listen:?} is not an address: write host:port, e.g. 127.0.0.1:9187"),
         )
     })?;
-    Ok(Some(HttpConfig { listen }))
+    let table_histograms = match raw.table_histograms.as_deref() {
+        None | Some("table") => TableHistograms::Table,
+        Some("entry") => TableHistograms::Entry,
+        Some(other) => {
+            return Err(ConfigError::new(
+                "http.table_histograms",
+                format!(
+                    "{other:?} is not a choice: write \"table\" (one set of latency \
+                     histograms per table) or \"entry\" (one per [[tables]] entry)"
+                ),
+            ))
+        }
+    };
+    Ok(Some(HttpConfig {
+        listen,
+        table_histograms,
+    }))
 }
 
 /// Validates `[tracing]`: `otlp_endpoint` is the collector's base URL, as

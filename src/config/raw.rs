@@ -315,6 +315,9 @@ pub(crate) struct RawColumns {
 pub(crate) struct RawHttp {
     /// Address for /metrics, /healthz, /readyz. Default: no HTTP server.
     pub(crate) listen: Option<String>,
+    /// `table` (default) or `entry`: the latency histograms per table, or per `[[tables]]`
+    /// entry (the tables a pattern matches share one set).
+    pub(crate) table_histograms: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

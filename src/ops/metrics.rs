@@ -229,7 +229,8 @@ impl Metrics {
     }
 
     /// Removes every series of `table` (a table found by pattern that was dropped): a
-    /// scrape no longer shows its last backlog as if it were still there.
+    /// scrape no longer shows its last backlog as if it were still there. (Histograms an
+    /// entry's tables share carry the pattern, not the table: they stay.)
     pub(crate) fn forget_table(&self, table: &str, sink: &str) {
         let with_sink = Self::table_sink(table, sink);
         for family in [&self.published, &self.failed, &self.dead, &self.replayed] {
@@ -255,20 +256,23 @@ impl Metrics {
     }
 
     /// One table's batch metrics, looked up once: a batch then updates them without
-    /// building label strings or searching a family.
-    pub(crate) fn table_meters(&self, table: &str, sink: &str) -> TableMeters {
+    /// building label strings or searching a family. The latency histograms are labelled
+    /// `histograms` (the table's name, or its `[[tables]]` entry's pattern, which the
+    /// tables it matches share).
+    pub(crate) fn table_meters(&self, table: &str, histograms: &str, sink: &str) -> TableMeters {
         let labels = Self::table_sink(table, sink);
-        let table = TableLabel {
-            table: table.to_owned(),
+        let shared = Self::table_sink(histograms, sink);
+        let lag = TableLabel {
+            table: histograms.to_owned(),
         };
         TableMeters {
             published: self.published.get_or_create(&labels).clone(),
             failed: self.failed.get_or_create(&labels).clone(),
             dead: self.dead.get_or_create(&labels).clone(),
             replayed: self.replayed.get_or_create(&labels).clone(),
-            publish_seconds: self.publish_seconds.get_or_create(&labels).clone(),
-            batch_seconds: self.batch_seconds.get_or_create(&labels).clone(),
-            delivery_lag: self.delivery_lag.get_or_create(&table).clone(),
+            publish_seconds: self.publish_seconds.get_or_create(&shared).clone(),
+            batch_seconds: self.batch_seconds.get_or_create(&shared).clone(),
+            delivery_lag: self.delivery_lag.get_or_create(&lag).clone(),
         }
     }
 

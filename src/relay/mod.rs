@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{Config, RelayConfig};
+use crate::config::{Config, RelayConfig, TableHistograms};
 use crate::ops::metrics::TableMeters;
 use crate::ops::otel::Otel;
 use crate::ops::{self, Ops};
@@ -118,19 +118,27 @@ struct RunTable {
     /// Its batch metrics, from its first batch on (a series appears once it has something
     /// to say).
     meters: OnceLock<TableMeters>,
+    /// The label of its latency histograms (`http.table_histograms`): its name, or its
+    /// entry's pattern.
+    histograms: String,
     /// A table a pattern matched was dropped: claims leave it alone (`Shared::let_go`).
     gone: AtomicBool,
 }
 
 impl RunTable {
-    fn new(index: usize, plan: TablePlan) -> RunTable {
+    fn new(index: usize, plan: TablePlan, histograms: TableHistograms) -> RunTable {
         let config = &plan.config;
         let rate = config.max_rate.map(|rate| Bucket::new(&config.name, rate));
+        let histograms = match (histograms, &config.pattern) {
+            (TableHistograms::Entry, Some(pattern)) => pattern.to_string(),
+            _ => config.name.to_string(),
+        };
         RunTable {
             index,
             plan,
             rate,
             meters: OnceLock::new(),
+            histograms,
             gone: AtomicBool::new(false),
         }
     }
@@ -170,13 +178,17 @@ impl Shared {
             mode == Mode::Drain,
         ));
         let valve = valve::Valve::new(config.relay.bad_row_valve, tables.len());
+        let histograms = config
+            .http
+            .as_ref()
+            .map_or(TableHistograms::Table, |h| h.table_histograms);
         Shared {
             source,
             sink: run.sink.clone(),
             tables: tables
                 .into_iter()
                 .enumerate()
-                .map(|(t, plan)| RunTable::new(t, plan))
+                .map(|(t, plan)| RunTable::new(t, plan, histograms))
                 .collect(),
             relay: config.relay.clone(),
             publish_timeout: config.sink.publish_timeout,
@@ -197,7 +209,9 @@ impl Shared {
     fn meters<'t>(&self, table: &'t RunTable) -> &'t TableMeters {
         table.meters.get_or_init(|| {
             let name = table.name().to_string();
-            self.ops.metrics.table_meters(&name, self.sink.name())
+            self.ops
+                .metrics
+                .table_meters(&name, &table.histograms, self.sink.name())
         })
     }
 
@@ -469,7 +483,8 @@ fn spawn_background(shared: &Arc<Shared>, mode: Mode, tasks: &TaskSet, done: &Ca
         tasks.spawn("poller", async move {
             let interval = s.relay.poll_interval;
             let plans: Vec<&TablePlan> = s.tables.iter().map(|t| &t.plan).collect();
-            sleep::poll(&s.wakes, &s.source, &plans, interval, &d).await
+            let rechecked = || s.ops.health.progress();
+            sleep::poll(&s.wakes, &s.source, &plans, interval, &rechecked, &d).await
         });
     }
     let (s, d) = (shared.clone(), done.clone());

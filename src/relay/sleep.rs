@@ -22,8 +22,8 @@
 //!    transaction with an id below `X` is still running
 //!    ([`crate::source::sleepers::SETTLED_SQL`]).
 //! 5. The first poll that *begins after* a poll saw it settled, and finds no claimable row,
-//!    makes the table *asleep*: NOTIFY covers it, nothing polls it (it is still claimed
-//!    from every `IDLE_RECHECK`).
+//!    makes the table *asleep*: NOTIFY covers it, and only the poll of every table each
+//!    `IDLE_RECHECK` asks about it.
 //! 6. Anything that raises an asleep table (a NOTIFY, a look that found rows) makes it
 //!    *busy*: due at once, its mark kept, still unpolled. A look that began after the last
 //!    raise and finds it empty makes it asleep again, with nothing written. A busy table
@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::wake::{Sleep, Wakes};
+use super::wake::{Sleep, Wakes, IDLE_RECHECK};
 use crate::config::TableName;
 use crate::source::poll::Poll;
 use crate::source::sleepers;
@@ -98,19 +98,21 @@ struct Marks {
     tables: Vec<Mark>,
 }
 
-/// The poller (`run` only): rule 3's polls of the tables NOTIFY does not cover, and the
-/// sleep protocol's marks. Every `interval`, and whenever a table is wanted asleep or must
-/// be woken, it (1) removes the marks of a LISTEN session that ended, (2) marks and clears
-/// what `wakes` asks for, and (3) asks in one statement which polled tables may hold a
-/// claimable row and, while a mark is pending, whether it is settled. A table whose floor
-/// lists stragglers counts as having rows (the statement reads from the floor on). A poll
-/// that fails makes every table it asked about due: the workers' claims meet the error and
-/// report it.
+/// The poller (`run` only): rule 3's polls, and the sleep protocol's marks. Every
+/// `interval`, and whenever a table is wanted asleep or must be woken, it (1) removes the
+/// marks of a LISTEN session that ended, (2) marks and clears what `wakes` asks for, and
+/// (3) asks in one statement which polled tables (those NOTIFY does not cover; every
+/// table each [`IDLE_RECHECK`]) may hold a claimable row and, while a mark is pending,
+/// whether it is settled. A table whose floor lists stragglers counts as having rows (the
+/// statement reads from the floor on). A poll that fails makes every table it asked about
+/// due: the workers' claims meet the error and report it. `rechecked` is told when a poll
+/// of every table answered (the database and the poller work: readiness).
 pub(crate) async fn poll(
     wakes: &Wakes,
     source: &Source,
     tables: &[&TablePlan],
     interval: Duration,
+    rechecked: &(dyn Fn() + Sync),
     done: &CancellationToken,
 ) {
     let statements = Poll::new(tables.iter().map(|t| &t.sql));
@@ -132,6 +134,7 @@ pub(crate) async fn poll(
     let mut again = false;
     // When a table kept awake for a crowd of writers may be marked (`mark`).
     let mut crowd_ends: Option<tokio::time::Instant> = None;
+    let mut recheck_at = tokio::time::Instant::now() + IDLE_RECHECK;
     loop {
         if !again {
             let crowd_ended = async {
@@ -145,7 +148,13 @@ pub(crate) async fn poll(
                 _ = every.tick() => {}
                 _ = wakes.sleep.notified() => {}
                 _ = crowd_ended => {}
+                _ = tokio::time::sleep_until(recheck_at) => {}
             }
+        }
+        let now = tokio::time::Instant::now();
+        let recheck = now >= recheck_at;
+        if recheck {
+            recheck_at = now + IDLE_RECHECK;
         }
         let work = async {
             if !gated.is_empty() {
@@ -154,12 +163,16 @@ pub(crate) async fn poll(
                     .await
                     .map(tokio::time::Instant::from_std);
             }
-            poll_once(wakes, source, tables, &statements, &mut marks).await
+            poll_once(wakes, source, tables, &statements, &mut marks, recheck).await
         };
-        again = tokio::select! {
+        let polled = tokio::select! {
             _ = done.cancelled() => break,
-            again = work => again,
+            polled = work => polled,
         };
+        if recheck && polled.is_ok() {
+            rechecked();
+        }
+        again = polled.unwrap_or(false);
     }
     if let (Some(pid), false) = (marks.pid, gated.is_empty()) {
         let forgotten = tokio::time::timeout(
@@ -321,18 +334,20 @@ async fn read_horizon(
     }
 }
 
-/// Rule 3's poll, with steps 4 and 5. Returns whether to poll again at once: a mark was
-/// seen settled, so the next poll can confirm it.
+/// Rule 3's poll (of every table at a `recheck`), with steps 4 and 5. Returns whether to
+/// poll again at once (a mark was seen settled, so the next poll can confirm it), or
+/// `Err` when the poll failed.
 async fn poll_once(
     wakes: &Wakes,
     source: &Source,
     tables: &[&TablePlan],
     statements: &Poll,
     marks: &mut Marks,
-) -> bool {
-    let tickets = wakes.poll_tickets();
+    recheck: bool,
+) -> Result<bool, ()> {
+    let tickets = wakes.poll_tickets(recheck);
     if tickets.iter().all(Option::is_none) {
-        return false;
+        return Ok(false);
     }
     let generation = marks.generation;
     let pending = |t: usize| wakes.sleep_of(t) == (Sleep::Pending, generation);
@@ -371,12 +386,12 @@ async fn poll_once(
                     any = true;
                 }
             }
-            any
+            Ok(any)
         }
-        Ok(_) => false,
+        Ok(_) => Ok(false),
         Err(e) => {
-            tracing::debug!(error = %e, "Could not poll the tables NOTIFY does not cover");
-            false
+            tracing::debug!(error = %e, "Could not poll the tables");
+            Err(())
         }
     }
 }

@@ -9,15 +9,16 @@
 //!    this process scheduled coming due.
 //! 2. A claim that finds nothing settles the table, but only for what was raised before
 //!    the claim began: a NOTIFY during the claim keeps it due (a counter, not a flag).
-//! 3. A table that is not due is still claimed from every [`IDLE_RECHECK`]. One NOTIFY
-//!    does not cover (no trigger, LISTEN not subscribed: behind PgBouncer without
-//!    `listen_url`, or not yet asleep: rule 6) is also *polled* every
-//!    `relay.poll_interval`: one statement a poll for
-//!    every such table of the process ([`crate::source::sql::TableSql::claimable`]),
-//!    which makes a table with a claimable row due and settles the others as a claim
-//!    that found nothing would (rule 2). Polled by a claim each, quiet tables cost a
-//!    transaction per table and interval (benchmark I); polled together, one statement
-//!    per interval for all of them.
+//! 3. A table that is not due is *polled*: the poller asks, in one statement for all the
+//!    tables it asks about ([`crate::source::sql::TableSql::claimable`]), which of them
+//!    hold a claimable row, makes those due and settles the others as a claim that found
+//!    nothing would (rule 2). It asks about the tables NOTIFY does not cover (no
+//!    trigger, LISTEN not subscribed: behind PgBouncer without `listen_url`, or not yet
+//!    asleep: rule 6) every `relay.poll_interval`, and about every table every
+//!    [`IDLE_RECHECK`], so a row NOTIFY did not announce (inserted with the trigger
+//!    disabled, a retry scheduled by a relay that died) is found then. Quiet tables cost
+//!    one statement per interval together, not a claim each: a claim per table and
+//!    recheck made a relay's idle cost grow with its tables (benchmark I).
 //! 4. The floor keeper ([`crate::source::floor`]) ticks only while the table was active in
 //!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
 //! 5. A paused table ([`crate::source::pause`]) is never due, in `drain` too; its resume
@@ -51,8 +52,8 @@ use tokio::sync::Notify;
 
 use crate::source::schema::WakeTrigger;
 
-/// How often a table that NOTIFY covers is looked at anyway when nothing raised it: a
-/// row inserted with the trigger disabled, a retry scheduled by a relay that died.
+/// How often every table is polled anyway when nothing raised it (rule 3): a row
+/// inserted with the trigger disabled, a retry scheduled by a relay that died.
 pub(crate) const IDLE_RECHECK: Duration = Duration::from_secs(5);
 /// How long a table counts as active after its last sign of rows.
 pub(crate) const ACTIVE_FOR: Duration = Duration::from_secs(2);
@@ -131,8 +132,6 @@ struct TableWake {
     sleep: AtomicU64,
     raised: AtomicU64,
     settled: AtomicU64,
-    /// When the table is looked at again if nothing raises it.
-    next_check: Mutex<Instant>,
     /// The soonest retry this process scheduled and has not looked for yet.
     retry_at: Mutex<Option<Instant>>,
     last_active: Mutex<Instant>,
@@ -175,7 +174,6 @@ impl Wakes {
                     // Every table starts due: rows may be waiting.
                     raised: AtomicU64::new(1),
                     settled: AtomicU64::new(0),
-                    next_check: Mutex::new(now),
                     retry_at: Mutex::new(None),
                     last_active: Mutex::new(now),
                     keeper: Notify::new(),
@@ -374,8 +372,8 @@ impl Wakes {
         self.tables[t].trigger == WakeTrigger::Gated
     }
 
-    /// Whether a worker should claim from table `t` now (rules 1 and 3); if so, the
-    /// ticket to hand back with what the claim found.
+    /// Whether a worker should claim from table `t` now (rule 1, or a retry of this
+    /// process come due); if so, the ticket to hand back with what the claim found.
     pub(crate) fn begin(&self, t: usize, now: Instant) -> Option<Ticket> {
         let table = &self.tables[t];
         if table.paused.load(Ordering::Acquire) {
@@ -392,15 +390,8 @@ impl Wakes {
                 return Some(Ticket(raised));
             }
         }
-        if self.always {
-            return None; // `drain`: until `rearm` (rule 7)
-        }
-        let mut next = table.next_check.lock().unwrap();
-        if now < *next {
-            return None;
-        }
-        *next = now + IDLE_RECHECK;
-        Some(Ticket(raised))
+        // Not due: `run`'s poller looks (rule 3); `drain` waits for `rearm` (rule 7).
+        None
     }
 
     /// `drain`: table `t` is due again (rule 7), or every table with `None`, without
@@ -444,14 +435,9 @@ impl Wakes {
     }
 
     /// A claim of table `t` with `ticket` found nothing (rule 2); the table is looked at
-    /// again at its next recheck unless something raises it first.
+    /// again when something raises it, or a poll finds rows in it (rule 3).
     pub(crate) fn found_nothing(&self, t: usize, ticket: Ticket) {
-        let table = &self.tables[t];
-        table.settled.fetch_max(ticket.0, Ordering::AcqRel);
-        {
-            let mut next = table.next_check.lock().unwrap();
-            *next = (*next).max(Instant::now() + IDLE_RECHECK);
-        }
+        self.tables[t].settled.fetch_max(ticket.0, Ordering::AcqRel);
         self.want_asleep(t, ticket);
     }
 
@@ -463,14 +449,15 @@ impl Wakes {
     }
 
     /// Rule 3's poll: a ticket for each table the poller asks about now (NOTIFY does not
-    /// cover it and it is not paused), `None` for the others; all `None` in `drain`,
-    /// which claims from every table in every round.
-    pub(crate) fn poll_tickets(&self) -> Vec<Option<Ticket>> {
+    /// cover it, or every table at a `recheck`; not paused), `None` for the others; all
+    /// `None` in `drain`, which has no poller.
+    pub(crate) fn poll_tickets(&self, recheck: bool) -> Vec<Option<Ticket>> {
         let listening = self.listening.load(Ordering::Acquire);
         self.tables
             .iter()
             .map(|table| {
-                let notified = listening
+                let notified = !recheck
+                    && listening
                     && match table.trigger {
                         WakeTrigger::None => false,
                         WakeTrigger::Every => true,
@@ -496,19 +483,12 @@ impl Wakes {
         }
     }
 
-    /// When the earliest table that is not due is looked at again.
-    pub(crate) fn next_check(&self) -> Instant {
+    /// When the soonest retry this process scheduled comes due, if any.
+    pub(crate) fn next_retry(&self) -> Option<Instant> {
         self.tables
             .iter()
-            .flat_map(|t| {
-                [
-                    Some(*t.next_check.lock().unwrap()),
-                    *t.retry_at.lock().unwrap(),
-                ]
-            })
-            .flatten()
+            .filter_map(|t| *t.retry_at.lock().unwrap())
             .min()
-            .unwrap_or_else(|| Instant::now() + self.poll_interval)
     }
 
     /// Rule 5: pauses or resumes table `t`; a resumed table is due at once and the idle
@@ -580,7 +560,7 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_table_is_claimed_from_slowly_and_polled_only_where_notify_does_not_cover_it() {
+    fn an_idle_table_is_polled_not_claimed_where_notify_does_not_cover_it_or_at_a_recheck() {
         let w = wakes();
         let now = Instant::now();
         w.set_listening(Some(1));
@@ -588,20 +568,20 @@ mod tests {
             let ticket = w.begin(t, now).unwrap();
             w.found_nothing(t, ticket);
         }
-        // Settled: the next claim waits for its recheck, with or without the trigger.
-        let later = Instant::now() + Duration::from_millis(150);
-        assert!(w.begin(0, later).is_none(), "a has the trigger: 5 s");
-        assert!(
-            w.begin(1, later).is_none(),
-            "b has none: the poller looks at it"
-        );
-        assert!(w.begin(0, later + IDLE_RECHECK).is_some());
-        assert!(w.begin(1, later + IDLE_RECHECK).is_some());
-        // The poller asks about b only; about a too while LISTEN is down.
-        let tickets = w.poll_tickets();
+        // Settled: no claim until something raises it, however long it stays quiet.
+        for t in 0..2 {
+            assert!(w.begin(t, now + IDLE_RECHECK * 4).is_none(), "table {t}");
+        }
+        // The poller asks about b only (a has the trigger); about both at a recheck, and
+        // while LISTEN is down.
+        let tickets = w.poll_tickets(false);
         assert!(tickets[0].is_none() && tickets[1].is_some());
+        assert!(w.poll_tickets(true).iter().all(Option::is_some));
+        let ticket = w.poll_tickets(true)[0].unwrap();
+        w.polled(0, ticket, true);
+        assert!(w.begin(0, now).is_some(), "the recheck found a row in a");
         w.set_listening(None);
-        assert!(w.poll_tickets().iter().all(Option::is_some));
+        assert!(w.poll_tickets(false).iter().all(Option::is_some));
     }
 
     #[test]
@@ -610,17 +590,17 @@ mod tests {
         let now = Instant::now();
         w.found_nothing(1, w.begin(1, now).unwrap());
         assert!(w.begin(1, now).is_none());
-        let ticket = w.poll_tickets()[1].unwrap();
+        let ticket = w.poll_tickets(false)[1].unwrap();
         w.polled(1, ticket, true);
         let claim = w.begin(1, now).expect("due: the poll saw a row");
         w.found_nothing(1, claim);
         // A NOTIFY-less raise (a batch that published) while a poll runs is not settled
         // by that poll's answer.
-        let ticket = w.poll_tickets()[1].unwrap();
+        let ticket = w.poll_tickets(false)[1].unwrap();
         w.raise(1, false);
         w.polled(1, ticket, false);
         assert!(w.begin(1, now).is_some(), "raised after the poll began");
-        let ticket = w.poll_tickets()[1].unwrap();
+        let ticket = w.poll_tickets(false)[1].unwrap();
         w.polled(1, ticket, false);
         assert!(
             w.begin(1, now).is_none(),
@@ -632,7 +612,7 @@ mod tests {
             Duration::from_millis(100),
             true,
         );
-        assert!(drain.poll_tickets().iter().all(Option::is_none));
+        assert!(drain.poll_tickets(true).iter().all(Option::is_none));
     }
 
     /// A drain's wake-ups of two tables: `public.busy` (0) and `public.idle` (1).
@@ -694,7 +674,7 @@ mod tests {
         let now = Instant::now();
         w.found_nothing(0, w.begin(0, now).unwrap());
         assert!(w.begin(0, now).is_none());
-        assert!(w.next_check() <= now + Duration::from_millis(60));
+        assert!(w.next_retry().unwrap() <= now + Duration::from_millis(60));
         let due = now + Duration::from_millis(60);
         assert!(w.begin(0, due).is_some(), "the retry is due");
         assert!(w.begin(0, due).is_none(), "once");
@@ -713,8 +693,8 @@ mod tests {
             "a NOTIFY does not wake a paused table"
         );
         assert!(
-            w.begin(0, now + IDLE_RECHECK * 2).is_none(),
-            "nor does its recheck"
+            w.begin(0, now + IDLE_RECHECK * 2).is_none() && w.poll_tickets(true)[0].is_none(),
+            "nor does a recheck"
         );
         assert!(!w.set_paused(0, true), "no change, nothing to log");
         assert!(w.set_paused(0, false));
@@ -741,10 +721,12 @@ mod tests {
         )
     }
 
-    /// Settles table 0 by a claim that found nothing.
+    /// Settles table 0 by a claim that found nothing (raising it first if it is settled).
     fn settle(w: &Wakes) {
-        let now = Instant::now() + IDLE_RECHECK * 4;
-        let ticket = w.begin(0, now).expect("due");
+        if !w.any_due() {
+            w.raise(0, false);
+        }
+        let ticket = w.begin(0, Instant::now()).expect("due");
         w.found_nothing(0, ticket);
     }
 
@@ -760,7 +742,7 @@ mod tests {
         w.set_listening(Some(7));
         settle(&w);
         assert_eq!(w.sleep_of(0).0, Sleep::Wanted);
-        let ticket = w.poll_tickets()[0].expect("wanted tables are still polled");
+        let ticket = w.poll_tickets(false)[0].expect("wanted tables are still polled");
         w.set_paused(0, true);
         assert_eq!(
             w.sleep_of(0).0,
@@ -784,7 +766,8 @@ mod tests {
         w.set_listening(Some(7));
         settle(&w);
         assert!(!w.any_due(), "settled");
-        let ticket = w.begin(0, Instant::now() + IDLE_RECHECK * 8).unwrap();
+        w.raise(0, false); // a batch that published
+        let ticket = w.begin(0, Instant::now()).unwrap();
         w.raise(0, false); // the batch before it went through
         w.found_nothing(0, ticket);
         assert!(w.any_due(), "the raise came after the ticket");
@@ -801,7 +784,7 @@ mod tests {
         w.rows_committed("public.g"); // a NOTIFY during the claim
         w.found_nothing(0, ticket);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake);
-        let ticket = w.poll_tickets()[0].unwrap();
+        let ticket = w.poll_tickets(false)[0].unwrap();
         w.raise(0, false); // a batch published rows while the poll ran
         w.polled(0, ticket, false);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake);
@@ -812,7 +795,7 @@ mod tests {
         settle(w);
         let (_, generation) = w.sleep_of(0);
         assert!(w.move_sleep(0, generation, Sleep::Wanted, Sleep::Pending));
-        assert!(w.poll_tickets()[0].is_some(), "pending: still polled");
+        assert!(w.poll_tickets(false)[0].is_some(), "pending: still polled");
         assert!(w.move_sleep(0, generation, Sleep::Pending, Sleep::Asleep));
     }
 
@@ -821,7 +804,10 @@ mod tests {
         let w = gated();
         w.set_listening(Some(7));
         put_to_sleep(&w);
-        assert!(w.poll_tickets()[0].is_none(), "asleep: NOTIFY covers it");
+        assert!(
+            w.poll_tickets(false)[0].is_none(),
+            "asleep: NOTIFY covers it"
+        );
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         assert!(
@@ -832,7 +818,7 @@ mod tests {
         assert_eq!(w.sleep_of(0).0, Sleep::Busy);
         assert!(w.any_due(), "busy: claimed at once");
         assert!(
-            w.poll_tickets()[0].is_none(),
+            w.poll_tickets(false)[0].is_none(),
             "busy: NOTIFY still covers it"
         );
         let poked = w.sleep.notified();
@@ -842,12 +828,10 @@ mod tests {
         let ticket = w.begin(0, Instant::now()).expect("due");
         w.found_nothing(0, ticket);
         assert_eq!(w.sleep_of(0).0, Sleep::Asleep);
-        // ...unless a NOTIFY came during the claim.
-        let ticket = w
-            .begin(0, Instant::now() + IDLE_RECHECK * 8)
-            .expect("rechecked");
+        // A recheck poll that began before a NOTIFY leaves it busy.
+        let ticket = w.poll_tickets(true)[0].expect("rechecked");
         w.rows_committed("public.g");
-        w.found_nothing(0, ticket);
+        w.polled(0, ticket, false);
         assert_eq!(w.sleep_of(0).0, Sleep::Busy);
         assert!(w.any_due());
     }
@@ -874,7 +858,7 @@ mod tests {
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         assert!(poked.as_mut().enable(), "told to clear the mark");
-        assert!(w.poll_tickets()[0].is_some(), "awake: polled again");
+        assert!(w.poll_tickets(false)[0].is_some(), "awake: polled again");
     }
 
     #[test]

@@ -120,8 +120,9 @@ impl Worker {
     }
 
     /// After a round that found nothing: ends a drain with nothing publishable left (and
-    /// returns `false`), else waits until a NOTIFY (`notified`), the soonest table due for
-    /// a look (`wake`; a poll interval in `drain`), or `stop` (`false`).
+    /// returns `false`), else waits until a NOTIFY or a poll raises a table (`notified`),
+    /// the soonest retry of this process comes due (`run`; a poll interval in `drain`), or
+    /// `stop` (`false`).
     async fn rest(&self, notified: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>) -> bool {
         let shared = &self.shared;
         if shared.drain {
@@ -145,13 +146,17 @@ impl Worker {
         if !shared.drain && shared.wakes.any_due() {
             return true;
         }
+        // `run`: a table not due is the poller's (wake rule 3) until it raises it; the
+        // loop still goes round now and then, for liveness.
         let pause = if shared.drain {
             shared.relay.poll_interval
         } else {
             shared
                 .wakes
-                .next_check()
-                .saturating_duration_since(std::time::Instant::now())
+                .next_retry()
+                .map_or(super::wake::IDLE_RECHECK, |at| {
+                    at.saturating_duration_since(std::time::Instant::now())
+                })
                 .clamp(Duration::from_millis(1), super::wake::IDLE_RECHECK)
         };
         tokio::select! {

@@ -366,6 +366,16 @@ impl Floor {
         self.value > i64::MIN || self.empty
     }
 
+    /// Nothing for a look to do but a sweep: the last look found no pending row from the
+    /// floor on, and no straggler, withheld key, candidate or sweep cycle is in progress.
+    pub(crate) fn quiet(&self) -> bool {
+        self.empty
+            && self.stragglers.is_empty()
+            && self.withheld.is_empty()
+            && self.candidate.is_none()
+            && self.sweep.pos.is_none()
+    }
+
     /// The stragglers' ids.
     pub(crate) fn stragglers(&self) -> Vec<i64> {
         self.stragglers.iter().map(|(id, _)| *id).collect()
@@ -574,13 +584,18 @@ impl Floor {
 
 /// How often the keeper of an idle table looks (see [`Pace`]).
 pub(crate) const IDLE_TICK: Duration = Duration::from_secs(5);
+/// How many idle ticks the keeper of a quiet table waits between looks ([`Floor::quiet`]):
+/// a relay of hundreds of quiet tables would otherwise pay a look per table every tick.
+const QUIET_TICKS: u32 = 6;
 
 /// How fast the keeper goes: a look every [`TICK`] while the table is `active` (rows were
 /// claimed or announced lately; fewer while this process claims little, see *The pace* in
 /// the module doc), else every `idle_tick` ([`IDLE_TICK`] for `run`; never in `drain`,
-/// where an idle table's rows are found by the drain's own look) or at a `poke`. The
-/// floor only saves claims work, so an idle table's floor may wait; its rows are not held
-/// back by it. `lowered` is told when the sweep lowered the floor: a row is pending below
+/// where an idle table's rows are found by the drain's own look) or at a `poke`, and
+/// [`QUIET_TICKS`] times as long while the floor is quiet ([`Floor::quiet`]). The floor
+/// only saves claims work, so an idle table's floor may wait; the rows a quiet one may
+/// leave behind until its next look are those the sweep exists for (ids drawn long before
+/// their commit), on a table that no NOTIFY or claim has made active since. `lowered` is told when the sweep lowered the floor: a row is pending below
 /// it, and claims should look.
 pub(crate) struct Pace<'a> {
     pub(crate) active: &'a (dyn Fn() -> bool + Sync),
@@ -635,10 +650,14 @@ pub(crate) async fn keep(
                 continue;
             }
         } else {
+            let idle_tick = match floor.quiet() {
+                true => pace.idle_tick.map(|tick| tick * QUIET_TICKS),
+                false => pace.idle_tick,
+            };
             tokio::select! {
                 _ = done.cancelled() => return,
                 _ = poked => {}
-                _ = sleep_some(pace.idle_tick) => {}
+                _ = sleep_some(idle_tick) => {}
             }
         }
         let before = floor.value();
@@ -1021,6 +1040,22 @@ mod tests {
         floor.observe(look(3, 4, &[], &[]));
         floor.observe(look(4, 5, &[], &[]));
         assert_eq!(floor.value(), 7);
+    }
+
+    #[test]
+    fn a_floor_is_quiet_only_with_nothing_left_to_do_but_sweep() {
+        let mut floor = Floor::new(Instant::now());
+        assert!(!floor.quiet(), "no look yet");
+        floor.observe(look(1, 2, &[(7, false)], &[]));
+        assert!(
+            !floor.quiet(),
+            "a pending row, a candidate waiting for its fence"
+        );
+        floor.observe(look(2, 3, &[], &[]));
+        assert_eq!(floor.value(), 7);
+        assert!(floor.quiet(), "adopted, and nothing pending from it on");
+        floor.observe(look(3, 4, &[(9, true), (10, false)], &[]));
+        assert!(!floor.quiet(), "rows again");
     }
 
     #[test]
