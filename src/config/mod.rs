@@ -632,6 +632,24 @@ mod tests {
     }
 
     #[test]
+    fn table_histograms_is_table_or_entry() {
+        let with = |value: &str| {
+            let http = format!("[http]\nlisten = \"127.0.0.1:9187\"\ntable_histograms = {value}\n");
+            load(&format!("{MINIMAL}{http}"), &[])
+        };
+        let h = |c: Config| c.http.unwrap().table_histograms;
+        assert_eq!(h(with("\"table\"").unwrap()), TableHistograms::Table);
+        assert_eq!(h(with("\"entry\"").unwrap()), TableHistograms::Entry);
+        let e = with("\"pattern\"").unwrap_err().to_string();
+        assert!(
+            e.contains("http.table_histograms")
+                && e.contains("\"table\"")
+                && e.contains("\"entry\""),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn column_mappings_are_checked_and_name_the_key() {
         let with = |more: &str| load(&format!("{MINIMAL}{more}"), &[]);
         let c = with("[tables.columns]\nid = \"event_id\"\n").unwrap();

@@ -604,6 +604,16 @@ pub(crate) struct Pace<'a> {
     pub(crate) idle_tick: Option<Duration>,
 }
 
+impl Pace<'_> {
+    /// How long the keeper of an idle table waits for its next look.
+    fn idle(&self, floor: &Floor) -> Option<Duration> {
+        match floor.quiet() {
+            true => self.idle_tick.map(|tick| tick * QUIET_TICKS),
+            false => self.idle_tick,
+        }
+    }
+}
+
 /// Sleeps for `tick`; never ends without one.
 async fn sleep_some(tick: Option<Duration>) {
     match tick {
@@ -650,14 +660,10 @@ pub(crate) async fn keep(
                 continue;
             }
         } else {
-            let idle_tick = match floor.quiet() {
-                true => pace.idle_tick.map(|tick| tick * QUIET_TICKS),
-                false => pace.idle_tick,
-            };
             tokio::select! {
                 _ = done.cancelled() => return,
                 _ = poked => {}
-                _ = sleep_some(idle_tick) => {}
+                _ = sleep_some(pace.idle(&floor)) => {}
             }
         }
         let before = floor.value();

@@ -435,3 +435,66 @@ async fn a_table_created_matching_two_patterns_while_running_is_left_out_with_on
         assert!(errors[0].contains(part), "{part} in {}", errors[0]);
     }
 }
+
+/// Contract section 8 (Tables): one scrape stays useful with many tables. With
+/// `http.table_histograms = "entry"` the tables a pattern matches share one set of latency
+/// histograms, labelled with the pattern, and keep their counters by name; a listed table
+/// keeps its own histograms. Counted: the shared delivery-lag histogram holds every
+/// tenant row, and no tenant table has a histogram series of its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_histograms_per_entry_a_patterns_tables_share_one_set_and_keep_their_counters() {
+    let addr = format!("127.0.0.1:{}", testkit::free_port());
+    let http = format!("[http]\nlisten = \"{addr}\"\ntable_histograms = \"entry\"\n");
+    let env = Env::new(relay().workers(2).section(&http).section(TENANTS)).await;
+    let client = env.client().await;
+    let tenants = ["tenant_a", "tenant_b", "tenant_c"];
+    for schema in tenants {
+        create_tenant(&client, schema).await;
+    }
+    migrate_tenants(&env, &tenants).await;
+    for (i, schema) in tenants.iter().enumerate() {
+        insert(&client, &format!("{schema}.outbox"), 10 * (i as i64 + 1), 3).await;
+    }
+    seed(&client, 5, 1, 0).await;
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_until(
+        Detailed("every row relayed", log_of(&log)),
+        Duration::from_secs(30),
+        async || {
+            let left = "SELECT (SELECT count(*) FROM tenant_a.outbox) \
+                        + (SELECT count(*) FROM tenant_b.outbox) \
+                        + (SELECT count(*) FROM tenant_c.outbox) \
+                        + (SELECT count(*) FROM public.outbox)";
+            count(&client, left).await == 0
+        },
+    )
+    .await;
+    // A batch's metrics are counted once it commits: read until the counts are there.
+    let lag_count = "outbox_relay_delivery_lag_seconds_count{table=\"tenant_*.outbox\"} 60";
+    let metrics = wait_for(
+        Detailed("the shared histogram to count 60 rows", log_of(&log)),
+        Duration::from_secs(10),
+        async || {
+            let (_, metrics) = testkit::http_get(&addr, "/metrics").unwrap();
+            metrics.contains(lag_count).then_some(metrics)
+        },
+    )
+    .await;
+    for schema in tenants {
+        let table = format!("table=\"{schema}.outbox\"");
+        let published = format!("outbox_relay_rows_published_total{{{table}");
+        assert!(metrics.contains(&published), "{published} in:\n{metrics}");
+        let own_histograms: Vec<&str> = metrics
+            .lines()
+            .filter(|l| l.contains("_seconds_") && l.contains(&table))
+            .collect();
+        assert!(own_histograms.is_empty(), "{own_histograms:#?}");
+        let series = metrics.lines().filter(|l| l.contains(&table)).count();
+        assert!(series <= 12, "{series} series for {table}:\n{metrics}");
+    }
+    assert!(
+        metrics.contains("outbox_relay_delivery_lag_seconds_count{table=\"public.outbox\"} 5"),
+        "a listed table keeps its own:\n{metrics}"
+    );
+    terminate_cleanly(&mut relay);
+}
