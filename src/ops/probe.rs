@@ -151,12 +151,13 @@ async fn refresh_backlog(ops: &Ops, probed: &Probed<'_>) {
 /// Dead tuples per table and the oldest snapshot holding back VACUUM.
 async fn refresh_vacuum(ops: &Ops, probed: &Probed<'_>, watch: &mut vacuum::Watch) {
     let source = probed.source;
+    let quoted: Vec<String> = probed
+        .tables
+        .iter()
+        .map(|t| t.config.name.quoted())
+        .collect();
     let read = source.in_transaction(async |tx| {
-        let mut dead = Vec::new();
-        for table in probed.tables {
-            let quoted = table.config.name.quoted();
-            dead.push(vacuum::dead_tuples(tx.client(), &quoted).await?);
-        }
+        let dead = vacuum::dead_tuples(tx.client(), &quoted).await?;
         Ok((dead, vacuum::horizon(tx.client()).await?))
     });
     match read.await {

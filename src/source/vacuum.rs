@@ -9,6 +9,7 @@
 //! `pg_read_all_stats` (`pg_monitor` includes it): without the grant the relay sees its
 //! own role's sessions, and says so.
 
+use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
@@ -86,9 +87,13 @@ const HIDDEN_SQL: &str = "\
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_stat_activity
                WHERE query = '<insufficient privilege>')";
 
+/// The dead tuples of each table of `$1` (quoted names), in their order: one statement
+/// for all of a relay's tables, however many.
 const DEAD_TUPLES_SQL: &str = "\
-SELECT COALESCE((SELECT n_dead_tup FROM pg_catalog.pg_stat_user_tables
-                 WHERE relid = to_regclass($1::text)), 0)::int8";
+SELECT COALESCE(s.n_dead_tup, 0)::int8
+FROM unnest($1::text[]) WITH ORDINALITY AS t(name, i)
+LEFT JOIN pg_catalog.pg_stat_user_tables s ON s.relid = to_regclass(t.name)
+ORDER BY t.i";
 
 pub(crate) async fn horizon(client: &impl GenericClient) -> Result<Horizon, SourceError> {
     let holders = client
@@ -108,12 +113,16 @@ pub(crate) async fn horizon(client: &impl GenericClient) -> Result<Horizon, Sour
     Ok(Horizon { holders, hidden })
 }
 
-/// Dead tuples of the table named `table` (quoted), 0 before its first statistics.
+/// Dead tuples of each table named in `tables` (quoted), in their order; 0 before a
+/// table's first statistics.
 pub(crate) async fn dead_tuples(
     client: &impl GenericClient,
-    table: &str,
-) -> Result<i64, SourceError> {
-    Ok(client.query_one(DEAD_TUPLES_SQL, &[&table]).await?.get(0))
+    tables: &[String],
+) -> Result<Vec<i64>, SourceError> {
+    let rows = client
+        .query_typed(DEAD_TUPLES_SQL, &[(&tables, Type::TEXT_ARRAY)])
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 /// A snapshot open this long is named in a WARN.
