@@ -61,9 +61,11 @@ impl Worker {
         // and a surplus claim costs one statement now (`source::claim`, surplus lanes).
         let poll = shared.relay.poll_interval;
         let mut surplus = poll;
-        // Workers start at different tables, and each round starts past the last table
-        // that had rows, so no table starves another.
-        let mut next = self.lane % shared.tables.len();
+        // Workers start spread over the tables, and each round starts past the last table
+        // that had rows, so no table starves another. At start every table is due: spread
+        // out, each is claimed first by about one worker rather than by each in turn.
+        let tables = shared.tables.len();
+        let mut next = self.lane * tables / shared.relay.workers.max(1) % tables;
         while !stop.is_cancelled() {
             shared.ops.health.alive();
             // While the broker is down nobody claims (see `breaker`).
