@@ -686,6 +686,29 @@ impl Source {
     }
 }
 
+/// Asks `sql` of every element of `arrays` (its `text[]` parameters, in order, all of one
+/// length) in one statement and returns its rows; none, and no statement, when there is
+/// nothing to ask.
+pub(crate) async fn ask_each(
+    client: &impl tokio_postgres::GenericClient,
+    sql: &str,
+    arrays: &[&[String]],
+) -> Result<Vec<tokio_postgres::Row>, SourceError> {
+    if arrays.first().is_none_or(|a| a.is_empty()) {
+        return Ok(Vec::new());
+    }
+    let params: Vec<(&(dyn tokio_postgres::types::ToSql + Sync), Type)> = arrays
+        .iter()
+        .map(|a| {
+            (
+                a as &(dyn tokio_postgres::types::ToSql + Sync),
+                Type::TEXT_ARRAY,
+            )
+        })
+        .collect();
+    Ok(client.query_typed(sql, &params).await?)
+}
+
 /// The quoted name of the relay's own table `name` (`outbox_relay_pauses`,
 /// `outbox_relay_rates`) in the schema of `table`: one per schema, shared by its outbox
 /// tables.

@@ -9,7 +9,6 @@
 //! `pg_read_all_stats` (`pg_monitor` includes it): without the grant the relay sees its
 //! own role's sessions, and says so.
 
-use tokio_postgres::types::Type;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
@@ -119,9 +118,7 @@ pub(crate) async fn dead_tuples(
     client: &impl GenericClient,
     tables: &[String],
 ) -> Result<Vec<i64>, SourceError> {
-    let rows = client
-        .query_typed(DEAD_TUPLES_SQL, &[(&tables, Type::TEXT_ARRAY)])
-        .await?;
+    let rows = super::ask_each(client, DEAD_TUPLES_SQL, &[tables]).await?;
     Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 

@@ -8,10 +8,9 @@
 
 use std::collections::HashMap;
 
-use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{GenericClient, Row};
 
-use super::super::SourceError;
+use super::super::{ask_each, SourceError};
 use super::{by_table, index_name, merge, Found, WakeTrigger, CLAIM_INDEXES};
 use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 
@@ -86,24 +85,6 @@ SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger
             AND has_sequence_privilege(to_regclass(q.sleeping), 'UPDATE'), false)
   FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS q(name, sleepers, sleeping, n)
  ORDER BY q.n";
-
-/// Asks `sql` of every element of `arrays` (its `text[]` parameters, in order, all of one
-/// length) in one statement and returns its rows; none, and no statement, when there is
-/// nothing to ask.
-async fn ask_each(
-    client: &impl GenericClient,
-    sql: &str,
-    arrays: &[&[String]],
-) -> Result<Vec<Row>, SourceError> {
-    if arrays.first().is_none_or(|a| a.is_empty()) {
-        return Ok(Vec::new());
-    }
-    let params: Vec<(&(dyn ToSql + Sync), Type)> = arrays
-        .iter()
-        .map(|a| (a as &(dyn ToSql + Sync), Type::TEXT_ARRAY))
-        .collect();
-    Ok(client.query_typed(sql, &params).await?)
-}
 
 /// Whether the order column of each of `tables` has unique values by an index.
 async fn orders_unique(
