@@ -1283,3 +1283,45 @@ async fn tables_checked_together_each_get_their_own_problems() {
         );
     }
 }
+
+/// Contract section 8 (Tables), issue 55: a relay of many tables that all hold rows at
+/// start claims each about once before it is settled, not once per worker: its workers
+/// start spread over the tables, so they do not walk the same tables one behind the
+/// other, each claiming again what the one ahead just emptied. Counted by
+/// `pg_stat_statements`: the first windows read over a `drain` of 100 tables of one row
+/// each, 4 workers (a first claim and its follow-on: about 2 a table; walking together,
+/// about one per worker and table).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_relay_starting_on_many_tables_with_rows_claims_each_about_once() {
+    const TABLES: usize = 100;
+    let env = with_statement_counts(relay().workers(4)).await;
+    let tables = with_more_tables(&env, relay().workers(4), "busy", TABLES, &[]).await;
+    let client = env.client().await;
+    for t in &tables {
+        client
+            .execute(
+                &format!("INSERT INTO {t} (topic, key, payload) VALUES ('events.a', 'k', 'x')"),
+                &[],
+            )
+            .await
+            .unwrap();
+    }
+    client
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .unwrap();
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let windows = count(
+        &client,
+        "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
+         WHERE userid = 'outbox_relay'::regrole AND query LIKE 'WITH % low AS MATERIALIZED%'",
+    )
+    .await;
+    eprintln!("{TABLES} tables of one row each: {windows} first windows read");
+    assert!(
+        windows as usize <= TABLES * 5 / 2,
+        "{windows} first windows for {TABLES} tables of one row: each table claimed by \
+         every worker in turn?"
+    );
+}
