@@ -17,47 +17,117 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
     let Parts {
         t,
         id,
-        key,
-        attempts,
         next,
         size,
         columns,
         pending,
         due,
+        ..
+    } = p;
+    Claim {
+        claim_unordered: budgeted(
+            &format!("{pending} AND {due} AND {id} >= (SELECT $2::bigint)"),
+            columns,
+            t,
+            id,
+            size,
+        ),
+        claim_unordered_low: budgeted(
+            &format!("{pending} AND {next} IS NOT NULL AND {next} <= now() AND ({id} + 0) < $2"),
+            columns,
+            t,
+            id,
+            size,
+        ),
+        window: window(p, window_rows),
+        pick_lock: pick_lock(p),
+        lock_rows: format!(
+            "SELECT {columns} FROM {t} WHERE {id} = ANY($1::bigint[]) AND {pending} \
+             AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED"
+        ),
+    }
+}
+
+/// The first window: pending `(id, key)` pairs in order from the floor, with the
+/// stragglers and retried rows below it.
+///
+/// Its read's limit written in, its floor and stragglers hidden: see
+/// [`super::TableSql::window_rows`].
+/// One statement, so one snapshot: a window read in two statements could see a
+/// row's key released in one and not the other, and take a later row for its head.
+/// The two parts are materialized and sorted together: as a UNION ALL under a
+/// Merge Append, the same scans ran several times slower in the relay.
+fn window(p: &Parts, window_rows: i64) -> String {
+    let Parts {
+        t,
+        id,
+        key,
         obucket,
         ..
     } = p;
-    // Below the floor and from it on (see `Parts::not_held_back`), for each read.
     let window_low = p.claim_filter(Read::Window, None);
     let window_filter = p.claim_filter(Read::Window, Some("$2::bigint"));
+    format!(
+        "WITH {held_keys}, \
+         low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+         {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
+         AND {window_low} \
+         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
+         WHERE {retrying} AND {window_low}), \
+         main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+         {osize} AS size, {obucket} AS bucket \
+         FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
+         ORDER BY o.{id} LIMIT {window_rows}) \
+         SELECT id, key, size, bucket FROM low UNION ALL \
+         SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
+        held_keys = p.held_keys(Read::Window),
+        osize = p.size_of("o."),
+        stragglers = p.stragglers_part("o.", "(SELECT $3::bigint[])::bigint[]"),
+        retrying = p.retry_part(
+            "o.",
+            "(SELECT $2::bigint)",
+            "(SELECT $3::bigint[])::bigint[]"
+        ),
+    )
+}
+
+/// The bucket read of a pick: the buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
+/// are got: the lock function runs once per bucket tried), then each bucket's
+/// rows through the bucket index (a nested loop over the buckets got, one index
+/// range each); the rows below the floor (few) filtered by bucket.
+///
+/// The floor bound is written as a row comparison on the bucket index's two
+/// columns, `(bucket, id) >= (b, floor)`: only that index can start a scan there.
+/// Written `id >= floor`, the pending index (on `id`) could answer it too, reading
+/// every bucket's rows in id order and filtering, and on a table with no
+/// statistics yet (filled since the last ANALYZE: the planner takes the default
+/// 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did,
+/// reading and dropping dozens of rows for each one kept, most of a drain's
+/// statement time (found with auto_explain in benchmark L).
+/// With the row comparison the bucket index is chosen with or without
+/// statistics (checked with EXPLAIN both ways).
+///
+/// The per-bucket limit is hidden from the planner, `(SELECT $2)`, as in the generic
+/// plan a session keeps after five runs. Seen as a value, in the custom plans of a
+/// session's first five picks, a limit near the planner's estimate of a bucket's rows
+/// (it estimates far fewer rows than a deep bucket holds) made it read each
+/// bucket whole, a bitmap scan, and sort it: many times the rows it keeps, read, and
+/// a pick several times as slow as in the generic plan. Relays started at once open
+/// many sessions, so many of their picks were such first picks. (The relay's sessions
+/// now force the generic plan, see `source::session::settings`; hidden, the limit
+/// keeps the plan in any session.)
+fn pick_read(p: &Parts) -> String {
+    let Parts {
+        t,
+        id,
+        key,
+        attempts,
+        obucket,
+        ..
+    } = p;
     let bucket_low = p.claim_filter(Read::Buckets, None);
     let bucket_filter = p.claim_filter(Read::Buckets, Some("$4::bigint"));
-    // The buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
-    // are got: the lock function runs once per bucket tried), then each bucket's
-    // rows through the bucket index (a nested loop over the buckets got, one index
-    // range each); the rows below the floor (few) filtered by bucket.
-    //
-    // The floor bound is written as a row comparison on the bucket index's two
-    // columns, `(bucket, id) >= (b, floor)`: only that index can start a scan there.
-    // Written `id >= floor`, the pending index (on `id`) could answer it too, reading
-    // every bucket's rows in id order and filtering, and on a table with no
-    // statistics yet (filled since the last ANALYZE: the planner takes the default
-    // 0.5 % for `published_at IS NULL`, so both indexes look equally tiny) it did,
-    // reading and dropping dozens of rows for each one kept, most of a drain's
-    // statement time (found with auto_explain in benchmark L).
-    // With the row comparison the bucket index is chosen with or without
-    // statistics (checked with EXPLAIN both ways).
-    //
-    // The per-bucket limit is hidden from the planner, `(SELECT $2)`, as in the generic
-    // plan a session keeps after five runs. Seen as a value, in the custom plans of a
-    // session's first five picks, a limit near the planner's estimate of a bucket's rows
-    // (it estimates far fewer rows than a deep bucket holds) made it read each
-    // bucket whole, a bitmap scan, and sort it: many times the rows it keeps, read, and
-    // a pick several times as slow as in the generic plan. Relays started at once open
-    // many sessions, so many of their picks were such first picks. (The relay's sessions
-    // now force the generic plan, see `source::session::settings`; hidden, the limit
-    // keeps the plan in any session.)
-    let pick_read = format!(
+    format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
          low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
@@ -77,73 +147,37 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
         osize = p.size_of("o."),
         stragglers = p.stragglers_part("o.", "$5::bigint[]"),
         retrying = p.retry_part("o.", "$4", "$5::bigint[]"),
-    );
-    Claim {
-        claim_unordered: budgeted(
-            &format!("{pending} AND {due} AND {id} >= (SELECT $2::bigint)"),
-            columns,
-            t,
-            id,
-            size,
-        ),
-        claim_unordered_low: budgeted(
-            &format!("{pending} AND {next} IS NOT NULL AND {next} <= now() AND ({id} + 0) < $2"),
-            columns,
-            t,
-            id,
-            size,
-        ),
-        // Its read's limit written in, its floor and stragglers hidden: see
-        // [`super::TableSql::window_rows`].
-        // One statement, so one snapshot: a window read in two statements could see a
-        // row's key released in one and not the other, and take a later row for its head.
-        // The two parts are materialized and sorted together: as a UNION ALL under a
-        // Merge Append, the same scans ran several times slower in the relay.
-        window: format!(
-            "WITH {held_keys}, \
-             low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-             {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-             AND {window_low} \
-             UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-             WHERE {retrying} AND {window_low}), \
-             main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-             {osize} AS size, {obucket} AS bucket \
-             FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
-             ORDER BY o.{id} LIMIT {window_rows}) \
-             SELECT id, key, size, bucket FROM low UNION ALL \
-             SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
-            held_keys = p.held_keys(Read::Window),
-            osize = p.size_of("o."),
-            stragglers = p.stragglers_part("o.", "(SELECT $3::bigint[])::bigint[]"),
-            retrying = p.retry_part(
-                "o.",
-                "(SELECT $2::bigint)",
-                "(SELECT $3::bigint[])::bigint[]"
-            ),
-        ),
-        // The bucket read (`pick_read`, above), and in the same statement the row locks on
-        // the first `$8` rows read (in id order) that are still pending and due,
-        // `SKIP LOCKED`: every row read comes back with its candidate columns last, after
-        // the locked row's columns (NULL when it was not locked). One round trip where a
-        // pick and its lock round took two (`source::claim`, *Round trips*).
-        pick_lock: format!(
-            "{pick_read}, locked ({names}) AS MATERIALIZED (SELECT {columns} FROM {t} \
-             WHERE {id} = ANY (ARRAY(SELECT id FROM (SELECT id, size, sum(size) \
-             OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS run FROM seen) r \
-             WHERE run - size < $9::bigint ORDER BY id LIMIT $8)) \
-             AND {pending} AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED) \
-             SELECT l.*, s.id, s.key, s.size, s.bucket FROM seen s \
-             LEFT JOIN locked l ON l.c0 = s.id \
-             UNION ALL SELECT {nulls}, NULL, NULL, NULL, b FROM pick",
-            names = (0..p.layout.width())
-                .map(|i| format!("c{i}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            nulls = vec!["NULL"; p.layout.width()].join(", "),
-        ),
-        lock_rows: format!(
-            "SELECT {columns} FROM {t} WHERE {id} = ANY($1::bigint[]) AND {pending} \
-             AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED"
-        ),
-    }
+    )
+}
+
+/// The bucket read (`pick_read`, above), and in the same statement the row locks on
+/// the first `$8` rows read (in id order) that are still pending and due,
+/// `SKIP LOCKED`: every row read comes back with its candidate columns last, after
+/// the locked row's columns (NULL when it was not locked). One round trip where a
+/// pick and its lock round took two (`source::claim`, *Round trips*).
+fn pick_lock(p: &Parts) -> String {
+    let Parts {
+        t,
+        columns,
+        pending,
+        due,
+        id,
+        ..
+    } = p;
+    let pick_read = pick_read(p);
+    format!(
+        "{pick_read}, locked ({names}) AS MATERIALIZED (SELECT {columns} FROM {t} \
+         WHERE {id} = ANY (ARRAY(SELECT id FROM (SELECT id, size, sum(size) \
+         OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS run FROM seen) r \
+         WHERE run - size < $9::bigint ORDER BY id LIMIT $8)) \
+         AND {pending} AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED) \
+         SELECT l.*, s.id, s.key, s.size, s.bucket FROM seen s \
+         LEFT JOIN locked l ON l.c0 = s.id \
+         UNION ALL SELECT {nulls}, NULL, NULL, NULL, b FROM pick",
+        names = (0..p.layout.width())
+            .map(|i| format!("c{i}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        nulls = vec!["NULL"; p.layout.width()].join(", "),
+    )
 }
