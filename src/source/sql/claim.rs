@@ -65,15 +65,10 @@ fn window(p: &Parts, window_rows: i64) -> String {
         obucket,
         ..
     } = p;
-    let window_low = p.claim_filter(Read::Window, None);
     let window_filter = p.claim_filter(Read::Window, Some("$2::bigint"));
     format!(
         "WITH {held_keys}, \
-         low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-         {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-         AND {window_low} \
-         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-         WHERE {retrying} AND {window_low}), \
+         {low}, \
          main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
          {osize} AS size, {obucket} AS bucket \
          FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
@@ -81,19 +76,19 @@ fn window(p: &Parts, window_rows: i64) -> String {
          SELECT id, key, size, bucket FROM low UNION ALL \
          SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
         held_keys = p.held_keys(Read::Window),
-        osize = p.size_of("o."),
-        stragglers = p.stragglers_part("o.", "(SELECT $3::bigint[])::bigint[]"),
-        retrying = p.retry_part(
-            "o.",
+        low = low(
+            p,
+            Read::Window,
             "(SELECT $2::bigint)",
             "(SELECT $3::bigint[])::bigint[]"
         ),
+        osize = p.size_of("o."),
     )
 }
 
-/// The bucket read of a pick: the buckets first (a MATERIALIZED CTE, its rows pulled in order until `$7`
-/// are got: the lock function runs once per bucket tried), then each bucket's
-/// rows through the bucket index (a nested loop over the buckets got, one index
+/// The bucket read of a pick: the buckets first (a MATERIALIZED CTE, its rows pulled in
+/// order until `$7` are got: the lock function runs once per bucket tried), then each
+/// bucket's rows through the bucket index (a nested loop over the buckets got, one index
 /// range each); the rows below the floor (few) filtered by bucket.
 ///
 /// The floor bound is written as a row comparison on the bucket index's two
@@ -125,16 +120,11 @@ fn pick_read(p: &Parts) -> String {
         obucket,
         ..
     } = p;
-    let bucket_low = p.claim_filter(Read::Buckets, None);
     let bucket_filter = p.claim_filter(Read::Buckets, Some("$4::bigint"));
     format!(
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
-         low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-         {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {stragglers} \
-         AND {bucket_low} \
-         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-         WHERE {retrying} AND {bucket_low}), \
+         {low}, \
          main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket \
          FROM pick, LATERAL (SELECT o.{id}::bigint AS id, \
          o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
@@ -144,9 +134,33 @@ fn pick_read(p: &Parts) -> String {
          seen AS (SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
          UNION ALL SELECT id, key, size, bucket FROM main)",
         held_keys = p.held_keys(Read::Buckets),
+        low = low(p, Read::Buckets, "$4", "$5::bigint[]"),
         osize = p.size_of("o."),
-        stragglers = p.stragglers_part("o.", "$5::bigint[]"),
-        retrying = p.retry_part("o.", "$4", "$5::bigint[]"),
+    )
+}
+
+/// The `low` CTE of a read (the window or a bucket read): the rows below the floor it may
+/// take, the floor's stragglers (ids in `stragglers`) and the rows with a failure history
+/// below `floor` (`Parts::stragglers_part`, `Parts::retry_part`), each with the read's own
+/// filter.
+fn low(p: &Parts, read: Read, floor: &str, stragglers: &str) -> String {
+    let Parts {
+        t,
+        id,
+        key,
+        obucket,
+        ..
+    } = p;
+    let filter = p.claim_filter(read, None);
+    format!(
+        "low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
+         {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {straggling} \
+         AND {filter} \
+         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
+         WHERE {retrying} AND {filter})",
+        osize = p.size_of("o."),
+        straggling = p.stragglers_part("o.", stragglers),
+        retrying = p.retry_part("o.", floor, stragglers),
     )
 }
 
