@@ -215,21 +215,21 @@ impl Wakes {
         self.workers.notify_waiters();
     }
 
-    /// A NOTIFY with `payload` (`schema.table`) arrived.
-    pub(crate) fn rows_committed(&self, payload: &str) {
+    /// `notifications` NOTIFYs with `payload` (`schema.table`) arrived (one burst).
+    pub(crate) fn rows_committed(&self, payload: &str, notifications: u32) {
         if let Some(t) = self.tables.iter().position(|t| t.name == payload) {
             self.raise(t, true);
-            if self.crowd_notifies(t) {
+            if self.crowd_notifies(t, notifications) {
                 self.wake_for_good(t);
             }
         }
     }
 
-    /// Rule 6: counts a NOTIFY of gated table `t`; whether they came faster than
-    /// [`BUSY_NOTIFY_RATE`] in the current `poll_interval`, which keeps the table awake
-    /// for [`CROWD_AWAKE`]. The count spans the table's turns between busy and asleep:
-    /// under many writers it turns every few commits.
-    fn crowd_notifies(&self, t: usize) -> bool {
+    /// Rule 6: counts `notifications` NOTIFYs of gated table `t`; whether they came faster
+    /// than [`BUSY_NOTIFY_RATE`] in the current `poll_interval`, which keeps the table
+    /// awake for [`CROWD_AWAKE`]. The count spans the table's turns between busy and
+    /// asleep: under many writers it turns every few commits.
+    fn crowd_notifies(&self, t: usize, notifications: u32) -> bool {
         let table = &self.tables[t];
         if table.trigger != WakeTrigger::Gated {
             return false;
@@ -243,7 +243,7 @@ impl Wakes {
             notifies.since = now;
             notifies.count = 0;
         }
-        notifies.count += 1;
+        notifies.count = notifies.count.saturating_add(notifications);
         let crowd = u128::from(notifies.count) > limit;
         if crowd {
             notifies.crowd_until = Some(now + CROWD_AWAKE);
@@ -521,8 +521,8 @@ impl Wakes {
 }
 
 impl crate::source::listen::Wake for Wakes {
-    fn rows_committed(&self, payload: &str) {
-        Wakes::rows_committed(self, payload);
+    fn rows_committed(&self, payload: &str, notifications: u32) {
+        Wakes::rows_committed(self, payload, notifications);
     }
 
     fn listening(&self, pid: Option<i32>) {
@@ -550,7 +550,7 @@ mod tests {
         let w = wakes();
         let now = Instant::now();
         let ticket = w.begin(0, now).expect("due at start");
-        w.rows_committed("public.a"); // a NOTIFY while the claim runs
+        w.rows_committed("public.a", 1); // a NOTIFY while the claim runs
         w.found_nothing(0, ticket);
         let ticket = w
             .begin(0, now)
@@ -687,7 +687,7 @@ mod tests {
         w.set_listening(Some(1));
         w.found_nothing(0, w.begin(0, now).unwrap());
         assert!(w.set_paused(0, true));
-        w.rows_committed("public.a");
+        w.rows_committed("public.a", 1);
         assert!(
             w.begin(0, now).is_none(),
             "a NOTIFY does not wake a paused table"
@@ -707,9 +707,9 @@ mod tests {
         let now = Instant::now();
         w.set_listening(Some(1));
         w.found_nothing(0, w.begin(0, now).unwrap());
-        w.rows_committed("public.other");
+        w.rows_committed("public.other", 1);
         assert!(w.begin(0, now).is_none());
-        w.rows_committed("public.a");
+        w.rows_committed("public.a", 1);
         assert!(w.begin(0, now).is_some());
     }
 
@@ -781,7 +781,7 @@ mod tests {
         let w = gated();
         w.set_listening(Some(7));
         let ticket = w.begin(0, Instant::now()).unwrap();
-        w.rows_committed("public.g"); // a NOTIFY during the claim
+        w.rows_committed("public.g", 1); // a NOTIFY during the claim
         w.found_nothing(0, ticket);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake);
         let ticket = w.poll_tickets(false)[0].unwrap();
@@ -814,7 +814,7 @@ mod tests {
             poked.as_mut().enable(),
             "a permit left from the marks above"
         );
-        w.rows_committed("public.g");
+        w.rows_committed("public.g", 1);
         assert_eq!(w.sleep_of(0).0, Sleep::Busy);
         assert!(w.any_due(), "busy: claimed at once");
         assert!(
@@ -830,7 +830,7 @@ mod tests {
         assert_eq!(w.sleep_of(0).0, Sleep::Asleep);
         // A recheck poll that began before a NOTIFY leaves it busy.
         let ticket = w.poll_tickets(true)[0].expect("rechecked");
-        w.rows_committed("public.g");
+        w.rows_committed("public.g", 1);
         w.polled(0, ticket, false);
         assert_eq!(w.sleep_of(0).0, Sleep::Busy);
         assert!(w.any_due());
@@ -845,7 +845,7 @@ mod tests {
         // however often the table turns asleep and busy between them.
         let limit = (BUSY_NOTIFY_RATE / 10) as usize;
         for n in 0..limit {
-            w.rows_committed("public.g");
+            w.rows_committed("public.g", 1);
             assert_eq!(w.sleep_of(0).0, Sleep::Busy, "NOTIFY {n}");
             w.found_nothing(0, w.begin(0, Instant::now()).expect("due"));
             assert_eq!(w.sleep_of(0).0, Sleep::Asleep);
@@ -853,12 +853,36 @@ mod tests {
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         poked.as_mut().enable();
-        w.rows_committed("public.g");
+        w.rows_committed("public.g", 1);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake, "too many NOTIFYs");
         let poked = w.sleep.notified();
         tokio::pin!(poked);
         assert!(poked.as_mut().enable(), "told to clear the mark");
         assert!(w.poll_tickets(false)[0].is_some(), "awake: polled again");
+    }
+
+    #[test]
+    fn a_crowd_heard_in_one_burst_counts_every_notify() {
+        // A relay short of CPU reads its NOTIFYs late, many at once: they are one wake-up,
+        // but each of them counts towards the busy limit.
+        let w = gated();
+        w.set_listening(Some(7));
+        put_to_sleep(&w);
+        let limit = BUSY_NOTIFY_RATE / 10;
+        w.rows_committed("public.g", limit);
+        assert_eq!(w.sleep_of(0).0, Sleep::Busy, "{limit} NOTIFYs in one burst");
+        w.found_nothing(0, w.begin(0, Instant::now()).expect("due"));
+        w.rows_committed("public.g", 2);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake, "the limit passed in bursts");
+        let w = gated();
+        w.set_listening(Some(7));
+        put_to_sleep(&w);
+        w.rows_committed("public.g", limit + 1);
+        assert_eq!(
+            w.sleep_of(0).0,
+            Sleep::Awake,
+            "the limit passed in one burst"
+        );
     }
 
     #[test]
@@ -872,10 +896,10 @@ mod tests {
         settle(&w);
         let (_, generation) = w.sleep_of(0);
         assert!(w.move_sleep(0, generation, Sleep::Wanted, Sleep::Pending));
-        w.rows_committed("public.g");
+        w.rows_committed("public.g", 1);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake, "pending: not settled yet");
         put_to_sleep(&w);
-        w.rows_committed("public.g");
+        w.rows_committed("public.g", 1);
         assert_eq!(w.sleep_of(0).0, Sleep::Busy);
         w.set_paused(0, true);
         assert_eq!(

@@ -34,8 +34,9 @@ pub(crate) const LISTEN_CHECK: Duration = Duration::from_secs(5);
 
 /// What the listener tells the relay.
 pub(crate) trait Wake: Send + Sync {
-    /// Rows of the table `payload` names (`schema.table`, unquoted) committed.
-    fn rows_committed(&self, payload: &str);
+    /// Rows of the table `payload` names (`schema.table`, unquoted) committed, told by
+    /// `notifications` NOTIFYs (those of one burst, told at once).
+    fn rows_committed(&self, payload: &str, notifications: u32);
     /// LISTEN is subscribed with the session of backend `pid` (rows may have committed
     /// unheard before), or is not (`None`).
     fn listening(&self, pid: Option<i32>);
@@ -130,7 +131,7 @@ async fn answered<T>(
             },
             message = messages.next() => {
                 if let Some(n) = notification(message)? {
-                    wake.rows_committed(n.payload());
+                    wake.rows_committed(n.payload(), 1);
                 }
             }
         }
@@ -139,7 +140,9 @@ async fn answered<T>(
 
 /// Takes `message` and every message already received after it, and wakes each table
 /// they name once. Debounce: a burst of commits arrives as a burst of notifications; every
-/// one already received wakes its table once, not once each.
+/// one already received wakes its table once, not once each, and tells how many there
+/// were (the relay clears its sleep mark by their rate: counted as one, a burst read late
+/// by a busy relay hid a crowd of writers, and every one of their commits notified).
 fn take_burst(
     mut message: Messages,
     messages: &mut (impl futures_util::Stream<Item = Result<AsyncMessage, tokio_postgres::Error>>
@@ -147,12 +150,13 @@ fn take_burst(
     wake: &dyn Wake,
 ) -> Result<(), Stop> {
     let mut committed = 0usize;
-    let mut tables: Vec<String> = Vec::new();
+    let mut tables: Vec<(String, u32)> = Vec::new();
     loop {
         if let Some(n) = notification(message)? {
             committed += 1;
-            if !tables.iter().any(|t| t == n.payload()) {
-                tables.push(n.payload().to_owned());
+            match tables.iter_mut().find(|(t, _)| t == n.payload()) {
+                Some((_, count)) => *count += 1,
+                None => tables.push((n.payload().to_owned(), 1)),
             }
         }
         match messages.next().now_or_never() {
@@ -162,8 +166,8 @@ fn take_burst(
     }
     if committed > 0 {
         tracing::trace!(notifications = committed, "Outbox rows committed");
-        for table in &tables {
-            wake.rows_committed(table);
+        for (table, count) in &tables {
+            wake.rows_committed(table, *count);
         }
     }
     Ok(())

@@ -159,11 +159,12 @@ async fn writers_notify_only_while_a_relay_sleeps() {
         "the sleeping relay was woken by the burst's first commits"
     );
     // The commits that notify are those before the relay counts more than the busy limit
-    // and clears its mark: a few on a quiet machine, up to about a third under the whole
-    // suite's load (the clearing waits for a session). A relay that kept its mark while
-    // it worked would make every commit notify.
+    // and clears its mark: a few dozen, on a quiet machine and with the CPU taken by
+    // other work. A relay that kept its mark while it worked would make every commit
+    // notify; one that counted a burst of NOTIFYs read at once as one (a relay short of
+    // CPU reads them late, in bursts) made a tenth to all of them notify.
     assert!(
-        during * 2 <= commits,
+        during * 10 <= commits,
         "{during} of {commits} commits notified: the relay did not stay awake while it worked"
     );
     terminate_cleanly(&mut relay);
