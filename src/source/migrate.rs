@@ -9,7 +9,9 @@
 //! an index left invalid by an interrupted build is dropped and built again. A
 //! transaction-level advisory lock serializes the transactional part of concurrent
 //! `migrate` runs (several sidecars starting at once); the index builds need none (see
-//! [`build_concurrently`]). Nothing here drops or rewrites user data.
+//! [`build_concurrently`]). Nothing here drops or rewrites user data. The pending index
+//! is built only for `on_publish = "mark"`; in delete mode one an earlier release built is
+//! dropped `CONCURRENTLY`, writes going on meanwhile ([`schema::PENDING_INDEX`]).
 
 use std::fmt;
 use std::time::Duration;
@@ -18,7 +20,7 @@ use tokio_postgres::Client;
 
 use super::session::{self, SessionLimits, SessionMode};
 use super::{schema, SourceError};
-use crate::config::{Config, Ident, PostgresConfig, TableConfig};
+use crate::config::{Config, Ident, OnPublish, PostgresConfig, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -36,6 +38,7 @@ pub struct Migration {
 const UNIQUE_ORDER_INDEX: ConcurrentIndex = ConcurrentIndex {
     name: "{{order_index}}",
     sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {{order_index}} ON {{table}} ({{order}})",
+    mark_only: false,
 };
 
 /// An index built without blocking writes.
@@ -43,6 +46,10 @@ struct ConcurrentIndex {
     /// The `{{placeholder}}` its name is rendered from.
     name: &'static str,
     sql: &'static str,
+    /// Needed only with `on_publish = "mark"` (the pending index, see
+    /// [`schema::PENDING_INDEX`]): in delete mode it is not built, and one an earlier
+    /// release built is dropped, so the application's new rows stop paying for it.
+    mark_only: bool,
 }
 
 /// Every migration, in order. Append only: a released migration never changes.
@@ -55,10 +62,12 @@ pub const MIGRATIONS: &[Migration] = &[
             ConcurrentIndex {
                 name: "{{pending_index}}",
                 sql: include_str!("../../migrations/0001_pending_index.concurrent.sql"),
+                mark_only: true,
             },
             ConcurrentIndex {
                 name: "{{dead_index}}",
                 sql: include_str!("../../migrations/0001_dead_index.concurrent.sql"),
+                mark_only: false,
             },
         ],
     },
@@ -69,6 +78,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{held_index}}",
             sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
+            mark_only: false,
         }],
     },
     Migration {
@@ -78,6 +88,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{retry_index}}",
             sql: include_str!("../../migrations/0003_retry_index.concurrent.sql"),
+            mark_only: false,
         }],
     },
     Migration {
@@ -87,6 +98,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{bucket_index}}",
             sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
+            mark_only: false,
         }],
     },
     Migration {
@@ -192,7 +204,7 @@ pub async fn migrate(
             source,
         })?;
     for table in &config.tables {
-        let report = migrate_table(&mut client, table, notify, deadline)
+        let report = migrate_table(&mut client, &config, table, notify, deadline)
             .await
             .map_err(|source| MigrateError::Table {
                 table: table.name.to_string(),
@@ -225,15 +237,18 @@ async fn open_session(pg: &PostgresConfig) -> Result<Client, MigrateError> {
     }
 }
 
-/// Brings `table` up to date; installs the NOTIFY trigger unless `notify` is false, in
-/// which case it removes one left from earlier. Every statement but the concurrent index
-/// builds runs within `deadline`.
+/// Brings `table` (one of `config`'s) up to date for relays that handle published rows as
+/// `config` says; installs the NOTIFY trigger unless `notify` is false, in which case it
+/// removes one left from earlier. Every statement but the concurrent index builds runs
+/// within `deadline`.
 pub async fn migrate_table(
     client: &mut Client,
+    config: &Config,
     table: &TableConfig,
     notify: bool,
     deadline: Duration,
 ) -> Result<MigrateReport, SourceError> {
+    let on_publish = config.relay.on_publish;
     let mut report = within(deadline, migrate_in_transaction(client, table, notify)).await?;
     if !within(deadline, schema::order_is_unique(client, table)).await? {
         build_concurrently(client, table, &UNIQUE_ORDER_INDEX, deadline)
@@ -259,6 +274,16 @@ pub async fn migrate_table(
             .push(format!("unique index on {}", table.columns.order));
     }
     for index in MIGRATIONS.iter().flat_map(|m| m.concurrent_indexes) {
+        if index.mark_only && on_publish == OnPublish::Delete {
+            if drop_concurrently(client, table, index, deadline).await? {
+                report.applied.push(format!(
+                    "index {} dropped concurrently (on_publish = \"delete\" claims through \
+                     the primary key)",
+                    render(index.name, table)
+                ));
+            }
+            continue;
+        }
         if build_concurrently(client, table, index, deadline).await? {
             report.applied.push(format!(
                 "index {} (built concurrently)",
@@ -348,6 +373,35 @@ async fn build_concurrently(
     tracing::info!(index = %qualified, "Building index concurrently (writes continue meanwhile)");
     without_deadlines(client, &render(index.sql, table), deadline).await?;
     Ok(true)
+}
+
+/// Drops `index` if it is there, valid or not, without blocking writes; returns whether
+/// it dropped one. A build another `migrate` runs right now (one configured for mark mode)
+/// is left to finish: the index is dropped by this table's next delete-mode `migrate`.
+async fn drop_concurrently(
+    client: &Client,
+    table: &TableConfig,
+    index: &ConcurrentIndex,
+    deadline: Duration,
+) -> Result<bool, SourceError> {
+    let qualified = format!(
+        "{}.{}",
+        table.name.schema.quoted(),
+        render(index.name, table)
+    );
+    match within(deadline, index_state(client, &qualified)).await? {
+        IndexState::Absent | IndexState::Building => Ok(false),
+        IndexState::Valid | IndexState::Invalid => {
+            tracing::info!(index = %qualified, "Dropping an index delete mode does not need (writes continue meanwhile)");
+            without_deadlines(
+                client,
+                &format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
+                deadline,
+            )
+            .await?;
+            Ok(true)
+        }
+    }
 }
 
 /// Runs one statement with `statement_timeout` and `lock_timeout` lifted, and restores

@@ -1183,7 +1183,7 @@ async fn tables_checked_together_each_get_their_own_problems() {
     client
         .batch_execute(
             "GRANT USAGE ON SCHEMA side TO outbox_relay;
-             DROP INDEX public.mixed_0_pending_idx;
+             DROP INDEX public.mixed_0_held_idx;
              REVOKE UPDATE (dead_at) ON public.mixed_1 FROM outbox_relay;
              REVOKE UPDATE ON public.outbox_relay_rates FROM outbox_relay;
              ALTER TABLE public.mixed_2 DROP CONSTRAINT mixed_2_pkey;
@@ -1198,8 +1198,8 @@ async fn tables_checked_together_each_get_their_own_problems() {
             "public.mixed_0",
             "",
             &[
-                "index \"public\".\"mixed_0_pending_idx\" (pending rows in order (migration \
-               0001)) is missing: run `outbox-relay migrate`",
+                "index \"public\".\"mixed_0_held_idx\" (rows that hold back their key \
+                 (migration 0002)) is missing: run `outbox-relay migrate`",
             ],
         ),
         (
@@ -1275,7 +1275,7 @@ async fn tables_checked_together_each_get_their_own_problems() {
     let out = env.relay(&["drain", "--timeout", "30s"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("mixed_0_pending_idx"), "{stderr}");
+    assert!(stderr.contains("mixed_0_held_idx"), "{stderr}");
     for (later, _, _) in &expected[2..] {
         assert!(
             !stderr.contains(later),

@@ -436,6 +436,64 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 
+/// Whether `public.outbox_pending_idx` is there and valid.
+async fn pending_index(client: &tokio_postgres::Client) -> bool {
+    count(
+        client,
+        "SELECT count(*) FROM pg_index \
+         WHERE indexrelid = to_regclass('public.outbox_pending_idx') AND indisvalid",
+    )
+    .await
+        == 1
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mark_mode_needs_the_pending_index_and_delete_mode_goes_without_it() {
+    // Mark mode keeps published rows: its claims need the pending index, and migrate
+    // builds it for a mark-mode config.
+    let env = Env::new(relay().on_publish("mark")).await;
+    let client = env.client().await;
+    assert!(pending_index(&client).await, "built for mark mode");
+    client
+        .batch_execute("DROP INDEX public.outbox_pending_idx")
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("outbox_pending_idx\" (pending rows in order (migration 0001)) is missing: run `outbox-relay migrate`"),
+        "{}",
+        text(&out)
+    );
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("index \"outbox_pending_idx\" (built concurrently)"),
+        "{}",
+        text(&out)
+    );
+    assert!(pending_index(&client).await, "built again");
+    // Delete mode claims through the primary key: migrate drops the index, and the relay
+    // starts and drains without it.
+    env.write_config(&relay());
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("index \"outbox_pending_idx\" dropped concurrently"),
+        "{}",
+        text(&out)
+    );
+    assert!(!pending_index(&client).await, "dropped for delete mode");
+    seed(&client, 1_000, 10, 0).await;
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        0
+    );
+    assert_eq!(env.stored().await.len(), 1_000, "every row published");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_subject_the_user_may_not_publish_to_is_the_rows_fault() {
     let pg = testkit::Postgres::start().unwrap();

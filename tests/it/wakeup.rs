@@ -373,10 +373,12 @@ CREATE TRIGGER outbox_relay_notify AFTER INSERT ON public.outbox
     FOR EACH STATEMENT EXECUTE FUNCTION public.outbox_relay_notify();
 DROP TABLE public.outbox_relay_sleepers;
 DELETE FROM public.outbox_relay_migrations WHERE version = 7;
+CREATE INDEX outbox_pending_idx ON public.outbox (id)
+    WHERE published_at IS NULL AND dead_at IS NULL;
 ";
 
 #[tokio::test(flavor = "multi_thread")]
-async fn upgrading_from_the_previous_trigger_keeps_every_pending_row_and_its_order() {
+async fn upgrading_from_the_previous_release_keeps_every_pending_row_and_its_order() {
     let env = Env::new(relay()).await;
     let client = env.client().await;
     client.batch_execute(PREVIOUS_TRIGGER).await.unwrap();
@@ -393,6 +395,21 @@ async fn upgrading_from_the_previous_trigger_keeps_every_pending_row_and_its_ord
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("0007_sleepers"), "{}", text(&out));
+    // In delete mode the claims read the primary key: the previous release's pending
+    // index goes, and the application's rows stop paying for it.
+    assert!(
+        text(&out).contains("index \"outbox_pending_idx\" dropped concurrently"),
+        "{}",
+        text(&out)
+    );
+    assert_eq!(
+        count(
+            &client,
+            "SELECT count(*) FROM pg_indexes WHERE indexname = 'outbox_pending_idx'"
+        )
+        .await,
+        0
+    );
     let triggers: Vec<String> = column(
         &client,
         "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'public.outbox'::regclass \

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use tokio_postgres::{GenericClient, Row};
 
 use super::super::{ask_each, SourceError};
-use super::{by_table, index_name, merge, Found, WakeTrigger, CLAIM_INDEXES};
+use super::{by_table, claim_indexes, index_name, merge, Found, WakeTrigger};
 use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 
 /// Whether each schema `$1` exists (NULL when it does not) and this role may use it
@@ -205,17 +205,18 @@ pub(super) async fn unique_problems(
     ))
 }
 
-/// The claim indexes `migrate` builds, of each of the tables `found`: missing or invalid
-/// ones are problems.
+/// The claim indexes `migrate` builds for `on_publish`, of each of the tables `found`:
+/// missing or invalid ones are problems.
 pub(super) async fn check_indexes(
     client: &impl GenericClient,
     found: &[&Found<'_>],
+    on_publish: OnPublish,
 ) -> Result<Vec<Vec<String>>, SourceError> {
     let asked: Vec<(usize, &TableConfig, String, &str)> = found
         .iter()
         .enumerate()
         .flat_map(|(i, f)| {
-            CLAIM_INDEXES.iter().map(move |(suffix, what)| {
+            claim_indexes(on_publish).map(move |(suffix, what)| {
                 let schema = f.table.name.schema.quoted();
                 (
                     i,

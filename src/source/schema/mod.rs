@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
-use crate::config::{Ident, RelayConfig, TableConfig};
+use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 
 mod catalog;
 mod columns;
@@ -135,7 +135,7 @@ async fn check_found(
         .unzip();
     let (unique, indexes, privileges, relay_tables, (wakes, wake_problems)) = futures_util::try_join!(
         unique_problems(client, found),
-        check_indexes(client, found),
+        check_indexes(client, found, relay.on_publish),
         check_privileges(client, found, relay),
         check_relay_tables(client, found),
         wake_triggers(client, found),
@@ -165,8 +165,24 @@ pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
 /// The indexes every claim relies on, by suffix: without one of them a claim scans the
 /// table. The relay refuses to start (and `check` fails) until `migrate` built them.
 pub(crate) const CLAIM_INDEXES: &[(&str, &str)] = &[
-    ("pending_idx", "pending rows in order (migration 0001)"),
     ("held_idx", "rows that hold back their key (migration 0002)"),
     ("retry_idx", "rows with a failure history (migration 0003)"),
     ("bucket_idx", "pending rows by key bucket (migration 0004)"),
 ];
+
+/// The pending index (migration 0001), which `on_publish = "mark"` needs on top of
+/// [`CLAIM_INDEXES`]: published rows stay in the table until retention deletes them, and
+/// a claim's read from the floor would pass every one published out of order. In delete
+/// mode the primary key holds only pending, dead and waiting rows, so the claims read it
+/// instead, and a new row enters one B-tree fewer (`docs/writer-cost.md`).
+pub(crate) const PENDING_INDEX: (&str, &str) =
+    ("pending_idx", "pending rows in order (migration 0001)");
+
+/// The indexes the relay needs on each table when published rows are handled as
+/// `on_publish` says.
+pub(crate) fn claim_indexes(
+    on_publish: OnPublish,
+) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
+    let pending = (on_publish == OnPublish::Mark).then_some(&PENDING_INDEX);
+    pending.into_iter().chain(CLAIM_INDEXES)
+}

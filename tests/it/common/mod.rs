@@ -662,6 +662,7 @@ drain_timeout = "10s"
     let mut client = pg.connect("app").await.unwrap();
     outbox_relay::source::migrate::migrate_table(
         &mut client,
+        &config,
         &config.tables[0],
         true,
         std::time::Duration::from_secs(30),
