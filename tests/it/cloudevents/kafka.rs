@@ -39,14 +39,20 @@ impl KafkaEnv {
             url,
         };
         env.write_config("", "");
-        let out = env
+        env.migrate();
+        grant_relay_role(&env.client().await, "public.outbox").await;
+        env
+    }
+
+    /// `migrate` as the table's owner, for the config written last (mark mode needs the
+    /// pending index).
+    pub(super) fn migrate(&self) {
+        let out = self
             .command(&["migrate"])
-            .env("OUTBOX_RELAY__POSTGRES__URL", &env.url)
+            .env("OUTBOX_RELAY__POSTGRES__URL", &self.url)
             .output_within(RUN_LIMIT)
             .unwrap();
         assert!(out.status.success(), "{}", text(&out));
-        grant_relay_role(&env.client().await, "public.outbox").await;
-        env
     }
 
     /// The config with `relay` lines added to `[relay]`, `table` lines to `[[tables]]`.

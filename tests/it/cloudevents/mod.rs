@@ -246,6 +246,7 @@ async fn kafka_a_replayed_row_is_the_same_event() {
     let env = KafkaEnv::new().await;
     let client = env.client().await;
     env.write_config("on_publish = \"mark\"", &envelope("structured"));
+    env.migrate();
     let rows = insert_kinds(&client, "events.structured").await;
     env.drain();
     let ids: Vec<String> = rows.iter().map(|r| r.id.to_string()).collect();
