@@ -346,8 +346,7 @@ async fn build_concurrently(
     index: &ConcurrentIndex,
     deadline: Duration,
 ) -> Result<bool, SourceError> {
-    let name = render(index.name, table);
-    let qualified = format!("{}.{}", table.name.schema.quoted(), name);
+    let qualified = qualified(table, index);
     let mut waiting = false;
     loop {
         match within(deadline, index_state(client, &qualified)).await? {
@@ -360,12 +359,7 @@ async fn build_concurrently(
             }
             IndexState::Invalid => {
                 tracing::warn!(index = %qualified, "Dropping an index left invalid by an interrupted build");
-                without_deadlines(
-                    client,
-                    &format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
-                    deadline,
-                )
-                .await?;
+                drop_index(client, &qualified, deadline).await?;
             }
             IndexState::Absent => break,
         }
@@ -384,24 +378,39 @@ async fn drop_concurrently(
     index: &ConcurrentIndex,
     deadline: Duration,
 ) -> Result<bool, SourceError> {
-    let qualified = format!(
-        "{}.{}",
-        table.name.schema.quoted(),
-        render(index.name, table)
-    );
+    let qualified = qualified(table, index);
     match within(deadline, index_state(client, &qualified)).await? {
         IndexState::Absent | IndexState::Building => Ok(false),
         IndexState::Valid | IndexState::Invalid => {
             tracing::info!(index = %qualified, "Dropping an index delete mode does not need (writes continue meanwhile)");
-            without_deadlines(
-                client,
-                &format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
-                deadline,
-            )
-            .await?;
+            drop_index(client, &qualified, deadline).await?;
             Ok(true)
         }
     }
+}
+
+/// `index`'s schema-qualified, quoted name on `table`.
+fn qualified(table: &TableConfig, index: &ConcurrentIndex) -> String {
+    format!(
+        "{}.{}",
+        table.name.schema.quoted(),
+        render(index.name, table)
+    )
+}
+
+/// `DROP INDEX CONCURRENTLY` of the index `qualified`, without deadlines (it waits for
+/// every transaction using the table, as a concurrent build does).
+async fn drop_index(
+    client: &Client,
+    qualified: &str,
+    deadline: Duration,
+) -> Result<(), SourceError> {
+    without_deadlines(
+        client,
+        &format!("DROP INDEX CONCURRENTLY IF EXISTS {qualified}"),
+        deadline,
+    )
+    .await
 }
 
 /// Runs one statement with `statement_timeout` and `lock_timeout` lifted, and restores
