@@ -38,7 +38,7 @@ pub struct Migration {
 const UNIQUE_ORDER_INDEX: ConcurrentIndex = ConcurrentIndex {
     name: "{{order_index}}",
     sql: "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {{order_index}} ON {{table}} ({{order}})",
-    mark_only: false,
+    kept: Kept::Always,
 };
 
 /// An index built without blocking writes.
@@ -46,10 +46,37 @@ struct ConcurrentIndex {
     /// The `{{placeholder}}` its name is rendered from.
     name: &'static str,
     sql: &'static str,
-    /// Needed only with `on_publish = "mark"` (the pending index, see
-    /// [`schema::PENDING_INDEX`]): in delete mode it is not built, and one an earlier
-    /// release built is dropped, so the application's new rows stop paying for it.
-    mark_only: bool,
+    /// On which tables `migrate` keeps it.
+    kept: Kept,
+}
+
+/// On which tables `migrate` keeps an index. Every index costs each of the application's
+/// INSERT statements (PostgreSQL opens it, and checks a partial index's predicate, even
+/// for a row that does not enter it: `docs/writer-cost.md`), so one the relay's reads can
+/// do without is dropped, `CONCURRENTLY`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kept {
+    /// On every table.
+    Always,
+    /// Only for `on_publish = "mark"` (the pending index, see [`schema::PENDING_INDEX`]):
+    /// in delete mode it is not built, and one an earlier release built is dropped.
+    MarkMode,
+    /// On none: an earlier release built it, and another index serves its reads now (the
+    /// dead index: every dead row is in the held index, by its key and order value too).
+    Retired,
+}
+
+impl Kept {
+    /// Why `migrate` drops the index for relays that handle published rows as
+    /// `on_publish` says, or `None` when it keeps it.
+    fn dropped_because(self, on_publish: OnPublish) -> Option<&'static str> {
+        match self {
+            Kept::Always => None,
+            Kept::MarkMode if on_publish == OnPublish::Mark => None,
+            Kept::MarkMode => Some("on_publish = \"delete\" claims through the primary key"),
+            Kept::Retired => Some("the held index finds the dead rows"),
+        }
+    }
 }
 
 /// Every migration, in order. Append only: a released migration never changes.
@@ -62,12 +89,12 @@ pub const MIGRATIONS: &[Migration] = &[
             ConcurrentIndex {
                 name: "{{pending_index}}",
                 sql: include_str!("../../migrations/0001_pending_index.concurrent.sql"),
-                mark_only: true,
+                kept: Kept::MarkMode,
             },
             ConcurrentIndex {
                 name: "{{dead_index}}",
                 sql: include_str!("../../migrations/0001_dead_index.concurrent.sql"),
-                mark_only: false,
+                kept: Kept::Retired,
             },
         ],
     },
@@ -78,7 +105,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{held_index}}",
             sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
-            mark_only: false,
+            kept: Kept::Always,
         }],
     },
     Migration {
@@ -88,7 +115,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{retry_index}}",
             sql: include_str!("../../migrations/0003_retry_index.concurrent.sql"),
-            mark_only: false,
+            kept: Kept::Always,
         }],
     },
     Migration {
@@ -98,7 +125,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{bucket_index}}",
             sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
-            mark_only: false,
+            kept: Kept::Always,
         }],
     },
     Migration {
@@ -274,11 +301,10 @@ pub async fn migrate_table(
             .push(format!("unique index on {}", table.columns.order));
     }
     for index in MIGRATIONS.iter().flat_map(|m| m.concurrent_indexes) {
-        if index.mark_only && on_publish == OnPublish::Delete {
+        if let Some(why) = index.kept.dropped_because(on_publish) {
             if drop_concurrently(client, table, index, deadline).await? {
                 report.applied.push(format!(
-                    "index {} dropped concurrently (on_publish = \"delete\" claims through \
-                     the primary key)",
+                    "index {} dropped concurrently ({why})",
                     render(index.name, table)
                 ));
             }
@@ -370,8 +396,9 @@ async fn build_concurrently(
 }
 
 /// Drops `index` if it is there, valid or not, without blocking writes; returns whether
-/// it dropped one. A build another `migrate` runs right now (one configured for mark mode)
-/// is left to finish: the index is dropped by this table's next delete-mode `migrate`.
+/// it dropped one. A build another `migrate` runs right now (one configured for mark mode,
+/// or of an earlier release) is left to finish: the index is dropped by this table's next
+/// `migrate` that does not keep it.
 async fn drop_concurrently(
     client: &Client,
     table: &TableConfig,
@@ -382,7 +409,7 @@ async fn drop_concurrently(
     match within(deadline, index_state(client, &qualified)).await? {
         IndexState::Absent | IndexState::Building => Ok(false),
         IndexState::Valid | IndexState::Invalid => {
-            tracing::info!(index = %qualified, "Dropping an index delete mode does not need (writes continue meanwhile)");
+            tracing::info!(index = %qualified, "Dropping an index the relay does not need (writes continue meanwhile)");
             drop_index(client, &qualified, deadline).await?;
             Ok(true)
         }
@@ -559,6 +586,34 @@ fn literal(text: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::{Columns, TableName, Template};
+
+    /// A fresh row of a delete-mode table enters the primary key and the bucket index,
+    /// and PostgreSQL checks the held and retry indexes' predicates for it: no index
+    /// more. Mark mode adds the pending index.
+    #[test]
+    fn migrate_keeps_only_the_indexes_the_relay_reads() {
+        let kept = |on_publish| -> Vec<&str> {
+            MIGRATIONS
+                .iter()
+                .flat_map(|m| m.concurrent_indexes)
+                .filter(|i| i.kept.dropped_because(on_publish).is_none())
+                .map(|i| i.name)
+                .collect()
+        };
+        assert_eq!(
+            kept(OnPublish::Delete),
+            ["{{held_index}}", "{{retry_index}}", "{{bucket_index}}"]
+        );
+        assert_eq!(
+            kept(OnPublish::Mark),
+            [
+                "{{pending_index}}",
+                "{{held_index}}",
+                "{{retry_index}}",
+                "{{bucket_index}}"
+            ]
+        );
+    }
 
     #[test]
     fn placeholders_are_all_replaced_with_quoted_names() {

@@ -960,6 +960,112 @@ async fn plan_nodes(session: &tokio_postgres::Client, statement: &str) -> Vec<se
     nodes
 }
 
+/// Section 2 (Cheap for the writer): every index on the outbox costs each of the
+/// application's INSERT statements, even a partial one its rows do not enter (PostgreSQL
+/// opens it and checks its predicate), so `migrate` keeps none the relay can do without.
+/// The dead index of earlier releases is one: every dead row is in the held index, by
+/// its key and order value too. `migrate` drops it, and the reads of dead rows go
+/// through the held index: `drain`'s closing look, on a table where a dead row holds
+/// back every key, probes it once for each of the 19,800 rows behind them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_writer_pays_for_no_dead_index_and_dead_rows_are_found_through_the_held_index() {
+    let env = Env::new(relay()).await;
+    let client = env.client().await;
+    // What an earlier release's migrate built.
+    client
+        .batch_execute(
+            "CREATE INDEX IF NOT EXISTS outbox_dead_idx ON public.outbox (key, id) \
+             WHERE dead_at IS NOT NULL AND published_at IS NULL",
+        )
+        .await
+        .unwrap();
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains(
+            "index \"outbox_dead_idx\" dropped concurrently (the held index finds the dead rows)"
+        ),
+        "{}",
+        text(&out)
+    );
+    let indexes: Vec<String> = client
+        .query(
+            "SELECT indexrelid::regclass::text FROM pg_index \
+             WHERE indrelid = 'public.outbox'::regclass ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        indexes,
+        [
+            "outbox_bucket_idx",
+            "outbox_held_idx",
+            "outbox_pkey",
+            "outbox_retry_idx"
+        ],
+        "the indexes of a delete-mode table"
+    );
+
+    // 20,000 rows of 200 keys; the first row of every key dead.
+    seed(&client, 20_000, 200, 0).await;
+    client
+        .batch_execute(
+            "UPDATE public.outbox SET dead_at = now(), attempts = 10, last_error = 'x' \
+             WHERE id <= 200; ANALYZE public.outbox",
+        )
+        .await
+        .unwrap();
+    let (_source, tables) = env.tables().await;
+    let session = env.client().await;
+    // As the relay's sessions run (`source::session::settings`).
+    session
+        .batch_execute(&format!(
+            "SET enable_seqscan = off; SET enable_bitmapscan = off; PREPARE look AS {}",
+            tables[0].sql.publishable_exists
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        rows(&session, "EXECUTE look").await[0][0].as_deref(),
+        Some("f"),
+        "every pending row is held back by a dead row"
+    );
+    let nodes = plan_nodes(&session, "look").await;
+    let probes: i64 = nodes
+        .iter()
+        .filter(|node| node["Index Name"] == "outbox_held_idx")
+        .map(|node| node["Actual Loops"].as_i64().unwrap_or(0))
+        .sum();
+    assert!(
+        probes >= 19_800,
+        "the held index answered {probes} probes: {nodes:#?}"
+    );
+    // The look's own walk over the pending rows is `o`; every read of dead rows is
+    // through the held index.
+    let dead_reads: Vec<_> = nodes
+        .iter()
+        .filter(|node| node["Relation Name"] == "outbox" && node["Alias"] != "o")
+        .collect();
+    assert!(
+        dead_reads.len() >= 2
+            && dead_reads
+                .iter()
+                .all(|node| node["Index Name"] == "outbox_held_idx"),
+        "{nodes:#?}"
+    );
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(
+        count(&client, "SELECT count(*) FROM public.outbox").await,
+        20_000,
+        "nothing published: every row is a dead row or behind one"
+    );
+}
+
 /// A new session's first picks read no more of a bucket than they keep. PostgreSQL plans
 /// a prepared statement's first five runs in each session with its values (custom
 /// plans), and a pick's per-bucket limit seen as a value once made it read each bucket

@@ -146,8 +146,8 @@ pub struct TableSql {
     /// sink's mark of a postponed row.
     pub(super) release_postponed: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
-    /// and (key order) not held back by a dead row.
-    pub(super) publishable_exists: String,
+    /// and (key order) not held back by a dead row. Public for the tests of its plan.
+    pub publishable_exists: String,
     /// The two halves of a boolean expression that is true when a claim may find a row
     /// ([`TableSql::claimable`] puts the floor's parameter between them).
     claimable: (String, String),

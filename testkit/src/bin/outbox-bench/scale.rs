@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
 
-use crate::cpu::MachineCpu;
+use crate::cpu::{cpu_secs, postgres_cpu_secs, MachineCpu};
 use crate::steady::percentile;
 use crate::Bench;
 
@@ -167,22 +167,6 @@ impl Cpu {
     }
 }
 
-/// CPU seconds (user + system) of process `pid`, from `/proc`.
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = stat.rsplit(')').next().unwrap_or_default();
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 of stat, 12 and 13 after the name.
-    (ticks(11) + ticks(12)) as f64 / clock_ticks()
-}
-
 /// Messages the benchmark's stream holds now (0 while it cannot be asked): polled by S and
 /// R to see when the last row arrived.
 async fn stored_so_far(js: &async_nats::jetstream::Context) -> u64 {
@@ -197,26 +181,6 @@ async fn stored_so_far(js: &async_nats::jetstream::Context) -> u64 {
 pub(crate) fn http_section() -> (String, String) {
     let addr = format!("127.0.0.1:{}", testkit::free_port());
     (format!("[http]\nlisten = \"{addr}\"\n"), addr)
-}
-
-fn clock_ticks() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
-}
-
-/// CPU seconds of every `postgres` process on the machine (the benchmark's cluster is the
-/// only one).
-fn postgres_cpu_secs() -> f64 {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0.0;
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                .is_ok_and(|c| c.trim() == "postgres")
-        })
-        .map(cpu_secs)
-        .sum()
 }
 
 impl Bench {

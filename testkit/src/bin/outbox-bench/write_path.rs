@@ -17,6 +17,12 @@
 //!   running `migrate --no-notify` or `migrate` (no trigger SQL lives here), with
 //!   `outbox-relay run` (default relay settings, NATS sink) draining it meanwhile.
 //!
+//! Each run also counts PostgreSQL's CPU time per commit (every `postgres` process, the
+//! writers' exited backends included): on a shared machine the commit rate follows what
+//! else runs, the CPU a commit costs far less, and on a CPU-bound machine the rate
+//! follows it. Its ratio, bare over migrated, is the share of the commit rate the
+//! relay's table leaves the writers once the CPU is the limit.
+//!
 //! Every run starts equal: the arm's outbox emptied, `VACUUM ANALYZE`, `CHECKPOINT`, and
 //! a first `bare` run not counted (see [`Bench::write_path`]). The arms of a writer count run one after the other, in reverse order every other round, so
 //! drift spreads over both sides of each ratio. A relay run also checks that the relay
@@ -33,6 +39,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 
 use crate::args::Args;
+use crate::cpu::postgres_cpu_secs;
 use crate::{pgbench, Bench};
 
 /// The stream that captures the writers' subject while a relay runs.
@@ -148,6 +155,11 @@ pub(crate) struct Run {
     round: u32,
     /// Transactions a second, without pgbench's connection time.
     tps: f64,
+    /// PostgreSQL's CPU time per committed transaction, µs: every `postgres` process's
+    /// from pgbench's start to its end (with a relay, its sessions' too), over the
+    /// transactions pgbench committed. On a shared machine the rate varies with what
+    /// else runs; the CPU a commit costs varies far less.
+    cpu_us: f64,
     delivery: Option<Delivery>,
 }
 
@@ -173,9 +185,11 @@ impl Bench {
                 for arm in arms {
                     let run = self.write_run(arm, writers, round, &relayed).await?;
                     eprintln!(
-                        "    W. {writers} writers, round {round}, {}: {:.0} tps{}",
+                        "    W. {writers} writers, round {round}, {}: {:.0} tps, {:.1} µs of \
+                         PostgreSQL CPU a commit{}",
                         arm.label(),
                         run.tps,
+                        run.cpu_us,
                         run.delivery.as_ref().map_or(String::new(), |d| format!(
                             ", {} rows inserted, {} delivered, {} left after {:.2?}",
                             d.inserted, d.delivered, d.left, d.drained_in
@@ -270,19 +284,28 @@ impl Bench {
             .join(format!("write-{}.sql", arm.label().replace(' ', "")));
         std::fs::write(&script, arm.script())?;
 
+        let cpu_us = |before: f64, transactions: i64| {
+            (postgres_cpu_secs() - before) * 1e6 / transactions.max(1) as f64
+        };
         if arm.relay().is_none() {
+            let before = postgres_cpu_secs();
             let bench = pgbench::run(&self.db_url, writers, self.a.write_secs, &script).await?;
             return Ok(Run {
                 arm,
                 writers,
                 round,
                 tps: bench.tps,
+                cpu_us: cpu_us(before, bench.transactions),
                 delivery: None,
             });
         }
         self.nats_stream().await?;
         let mut relay = self.start_write_relay(relayed).await?;
+        let before = postgres_cpu_secs();
         let bench = pgbench::run(&self.db_url, writers, self.a.write_secs, &script).await;
+        let cpu_us = bench
+            .as_ref()
+            .map_or(0.0, |b| cpu_us(before, b.transactions));
         let delivery = match &bench {
             Ok(bench) => Some(self.delivered(&client, bench.transactions).await),
             Err(_) => None,
@@ -298,6 +321,7 @@ impl Bench {
             writers,
             round,
             tps: bench.tps,
+            cpu_us,
             delivery: delivery.transpose()?,
         })
     }
@@ -404,6 +428,36 @@ fn ratio_table(title: &str, a: &Args, runs: &[Run], base: Arm, arm: Arm) {
     }
 }
 
+/// The mean of `arm`'s PostgreSQL CPU per commit at `writers`.
+fn mean_cpu(runs: &[Run], arm: Arm, writers: u32) -> f64 {
+    let cpu: Vec<f64> = of(runs, arm, writers).map(|r| r.cpu_us).collect();
+    cpu.iter().sum::<f64>() / cpu.len().max(1) as f64
+}
+
+/// PostgreSQL's CPU per commit of each pair of arms, and the ratio of their means: what
+/// the relay's table costs each commit, where the rates mostly show the machine.
+fn cpu_table(a: &Args, runs: &[Run]) {
+    let pairs = [
+        (Arm::Bare, Arm::Migrated),
+        (Arm::BarePair, Arm::MigratedPair),
+        (Arm::Polled, Arm::Notified),
+    ];
+    print!("\n| W. PostgreSQL CPU a commit, µs (means): writers |");
+    for (base, arm) in pairs {
+        let (b, r) = (base.label(), arm.label());
+        print!(" {b} | {r} | {b} / {r} |");
+    }
+    println!("\n|---:|{}", "---:|".repeat(3 * pairs.len()));
+    for &writers in &a.writers {
+        print!("| {writers} |");
+        for (base, arm) in pairs {
+            let (b, r) = (mean_cpu(runs, base, writers), mean_cpu(runs, arm, writers));
+            print!(" {b:.1} | {r:.1} | {:.3} |", b / r);
+        }
+        println!();
+    }
+}
+
 /// The command line, W's three tables and the relay runs' deliveries.
 pub(crate) fn print(a: &Args, runs: &[Run], settings: &str) {
     let command: Vec<String> = std::env::args().collect();
@@ -437,6 +491,7 @@ pub(crate) fn print(a: &Args, runs: &[Run], settings: &str) {
         Arm::Polled,
         Arm::Notified,
     );
+    cpu_table(a, runs);
     println!(
         "\n| W. relay runs: writers | round | arm | tps | rows inserted | delivered | left | \
          drained after pgbench |"
