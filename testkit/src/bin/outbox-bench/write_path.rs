@@ -27,19 +27,24 @@
 //! a first `bare` run not counted (see [`Bench::write_path`]). The arms of a writer count run one after the other, in reverse order every other round, so
 //! drift spreads over both sides of each ratio. A relay run also checks that the relay
 //! kept up: the rows pgbench committed are in the NATS stream, and the table is empty,
-//! within [`DRAIN_WAIT`] of pgbench's end; the table shows both counts and the time.
+//! within [`DRAIN_WAIT`] of pgbench's end; the table shows both counts and the time, and
+//! what the wake-up did: how many of the writers' commits sent a NOTIFY (a LISTEN session
+//! of the benchmark's own counts them), the rows a batch of the relay (fewer rows a batch,
+//! more claims a row) and the relay's CPU a row.
 //!
 //! pgbench runs as the benchmark's own user: it connects over TCP as role `postgres`,
 //! which the throwaway server trusts, so the OS user does not matter.
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 
 use crate::args::Args;
-use crate::cpu::postgres_cpu_secs;
+use crate::cpu::{cpu_secs, postgres_cpu_secs};
 use crate::{pgbench, Bench};
 
 /// The stream that captures the writers' subject while a relay runs.
@@ -136,6 +141,12 @@ struct Relayed {
     http: String,
 }
 
+/// The benchmark's LISTEN session and what it heard ([`Bench::listen`]).
+struct Listener {
+    heard: Arc<AtomicI64>,
+    _session: tokio_postgres::Client,
+}
+
 /// What a relay run delivered.
 pub(crate) struct Delivery {
     /// Rows pgbench committed (one a transaction).
@@ -146,6 +157,15 @@ pub(crate) struct Delivery {
     left: i64,
     /// From pgbench's end to the last row delivered and deleted (or the wait given up).
     drained_in: Duration,
+    /// The writers' commits that sent a NOTIFY (heard by the benchmark's own LISTEN
+    /// session, from pgbench's start to the end of the wait).
+    notified: i64,
+    /// Batches the relay committed (its `batch_duration_seconds` count) by the end of the
+    /// wait.
+    batches: i64,
+    /// The relay process's CPU time per row pgbench committed, µs, from pgbench's start to
+    /// the end of the wait.
+    relay_cpu_us: f64,
 }
 
 /// One pgbench run.
@@ -191,8 +211,14 @@ impl Bench {
                         run.tps,
                         run.cpu_us,
                         run.delivery.as_ref().map_or(String::new(), |d| format!(
-                            ", {} rows inserted, {} delivered, {} left after {:.2?}",
-                            d.inserted, d.delivered, d.left, d.drained_in
+                            ", {} rows inserted, {} delivered, {} left after {:.2?}, \
+                             {} commits notified, {:.1} rows a batch",
+                            d.inserted,
+                            d.delivered,
+                            d.left,
+                            d.drained_in,
+                            d.notified,
+                            d.delivered as f64 / d.batches.max(1) as f64
                         ))
                     );
                     runs.push(run);
@@ -301,13 +327,31 @@ impl Bench {
         }
         self.nats_stream().await?;
         let mut relay = self.start_write_relay(relayed).await?;
-        let before = postgres_cpu_secs();
+        let relay_pid = relay.id().unwrap_or(0);
+        let notified = self.listen().await?;
+        let (before, relay_before) = (postgres_cpu_secs(), cpu_secs(relay_pid));
         let bench = pgbench::run(&self.db_url, writers, self.a.write_secs, &script).await;
         let cpu_us = bench
             .as_ref()
             .map_or(0.0, |b| cpu_us(before, b.transactions));
         let delivery = match &bench {
-            Ok(bench) => Some(self.delivered(&client, bench.transactions).await),
+            Ok(bench) => {
+                let delivery = self.delivered(&client, bench.transactions).await;
+                let relay_cpu_us =
+                    (cpu_secs(relay_pid) - relay_before) * 1e6 / bench.transactions.max(1) as f64;
+                let http = relayed.http.clone();
+                let batches = tokio::task::spawn_blocking(move || {
+                    testkit::scrape(&http, "outbox_relay_batch_duration_seconds_count{")
+                })
+                .await?
+                .unwrap_or(0.0) as i64;
+                Some(delivery.map(|d| Delivery {
+                    notified: notified.heard.load(AtomicOrdering::Relaxed),
+                    batches,
+                    relay_cpu_us,
+                    ..d
+                }))
+            }
             Err(_) => None,
         };
         // No id: it has exited already, and is reaped below.
@@ -323,6 +367,34 @@ impl Bench {
             tps: bench.tps,
             cpu_us,
             delivery: delivery.transpose()?,
+        })
+    }
+
+    /// A LISTEN session of the benchmark's own on the relay's channel, counting the
+    /// notifications about the relayed table (one per notifying transaction: PostgreSQL
+    /// folds a transaction's identical ones) while the [`Listener`] lives.
+    async fn listen(&self) -> Result<Listener> {
+        let (client, mut connection) =
+            tokio_postgres::connect(&self.db_url, tokio_postgres::NoTls).await?;
+        let heard = Arc::new(AtomicI64::new(0));
+        let counter = heard.clone();
+        let payload = format!("{RELAYED}.outbox");
+        // Ends when the client is dropped: the connection closes.
+        tokio::spawn(async move {
+            while let Some(Ok(message)) =
+                std::future::poll_fn(|cx| connection.poll_message(cx)).await
+            {
+                if let tokio_postgres::AsyncMessage::Notification(n) = message {
+                    if n.payload() == payload {
+                        counter.fetch_add(1, AtomicOrdering::Relaxed);
+                    }
+                }
+            }
+        });
+        client.batch_execute("LISTEN outbox_relay").await?;
+        Ok(Listener {
+            heard,
+            _session: client,
         })
     }
 
@@ -378,6 +450,9 @@ impl Bench {
                     delivered,
                     left,
                     drained_in,
+                    notified: 0,
+                    batches: 0,
+                    relay_cpu_us: 0.0,
                 });
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -494,13 +569,13 @@ pub(crate) fn print(a: &Args, runs: &[Run], settings: &str) {
     cpu_table(a, runs);
     println!(
         "\n| W. relay runs: writers | round | arm | tps | rows inserted | delivered | left | \
-         drained after pgbench |"
+         drained after pgbench | commits that notified | rows a batch | relay CPU a row, µs |"
     );
-    println!("|---:|---:|---|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in runs {
         if let Some(d) = &r.delivery {
             println!(
-                "| {} | {} | {} | {:.0} | {} | {} | {} | {:.2}s |",
+                "| {} | {} | {} | {:.0} | {} | {} | {} | {:.2}s | {} | {:.1} | {:.1} |",
                 r.writers,
                 r.round,
                 r.arm.label(),
@@ -508,7 +583,10 @@ pub(crate) fn print(a: &Args, runs: &[Run], settings: &str) {
                 d.inserted,
                 d.delivered,
                 d.left,
-                d.drained_in.as_secs_f64()
+                d.drained_in.as_secs_f64(),
+                d.notified,
+                d.delivered as f64 / d.batches.max(1) as f64,
+                d.relay_cpu_us
             );
         }
     }
