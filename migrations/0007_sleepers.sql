@@ -10,10 +10,11 @@ CREATE UNLOGGED TABLE IF NOT EXISTS {{schema}}.outbox_relay_sleepers (
     asleep boolean NOT NULL DEFAULT false,
     PRIMARY KEY (table_name, pid)
 );
--- What the writers read, one per outbox table: 1 + the number of relays asleep on it.
+-- What the writers read, one per outbox table: 1 + the number of relays asleep on it, and
+-- NULL (set with is_called false) while none is.
 -- The relays set it (under one advisory lock, from the marks above) whenever a mark
 -- changes. A sequence, because its value is read without a snapshot and without a query:
 -- the trigger's WHEN condition reads it for every INSERT statement, and calls nothing
--- while it is 1. Every role that inserts outbox rows reads it, so SELECT goes to PUBLIC.
+-- while it reads NULL. Every role that inserts outbox rows reads it, so SELECT goes to PUBLIC.
 CREATE SEQUENCE IF NOT EXISTS {{sleeping}} MINVALUE 1;
 GRANT SELECT ON SEQUENCE {{sleeping}} TO PUBLIC;

@@ -2,8 +2,9 @@
 -- migration: `outbox-relay migrate` installs it, `migrate --no-notify` removes it.
 -- It fires once per INSERT statement (not per row), and only while a relay is asleep on
 -- the table: its WHEN condition reads the table's sleep sequence (migration 0007), 1 + the
--- number of relays asleep on it, without a query and without calling the function while
--- no relay sleeps. A NOTIFY makes the committing transaction hold a database-wide lock
+-- number of relays asleep on it and NULL while none is, without a query and without
+-- calling the function while no relay sleeps. PostgreSQL parses and plans a WHEN
+-- condition for every statement: `IS NOT NULL` is the shortest that reads the sequence. A NOTIFY makes the committing transaction hold a database-wide lock
 -- until its commit is flushed, so writers that all notified would commit one at a time.
 -- PostgreSQL folds identical notifications within a transaction into one. Why a relay
 -- misses no row all the same is in the relay's src/relay/sleep.rs.
@@ -25,5 +26,5 @@ DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};
 CREATE TRIGGER outbox_relay_wake
     AFTER INSERT ON {{table}}
     FOR EACH STATEMENT
-    WHEN (pg_catalog.pg_sequence_last_value({{sleeping_literal}}::pg_catalog.regclass) > 1)
+    WHEN (pg_catalog.pg_sequence_last_value({{sleeping_literal}}::pg_catalog.regclass) IS NOT NULL)
     EXECUTE FUNCTION {{schema}}.outbox_relay_wake();

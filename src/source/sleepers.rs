@@ -4,10 +4,14 @@
 //!
 //! A NOTIFY makes the committing transaction take one database-wide lock and hold it until
 //! its commit record is flushed, so every notifying writer commits alone, one flush each.
-//! The trigger therefore fires only while the table's *sleep sequence* is above 1: it
-//! holds 1 + the number of relays asleep on the table, and its value is read without a
-//! snapshot or a query (the trigger's WHEN condition), so a writer pays next to nothing
-//! while no relay sleeps. The marks behind it are rows of the schema's UNLOGGED
+//! The trigger therefore fires only while the table's *sleep sequence* has a value: it
+//! holds 1 + the number of relays asleep on the table, and reads as NULL while none is
+//! (`pg_sequence_last_value` of a sequence set with `is_called` false). Its value is
+//! read without a snapshot or a query (the trigger's WHEN condition), so a writer pays
+//! next to nothing while no relay sleeps. The condition is `IS NOT NULL` rather than a
+//! comparison: PostgreSQL parses and plans a trigger's WHEN condition again for every
+//! statement, and the shorter one costs a one-row INSERT about three points less of its
+//! CPU (`docs/writer-cost.md`). The marks behind it are rows of the schema's UNLOGGED
 //! `outbox_relay_sleepers`, one per relay and table, naming the backend pid of the relay's
 //! LISTEN session, so the marks of a relay that died are recognised and removed. Every
 //! change of marks recounts the sequences of the tables it touched, under one advisory
@@ -66,14 +70,16 @@ fn by_schema<'a>(tables: impl IntoIterator<Item = &'a TableName>) -> Vec<Schema>
 }
 
 /// Sets the sleep sequence of each of `schema`'s tables to 1 + its marks that say asleep,
-/// as committed now (the caller holds [`RECOUNT_LOCK`]).
+/// as committed now, and to read as NULL when there are none (the caller holds
+/// [`RECOUNT_LOCK`]).
 async fn recount(tx: &Tx<'_>, schema: &Schema) -> Result<(), SourceError> {
     let sleepers = &schema.sleepers;
     tx.query(
         &format!(
-            "SELECT pg_catalog.setval(s.seq::regclass, 1 + (SELECT count(*) FROM {sleepers} m \
-                 WHERE m.table_name = s.name AND m.asleep)) \
-             FROM unnest($1::text[], $2::text[]) AS s(name, seq)"
+            "SELECT pg_catalog.setval(s.seq::regclass, 1 + n.asleep, n.asleep > 0) \
+             FROM unnest($1::text[], $2::text[]) AS s(name, seq), \
+             LATERAL (SELECT count(*) AS asleep FROM {sleepers} m \
+                 WHERE m.table_name = s.name AND m.asleep) n"
         ),
         &[&schema.names, &schema.sequences],
     )
