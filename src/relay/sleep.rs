@@ -6,9 +6,9 @@
 //! time, one flush each, where they would otherwise share flushes (group commit). So the
 //! trigger (`migrations/notify.sql`) fires only while the table's *sleep sequence* says a
 //! relay is asleep on it ([`crate::source::sleepers`]: 1 + the relays asleep, NULL while
-//! none is, read by the trigger's WHEN condition without a snapshot). A busy relay is awake: its writers commit
-//! as into a table without a trigger, and it finds their rows by claiming and polling
-//! (`wake`, rules 1-3).
+//! none is, read by the trigger's WHEN condition without a snapshot). A busy relay is
+//! awake: its writers commit as into a table without a trigger, and it finds their rows
+//! by claiming and polling (`wake`, rules 1-3).
 //!
 //! ## The protocol, per table and relay (the poller runs it; `wake` rule 6 holds the state)
 //!

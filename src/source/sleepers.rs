@@ -10,7 +10,7 @@
 //! read without a snapshot or a query (the trigger's WHEN condition), so a writer pays
 //! next to nothing while no relay sleeps. The condition is `IS NOT NULL` rather than a
 //! comparison: PostgreSQL parses and plans a trigger's WHEN condition again for every
-//! statement, and the shorter one costs a one-row INSERT about three points less of its
+//! statement, and the shorter one costs a one-row INSERT about two points less of its
 //! CPU (`docs/writer-cost.md`). The marks behind it are rows of the schema's UNLOGGED
 //! `outbox_relay_sleepers`, one per relay and table, naming the backend pid of the relay's
 //! LISTEN session, so the marks of a relay that died are recognised and removed. Every

@@ -36,6 +36,7 @@
 mod kafka;
 mod nats;
 mod nats_cluster;
+mod notifications;
 pub mod otlp;
 mod pgbouncer;
 mod ports;
@@ -48,6 +49,7 @@ mod tls;
 pub use kafka::{kafka_count_all, kafka_read_all, KafkaBroker, KafkaRecord};
 pub use nats::{NatsServer, StoredMessage};
 pub use nats_cluster::NatsCluster;
+pub use notifications::Notifications;
 pub use otlp::{OtlpReceiver, ReceivedSpan};
 pub use pgbouncer::{PgBouncer, PgBouncerOptions};
 pub use ports::ReservedPorts;

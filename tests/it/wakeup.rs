@@ -3,11 +3,7 @@
 //! notifies only while a relay sleeps on the table (`src/relay/sleep.rs`), a sleeping
 //! relay still wakes at once, and a relay that dies leaves nothing that makes writers pay.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use futures_util::StreamExt;
 
 use crate::common::*;
 
@@ -16,24 +12,10 @@ use crate::common::*;
 const PROMPT: Duration = Duration::from_secs(1);
 
 /// Counts the notifications on the relay's channel, from a session of the test's own.
-async fn count_notifications(env: &Env) -> Arc<AtomicUsize> {
-    let (client, mut connection) = tokio_postgres::connect(&env.db_url, tokio_postgres::NoTls)
+async fn count_notifications(env: &Env) -> testkit::Notifications {
+    testkit::Notifications::listen(&env.db_url, "outbox_relay", None)
         .await
-        .expect("connect");
-    let seen = Arc::new(AtomicUsize::new(0));
-    let counter = seen.clone();
-    tokio::spawn(async move {
-        let mut messages = futures_util::stream::poll_fn(move |cx| connection.poll_message(cx));
-        while let Some(Ok(message)) = messages.next().await {
-            if let tokio_postgres::AsyncMessage::Notification(_) = message {
-                counter.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-    });
-    client.batch_execute("LISTEN outbox_relay").await.unwrap();
-    // The client must live as long as the connection task reads.
-    std::mem::forget(client);
-    seen
+        .expect("listen")
 }
 
 /// The relays' marks on `public.outbox` that say asleep.
@@ -128,7 +110,7 @@ async fn writers_notify_only_while_a_relay_sleeps() {
     // No relay: nobody sleeps, nobody pays for a NOTIFY.
     burst(&env, 4, 50).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(notified.load(Ordering::SeqCst), 0, "no relay, no NOTIFY");
+    assert_eq!(notified.count(), 0, "no relay, no NOTIFY");
 
     let mut relay = env.spawn_run();
     wait_for_empty_outbox(&client, "the relay to publish the first burst", 30).await;
@@ -136,7 +118,7 @@ async fn writers_notify_only_while_a_relay_sleeps() {
     // One commit into the sleeping relay's table: one NOTIFY, and the relay wakes.
     insert_one(&client, "one").await;
     wait_until("the one row's NOTIFY", Duration::from_secs(5), async || {
-        notified.load(Ordering::SeqCst) == 1
+        notified.count() == 1
     })
     .await;
     wait_for_empty_outbox(&client, "the one row to be published", 5).await;
@@ -145,13 +127,13 @@ async fn writers_notify_only_while_a_relay_sleeps() {
     // A burst: its first commits wake the relay and, notifying faster than the busy
     // limit, make it clear its mark; the commits after that pay nothing, until it sleeps
     // again.
-    let before = notified.load(Ordering::SeqCst);
+    let before = notified.count();
     let (writers, each) = (8, 250);
     let started = Instant::now();
     burst(&env, writers, each).await;
     let took = started.elapsed();
     wait_for_empty_outbox(&client, "the burst to be published", 30).await;
-    let during = notified.load(Ordering::SeqCst) - before;
+    let during = notified.count() - before;
     let commits = writers * each;
     eprintln!("{commits} commits in {took:?} while the relay worked: {during} notified");
     assert!(
@@ -189,7 +171,7 @@ async fn a_relay_killed_while_asleep_leaves_no_mark_that_makes_writers_pay() {
     wait_until(
         "the stale mark's NOTIFY",
         Duration::from_secs(5),
-        async || notified.load(Ordering::SeqCst) == 1,
+        async || notified.count() == 1,
     )
     .await;
     // ...until the next relay's first look removes it, and marks itself.
@@ -210,14 +192,10 @@ async fn a_relay_killed_while_asleep_leaves_no_mark_that_makes_writers_pay() {
     .await;
     wait_for_empty_outbox(&client, "the row to be published", 10).await;
     terminate_cleanly(&mut next);
-    let before = notified.load(Ordering::SeqCst);
+    let before = notified.count();
     insert_one(&client, "no-relay").await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        notified.load(Ordering::SeqCst),
-        before,
-        "no relay left, no NOTIFY"
-    );
+    assert_eq!(notified.count(), before, "no relay left, no NOTIFY");
 }
 
 /// Counts the rows the relays write to their sleep marks, from a trigger of the test's.
@@ -271,7 +249,7 @@ async fn a_steady_writer_wakes_a_relay_that_keeps_its_sleep_mark() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let writes = count(&client, "SELECT n FROM public.mark_writes").await - writes_before;
-    let notifies = notified.load(Ordering::SeqCst);
+    let notifies = notified.count();
     eprintln!(
         "{commits} commits: {notifies} notified, {writes} mark rows written, slowest row {slowest:?}"
     );

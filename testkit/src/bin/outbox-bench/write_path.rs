@@ -37,8 +37,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::atomic::{AtomicI64, Ordering as AtomicOrdering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
@@ -139,12 +137,6 @@ impl Arm {
 struct Relayed {
     config: PathBuf,
     http: String,
-}
-
-/// The benchmark's LISTEN session and what it heard ([`Bench::listen`]).
-struct Listener {
-    heard: Arc<AtomicI64>,
-    _session: tokio_postgres::Client,
 }
 
 /// What a relay run delivered.
@@ -328,7 +320,10 @@ impl Bench {
         self.nats_stream().await?;
         let mut relay = self.start_write_relay(relayed).await?;
         let relay_pid = relay.id().unwrap_or(0);
-        let notified = self.listen().await?;
+        // The writers' commits that notify, heard by a LISTEN session of the bench's own.
+        let payload = format!("{RELAYED}.outbox");
+        let notified =
+            testkit::Notifications::listen(&self.db_url, "outbox_relay", Some(&payload)).await?;
         let (before, relay_before) = (postgres_cpu_secs(), cpu_secs(relay_pid));
         let bench = pgbench::run(&self.db_url, writers, self.a.write_secs, &script).await;
         let cpu_us = bench
@@ -346,7 +341,7 @@ impl Bench {
                 .await?
                 .unwrap_or(0.0) as i64;
                 Some(delivery.map(|d| Delivery {
-                    notified: notified.heard.load(AtomicOrdering::Relaxed),
+                    notified: notified.count() as i64,
                     batches,
                     relay_cpu_us,
                     ..d
@@ -367,34 +362,6 @@ impl Bench {
             tps: bench.tps,
             cpu_us,
             delivery: delivery.transpose()?,
-        })
-    }
-
-    /// A LISTEN session of the benchmark's own on the relay's channel, counting the
-    /// notifications about the relayed table (one per notifying transaction: PostgreSQL
-    /// folds a transaction's identical ones) while the [`Listener`] lives.
-    async fn listen(&self) -> Result<Listener> {
-        let (client, mut connection) =
-            tokio_postgres::connect(&self.db_url, tokio_postgres::NoTls).await?;
-        let heard = Arc::new(AtomicI64::new(0));
-        let counter = heard.clone();
-        let payload = format!("{RELAYED}.outbox");
-        // Ends when the client is dropped: the connection closes.
-        tokio::spawn(async move {
-            while let Some(Ok(message)) =
-                std::future::poll_fn(|cx| connection.poll_message(cx)).await
-            {
-                if let tokio_postgres::AsyncMessage::Notification(n) = message {
-                    if n.payload() == payload {
-                        counter.fetch_add(1, AtomicOrdering::Relaxed);
-                    }
-                }
-            }
-        });
-        client.batch_execute("LISTEN outbox_relay").await?;
-        Ok(Listener {
-            heard,
-            _session: client,
         })
     }
 
@@ -460,10 +427,10 @@ impl Bench {
     }
 }
 
-/// The mean of `arm`'s rates at `writers`.
-fn mean_tps(runs: &[Run], arm: Arm, writers: u32) -> f64 {
-    let rates: Vec<f64> = of(runs, arm, writers).map(|r| r.tps).collect();
-    rates.iter().sum::<f64>() / rates.len().max(1) as f64
+/// The mean of `value` over `arm`'s runs at `writers`.
+fn mean(runs: &[Run], arm: Arm, writers: u32, value: impl Fn(&Run) -> f64) -> f64 {
+    let values: Vec<f64> = of(runs, arm, writers).map(value).collect();
+    values.iter().sum::<f64>() / values.len().max(1) as f64
 }
 
 fn of(runs: &[Run], arm: Arm, writers: u32) -> impl Iterator<Item = &Run> {
@@ -497,16 +464,10 @@ fn ratio_table(title: &str, a: &Args, runs: &[Run], base: Arm, arm: Arm) {
             "| {writers} | {} | {} | {:.3} | {} |",
             list(base, writers),
             list(arm, writers),
-            mean_tps(runs, arm, writers) / mean_tps(runs, base, writers),
+            mean(runs, arm, writers, |r| r.tps) / mean(runs, base, writers, |r| r.tps),
             per_round.join(", ")
         );
     }
-}
-
-/// The mean of `arm`'s PostgreSQL CPU per commit at `writers`.
-fn mean_cpu(runs: &[Run], arm: Arm, writers: u32) -> f64 {
-    let cpu: Vec<f64> = of(runs, arm, writers).map(|r| r.cpu_us).collect();
-    cpu.iter().sum::<f64>() / cpu.len().max(1) as f64
 }
 
 /// PostgreSQL's CPU per commit of each pair of arms, and the ratio of their means: what
@@ -526,7 +487,8 @@ fn cpu_table(a: &Args, runs: &[Run]) {
     for &writers in &a.writers {
         print!("| {writers} |");
         for (base, arm) in pairs {
-            let (b, r) = (mean_cpu(runs, base, writers), mean_cpu(runs, arm, writers));
+            let cpu = |arm| mean(runs, arm, writers, |r: &Run| r.cpu_us);
+            let (b, r) = (cpu(base), cpu(arm));
             print!(" {b:.1} | {r:.1} | {:.3} |", b / r);
         }
         println!();
