@@ -56,7 +56,7 @@ pub enum Command {
     },
     /// Create or upgrade the outbox schema (idempotent)
     Migrate {
-        /// Leave out the NOTIFY trigger (for write-heavy databases); relays then poll
+        /// Leave out the wake-up that sends NOTIFY (for write-heavy databases); relays then poll
         #[arg(long)]
         no_notify: bool,
     },

@@ -4,11 +4,12 @@
 //! A transaction that sends a NOTIFY takes one database-wide lock before it commits and
 //! holds it until its commit record is flushed: writers that all notify commit one at a
 //! time, one flush each, where they would otherwise share flushes (group commit). So the
-//! trigger (`migrations/notify.sql`) fires only while the table's *sleep sequence* says a
-//! relay is asleep on it ([`crate::source::sleepers`]: 1 + the relays asleep, NULL while
-//! none is, read by the trigger's WHEN condition without a snapshot). A busy relay is
-//! awake: its writers commit as into a table without a trigger, and it finds their rows
-//! by claiming and polling (`wake`, rules 1-3).
+//! wake-up (`migrations/notify.sql`: the attempts column's default, computed for every
+//! row written) notifies only while the table's *sleep sequence* says a relay is asleep
+//! on it ([`crate::source::sleepers`]: 1 + the relays asleep, NULL while none is, read
+//! without a snapshot). A busy relay is awake: its writers commit as into a table without
+//! a wake-up, but for the read, and it finds their rows by claiming and polling (`wake`,
+//! rules 1-3).
 //!
 //! ## The protocol, per table and relay (the poller runs it; `wake` rule 6 holds the state)
 //!
@@ -42,13 +43,15 @@
 //! The sequence is at least 2 from `V` until step 6 clears this relay's mark: every
 //! recount holds one advisory lock and counts the marks committed when it runs, and the
 //! mark was committed before any later recount took the lock. Take a writer `W` that
-//! inserts a row and does not notify: its trigger read the sequence at 1, so before `V`.
-//! The INSERT gave `W` its transaction id `w` before the trigger ran, so `w` was assigned
-//! before `V`, before the commit, before `X` was read: `w < X`. At the settled poll `W`
+//! inserts a row and does not notify: the wake-up of each of its rows read the sequence
+//! as NULL, so before `V`. The wake-up gives `W` its transaction id `w` before it reads
+//! the sequence (PostgreSQL computes a row's defaults before it writes the row, which is
+//! when a transaction would otherwise get its id), so `w` was assigned before `V`, before
+//! the commit, before `X` was read: `w < X`. At the settled poll `W`
 //! was no longer running, so it had committed before the poll of step 5 began, which
 //! therefore saw its row. This holds whatever `W`'s isolation level (the sequence is read
 //! without a snapshot), and for a prepared transaction (its id runs until `COMMIT
-//! PREPARED`). Every other writer's trigger fired, so it notifies, and LISTEN (step 1)
+//! PREPARED`). Every other writer's wake-up read a value, so it notifies, and LISTEN (step 1)
 //! hears it. A NOTIFY that raced the table to sleep raised it (step 6): the table is
 //! awake and due, which is safe. The same holds for each relay on its own, whatever the
 //! others do: each waits on its own mark.
@@ -59,8 +62,7 @@
 //! (rule 2 of `wake`), so every NOTIFY it was sent before that look began was answered
 //! by the look itself, and every later one raises it again.
 //!
-//! What the writers pay: one read of a sequence per INSERT statement while no relay
-//! sleeps; a NOTIFY for the commits that land while one is asleep or busy, which a crowd
+//! What the writers pay: one read of a sequence per row while no relay sleeps; a NOTIFY for the commits that land while one is asleep or busy, which a crowd
 //! of writers ends within one `poll_interval` by notifying faster than the busy limit.
 //! What the relay pays: a mark and its clearing per sleep (a steady trickle of commits
 //! keeps one mark), a poll or two per sleep, and polls every `poll_interval` while a

@@ -13,17 +13,17 @@
 //!    tables it asks about ([`crate::source::sql::TableSql::claimable`]), which of them
 //!    hold a claimable row, makes those due and settles the others as a claim that found
 //!    nothing would (rule 2). It asks about the tables NOTIFY does not cover (no
-//!    trigger, LISTEN not subscribed: behind PgBouncer without `listen_url`, or not yet
+//!    wake-up, LISTEN not subscribed: behind PgBouncer without `listen_url`, or not yet
 //!    asleep: rule 6) every `relay.poll_interval`, and about every table every
-//!    [`IDLE_RECHECK`], so a row NOTIFY did not announce (inserted with the trigger
-//!    disabled, a retry scheduled by a relay that died) is found then. Quiet tables cost
+//!    [`IDLE_RECHECK`], so a row NOTIFY did not announce (inserted with the wake-up
+//!    removed, a retry scheduled by a relay that died) is found then. Quiet tables cost
 //!    one statement per interval together, not a claim each: a claim per table and
 //!    recheck made a relay's idle cost grow with its tables (benchmark I).
 //! 4. The floor keeper ([`crate::source::floor`]) ticks only while the table was active in
 //!    the last [`ACTIVE_FOR`]; an idle table's keeper looks every few seconds.
 //! 5. A paused table ([`crate::source::pause`]) is never due, in `drain` too; its resume
 //!    raises it.
-//! 6. With this release's trigger, writers notify only while a relay is asleep on the
+//! 6. With this release's wake-up, writers notify only while a relay is asleep on the
 //!    table ([`super::sleep`]). A table settled by rule 2 is *wanted* asleep; the poller
 //!    marks it so in the database (*pending*) and confirms it (*asleep*) by the sleep
 //!    protocol; only then does NOTIFY cover it. A raise of an asleep table makes it
@@ -50,10 +50,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::source::schema::WakeTrigger;
+use crate::source::schema::Wakeup;
 
 /// How often every table is polled anyway when nothing raised it (rule 3): a row
-/// inserted with the trigger disabled, a retry scheduled by a relay that died.
+/// inserted with the wake-up removed, a retry scheduled by a relay that died.
 pub(crate) const IDLE_RECHECK: Duration = Duration::from_secs(5);
 /// How long a table counts as active after its last sign of rows.
 pub(crate) const ACTIVE_FOR: Duration = Duration::from_secs(2);
@@ -61,7 +61,7 @@ pub(crate) const ACTIVE_FOR: Duration = Duration::from_secs(2);
 /// a writer's NOTIFY rarely meets another's at commit, so the notify lock costs next to
 /// nothing, and the relay is spared a mark and its clearing for every gap between
 /// commits. Above it, notifying commits queue on the lock: the mark is cleared and the
-/// writers commit as into a table without a trigger.
+/// writers commit as into a table without a wake-up.
 pub(crate) const BUSY_NOTIFY_RATE: u32 = 200;
 /// How long a table whose writers notified faster than [`BUSY_NOTIFY_RATE`] stays awake
 /// and unmarked: a crowd of writers that keeps it busy then commits without a NOTIFY,
@@ -126,8 +126,8 @@ impl Sleep {
 
 struct TableWake {
     name: String,
-    /// The table's wake-up trigger.
-    trigger: WakeTrigger,
+    /// The table's wake-up.
+    wakeup: Wakeup,
     /// [`Sleep`] in the low bits, the listener generation above.
     sleep: AtomicU64,
     raised: AtomicU64,
@@ -157,9 +157,9 @@ pub(crate) struct Ticket(u64);
 
 impl Wakes {
     /// `tables`: each table's qualified name as NOTIFY sends it (`schema.table`) and
-    /// its wake-up trigger.
+    /// its wake-up.
     pub(crate) fn new(
-        tables: Vec<(String, WakeTrigger)>,
+        tables: Vec<(String, Wakeup)>,
         poll_interval: Duration,
         always: bool,
     ) -> Wakes {
@@ -167,9 +167,9 @@ impl Wakes {
         Wakes {
             tables: tables
                 .into_iter()
-                .map(|(name, trigger)| TableWake {
+                .map(|(name, wakeup)| TableWake {
                     name,
-                    trigger,
+                    wakeup,
                     sleep: AtomicU64::new(0),
                     // Every table starts due: rows may be waiting.
                     raised: AtomicU64::new(1),
@@ -231,7 +231,7 @@ impl Wakes {
     /// asleep: under many writers it turns every few commits.
     fn crowd_notifies(&self, t: usize, notifications: u32) -> bool {
         let table = &self.tables[t];
-        if table.trigger != WakeTrigger::Gated {
+        if table.wakeup != Wakeup::Gated {
             return false;
         }
         let limit = (u128::from(BUSY_NOTIFY_RATE) * self.poll_interval.as_millis())
@@ -318,11 +318,11 @@ impl Wakes {
     }
 
     /// Rule 6: table `t` was settled by a look that began with `ticket`; it is wanted
-    /// asleep if nothing raised it since, NOTIFY can reach this relay, and its trigger
+    /// asleep if nothing raised it since, NOTIFY can reach this relay, and its wake-up
     /// notifies only for sleepers.
     fn want_asleep(&self, t: usize, ticket: Ticket) {
         let table = &self.tables[t];
-        if table.trigger != WakeTrigger::Gated
+        if table.wakeup != Wakeup::Gated
             || !self.listening.load(Ordering::Acquire)
             || table.paused.load(Ordering::Acquire)
             || table.raised.load(Ordering::Acquire) > ticket.0
@@ -367,9 +367,9 @@ impl Wakes {
             .is_ok()
     }
 
-    /// Whether table `t`'s trigger notifies only for sleepers (rule 6 applies).
+    /// Whether table `t`'s wake-up notifies only for sleepers (rule 6 applies).
     pub(crate) fn gated(&self, t: usize) -> bool {
-        self.tables[t].trigger == WakeTrigger::Gated
+        self.tables[t].wakeup == Wakeup::Gated
     }
 
     /// Whether a worker should claim from table `t` now (rule 1, or a retry of this
@@ -458,12 +458,10 @@ impl Wakes {
             .map(|table| {
                 let notified = !recheck
                     && listening
-                    && match table.trigger {
-                        WakeTrigger::None => false,
-                        WakeTrigger::Every => true,
-                        WakeTrigger::Gated => {
-                            Sleep::of(table.sleep.load(Ordering::Acquire)).covered()
-                        }
+                    && match table.wakeup {
+                        Wakeup::None => false,
+                        Wakeup::Every => true,
+                        Wakeup::Gated => Sleep::of(table.sleep.load(Ordering::Acquire)).covered(),
                     };
                 let skip = self.always || notified || table.paused.load(Ordering::Acquire);
                 (!skip).then(|| Ticket(table.raised.load(Ordering::Acquire)))
@@ -537,8 +535,8 @@ mod tests {
     fn wakes() -> Wakes {
         Wakes::new(
             vec![
-                ("public.a".into(), WakeTrigger::Every),
-                ("public.b".into(), WakeTrigger::None),
+                ("public.a".into(), Wakeup::Every),
+                ("public.b".into(), Wakeup::None),
             ],
             Duration::from_millis(100),
             false,
@@ -572,7 +570,7 @@ mod tests {
         for t in 0..2 {
             assert!(w.begin(t, now + IDLE_RECHECK * 4).is_none(), "table {t}");
         }
-        // The poller asks about b only (a has the trigger); about both at a recheck, and
+        // The poller asks about b only (a has the wake-up); about both at a recheck, and
         // while LISTEN is down.
         let tickets = w.poll_tickets(false);
         assert!(tickets[0].is_none() && tickets[1].is_some());
@@ -608,7 +606,7 @@ mod tests {
         );
         // `drain` has no poller (rule 7).
         let drain = Wakes::new(
-            vec![("public.b".into(), WakeTrigger::None)],
+            vec![("public.b".into(), Wakeup::None)],
             Duration::from_millis(100),
             true,
         );
@@ -619,8 +617,8 @@ mod tests {
     fn busy_and_idle_drain() -> Wakes {
         Wakes::new(
             vec![
-                ("public.busy".into(), WakeTrigger::Gated),
-                ("public.idle".into(), WakeTrigger::Gated),
+                ("public.busy".into(), Wakeup::Gated),
+                ("public.idle".into(), Wakeup::Gated),
             ],
             Duration::from_millis(100),
             true,
@@ -715,7 +713,7 @@ mod tests {
 
     fn gated() -> Wakes {
         Wakes::new(
-            vec![("public.g".into(), WakeTrigger::Gated)],
+            vec![("public.g".into(), Wakeup::Gated)],
             Duration::from_millis(100),
             false,
         )
@@ -751,7 +749,7 @@ mod tests {
         );
         w.polled(0, ticket, false);
         assert_eq!(w.sleep_of(0).0, Sleep::Awake);
-        // The old trigger, or none: nothing to mark.
+        // The oldest trigger, or none: nothing to mark.
         let w = wakes();
         w.set_listening(Some(7));
         for t in 0..2 {

@@ -2,7 +2,7 @@
 //!
 //! One dedicated connection (outside the pool) listens on channel `outbox_relay`. A
 //! notification names its table; it is only a hint: tables are also looked at now and then
-//! (every `relay.poll_interval` while this connection is down or a table has no trigger),
+//! (every `relay.poll_interval` while this connection is down or a table has no wake-up),
 //! so a lost notification, a dropped listener connection or `migrate --no-notify` only
 //! costs latency.
 //!
@@ -24,7 +24,7 @@ use super::session::{self, SessionLimits, SessionMode};
 use crate::config::PostgresConfig;
 use crate::retry::Backoff;
 
-/// The channel the trigger in `migrations/notify.sql` notifies.
+/// The channel the wake-up in `migrations/notify.sql` notifies.
 pub(crate) const CHANNEL: &str = "outbox_relay";
 
 /// How often a subscribed LISTEN connection proves it still answers: as often as a table

@@ -149,9 +149,11 @@ pub const MIGRATIONS: &[Migration] = &[
 ];
 
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
-/// `--no-notify`: neither this release's trigger nor the one releases before it installed.
+/// `--no-notify`: neither of the triggers earlier releases installed.
 const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};\n\
                                DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
+/// `--no-notify` on a table with the wake-up: the attempts column's plain default again.
+const DROP_NUDGE_SQL: &str = "ALTER TABLE {{table}} ALTER COLUMN {{attempts}} SET DEFAULT 0";
 
 /// Serializes concurrent `migrate` runs. A constant, so it needs no hash function.
 const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
@@ -174,12 +176,12 @@ impl fmt::Display for MigrateReport {
         } else {
             format!("applied {}", self.applied.join(", "))
         };
-        let trigger = if self.notify {
-            "wake-up trigger installed"
+        let wake = if self.notify {
+            "wake-up installed"
         } else {
-            "no wake-up trigger (relays poll)"
+            "no wake-up (relays poll)"
         };
-        write!(f, "{}: {applied}; {trigger}", self.table)
+        write!(f, "{}: {applied}; {wake}", self.table)
     }
 }
 
@@ -265,8 +267,8 @@ async fn open_session(pg: &PostgresConfig) -> Result<Client, MigrateError> {
 }
 
 /// Brings `table` (one of `config`'s) up to date for relays that handle published rows as
-/// `config` says; installs the NOTIFY trigger unless `notify` is false, in which case it
-/// removes one left from earlier. Every statement but the concurrent index builds runs
+/// `config` says; installs the wake-up (`migrations/notify.sql`) unless `notify` is false,
+/// in which case it removes one left from earlier. Every statement but the concurrent index builds runs
 /// within `deadline`.
 pub async fn migrate_table(
     client: &mut Client,
@@ -462,7 +464,6 @@ async fn without_deadlines(
     Ok(result?)
 }
 
-/// Every pending migration's transactional part, and the trigger, in one transaction.
 /// The versions the ledger `ledger` records as applied to `table_key`, creating the ledger
 /// first; a table that no longer `exists` has its rows forgotten.
 async fn applied_versions(
@@ -500,6 +501,7 @@ async fn applied_versions(
         .collect())
 }
 
+/// Every pending migration's transactional part, and the wake-up, in one transaction.
 async fn migrate_in_transaction(
     client: &mut Client,
     table: &TableConfig,
@@ -547,8 +549,15 @@ async fn migrate_in_transaction(
         .await?;
         report.applied.push(format!("{:04}_{}", m.version, m.name));
     }
-    let trigger_sql = if notify { NOTIFY_SQL } else { DROP_NOTIFY_SQL };
-    tx.batch_execute(&render(trigger_sql, table)).await?;
+    if notify {
+        tx.batch_execute(&render(NOTIFY_SQL, table)).await?;
+    } else {
+        tx.batch_execute(&render(DROP_NOTIFY_SQL, table)).await?;
+        // Only the relay's own default goes: a mapped column may have one of its owner's.
+        if schema::has_nudge(&tx, table).await? {
+            tx.batch_execute(&render(DROP_NUDGE_SQL, table)).await?;
+        }
+    }
     tx.commit().await?;
     Ok(report)
 }
@@ -559,6 +568,7 @@ fn render(sql: &str, table: &TableConfig) -> String {
     let c = &table.columns;
     let sleeping = crate::source::sleepers::sleeping_of(&table.name);
     sql.replace("{{sleeping_literal}}", &literal(&sleeping))
+        .replace("{{payload_literal}}", &literal(&table.name.to_string()))
         .replace("{{sleeping}}", &sleeping)
         .replace("{{table}}", &table.name.quoted())
         .replace("{{schema}}", &table.name.schema.quoted())
@@ -632,7 +642,7 @@ mod tests {
             .iter()
             .flat_map(|m| std::iter::once(m.sql).chain(m.concurrent_indexes.iter().map(|i| i.sql)))
             .chain([UNIQUE_ORDER_INDEX.sql])
-            .chain([NOTIFY_SQL, DROP_NOTIFY_SQL])
+            .chain([NOTIFY_SQL, DROP_NOTIFY_SQL, DROP_NUDGE_SQL])
         {
             let out = render(sql, &table);
             assert!(!out.contains("{{"), "{out}");

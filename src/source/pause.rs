@@ -135,7 +135,7 @@ pub(crate) async fn pause(
 }
 
 /// Resumes `table`: the pause it ended, `None` when it was not paused. Wakes idle relays
-/// (the NOTIFY the trigger sends), so they claim at once rather than at their next look.
+/// (the NOTIFY the wake-up sends), so they claim at once rather than at their next look.
 pub(crate) async fn resume(tx: &Tx<'_>, table: &TableName) -> Result<Option<Paused>, SourceError> {
     let name = table.to_string();
     let rows = tx

@@ -1,17 +1,15 @@
 //! Sleep marks: which relays are asleep on which outbox table, so that the application's
-//! commits send a NOTIFY only while one is (migration 0007; the trigger is
+//! commits send a NOTIFY only while one is (migration 0007; the wake-up is
 //! `migrations/notify.sql`).
 //!
 //! A NOTIFY makes the committing transaction take one database-wide lock and hold it until
 //! its commit record is flushed, so every notifying writer commits alone, one flush each.
-//! The trigger therefore fires only while the table's *sleep sequence* has a value: it
-//! holds 1 + the number of relays asleep on the table, and reads as NULL while none is
-//! (`pg_sequence_last_value` of a sequence set with `is_called` false). Its value is
-//! read without a snapshot or a query (the trigger's WHEN condition), so a writer pays
-//! next to nothing while no relay sleeps. The condition is `IS NOT NULL` rather than a
-//! comparison: PostgreSQL parses and plans a trigger's WHEN condition again for every
-//! statement, and the shorter one costs a one-row INSERT about two points less of its
-//! CPU (`docs/writer-cost.md`). The marks behind it are rows of the schema's UNLOGGED
+//! The wake-up (the attempts column's default) therefore notifies only while the table's
+//! *sleep sequence* has a value: it holds 1 + the number of relays asleep on the table,
+//! and reads as NULL while none is (`pg_sequence_last_value` of a sequence set with
+//! `is_called` false). Its value is read without a snapshot or a query, inlined into the
+//! writer's plan, so a writer pays one read a row while no relay sleeps
+//! (`docs/writer-cost.md`). The marks behind it are rows of the schema's UNLOGGED
 //! `outbox_relay_sleepers`, one per relay and table, naming the backend pid of the relay's
 //! LISTEN session, so the marks of a relay that died are recognised and removed. Every
 //! change of marks recounts the sequences of the tables it touched, under one advisory
@@ -172,7 +170,7 @@ pub(crate) const HORIZON_SQL: &str =
 
 /// Whether every transaction that might have missed a mark has ended, for a mark
 /// followed by [`HORIZON_SQL`]'s answer `$1`: no transaction id below it is still running
-/// (a writer's INSERT gets its id before its trigger reads the sleep sequence; a prepared
+/// (a writer's wake-up gives it its id before it reads the sleep sequence; a prepared
 /// transaction keeps its id running until it commits).
 pub(crate) const SETTLED_SQL: &str =
     "(pg_catalog.pg_snapshot_xmin(pg_catalog.pg_current_snapshot()) \

@@ -16,8 +16,8 @@ pub struct TablePlan {
     pub(crate) floor: FloorCell,
     /// How many buckets a deep claim asks for at once (see [`super::claim`]).
     pub depth: BucketDepth,
-    /// The table's wake-up trigger (`migrate` without `--no-notify`).
-    pub(crate) wake: schema::WakeTrigger,
+    /// The table's wake-up (`migrate` without `--no-notify`).
+    pub(crate) wake: schema::Wakeup,
 }
 
 /// Checks every configured table once (columns, types, indexes, privileges) and builds

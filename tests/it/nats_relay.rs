@@ -447,14 +447,16 @@ async fn a_bad_row_is_dead_lettered_and_holds_back_its_key() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
+async fn migrate_is_idempotent_and_no_notify_removes_the_wake_up() {
     let env = Env::new(relay()).await;
     let client = env.client().await;
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("public.outbox: up to date"));
-    let triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'outbox_relay_wake'";
-    assert_eq!(count(&client, triggers).await, 1);
+    let wake_ups = "SELECT count(*) FROM pg_attrdef \
+                    WHERE adrelid = 'public.outbox'::regclass \
+                      AND pg_get_expr(adbin, adrelid) LIKE '%outbox_relay_nudge(%'";
+    assert_eq!(count(&client, wake_ups).await, 1);
     assert_eq!(
         count(
             &client,
@@ -466,10 +468,10 @@ async fn migrate_is_idempotent_and_no_notify_removes_the_trigger() {
 
     let out = env.migrate(&["--no-notify"]);
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(count(&client, triggers).await, 0);
+    assert_eq!(count(&client, wake_ups).await, 0);
     let out = env.migrate(&[]);
     assert!(out.status.success(), "{}", text(&out));
-    assert_eq!(count(&client, triggers).await, 1);
+    assert_eq!(count(&client, wake_ups).await, 1);
 
     // A table dropped since: its ledger rows must not make migrate skip creating it again.
     client

@@ -66,6 +66,31 @@ async fn burst(env: &Env, writers: usize, per_writer: usize) {
     }
 }
 
+/// Waits for every row to be published (at most 10 s) and asserts that the last one
+/// committed at `committed` took no more than [`PROMPT`]; `what` names it in the messages.
+async fn published_promptly(
+    client: &tokio_postgres::Client,
+    log: &std::path::Path,
+    what: &str,
+    committed: Instant,
+) {
+    wait_until(
+        Detailed(what, log_of(log)),
+        Duration::from_secs(10),
+        async || count(client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    eprintln!(
+        "{what}: published {:?} after the commit",
+        committed.elapsed()
+    );
+    assert!(
+        committed.elapsed() <= PROMPT,
+        "{what}: published {:?} after the commit, more than {PROMPT:?}",
+        committed.elapsed()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_row_committed_while_every_relay_sleeps_is_published_promptly() {
     let env = Env::new(relay().poll_interval("30s")).await;
@@ -83,23 +108,49 @@ async fn a_row_committed_while_every_relay_sleeps_is_published_promptly() {
         );
         let committed = Instant::now();
         insert_one(&client, &format!("r{round}")).await;
-        let waited = wait_until(
-            Detailed("the row to be published", log_of(&log)),
-            Duration::from_secs(10),
-            async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-        )
-        .await;
-        eprintln!("round {round}, idle {idle} ms: published {waited:?} after the commit");
-        assert!(
-            committed.elapsed() <= PROMPT,
-            "round {round}: published {:?} after the commit, more than {PROMPT:?}",
-            committed.elapsed()
-        );
+        let what = format!("round {round}, idle {idle} ms");
+        published_promptly(&client, &log, &what, committed).await;
         wait_asleep(&client, 2).await;
     }
     assert_eq!(env.stored().await.len(), 4, "each row published once");
     terminate_cleanly(&mut first);
     terminate_cleanly(&mut second);
+}
+
+/// The wake-up is the attempts column's default, computed for every row whatever writes
+/// it: several rows in one INSERT, a COPY, an INSERT in a subtransaction each wake the
+/// sleeping relay at once (a relay that heard nothing meets them at its 5 s look).
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_of_any_insert_statement_wake_a_sleeping_relay() {
+    let env = Env::new(relay().poll_interval("30s")).await;
+    let client = env.client().await;
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_asleep(&client, 1).await;
+    let writes = [
+        (
+            "INSERT ... SELECT",
+            "INSERT INTO public.outbox (topic, key, payload) \
+             SELECT 'events.wake', 'k' || i, 'x' FROM generate_series(1, 3) i",
+        ),
+        (
+            "COPY",
+            "COPY public.outbox (topic, key, payload) \
+             FROM PROGRAM 'printf \"events.wake\\tc1\\tx\\nevents.wake\\tc2\\tx\\n\"'",
+        ),
+        (
+            "a subtransaction",
+            "BEGIN; SAVEPOINT s; \
+             INSERT INTO public.outbox (topic, key, payload) VALUES ('events.wake', 's', 'x'); \
+             RELEASE SAVEPOINT s; COMMIT",
+        ),
+    ];
+    for (what, sql) in writes {
+        client.batch_execute(sql).await.unwrap();
+        published_promptly(&client, &log, what, Instant::now()).await;
+        wait_asleep(&client, 1).await;
+    }
+    assert_eq!(env.stored().await.len(), 6, "each row published once");
+    terminate_cleanly(&mut relay);
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -307,24 +358,76 @@ async fn a_writer_that_looked_before_the_relay_slept_is_not_left_waiting() {
             insert_one_in(&tx, "straddler").await;
         }
         tx.commit().await.unwrap();
-        let committed = Instant::now();
-        wait_until(
-            Detailed("the straddling writer's row", log_of(&log)),
-            Duration::from_secs(10),
-            async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
-        )
-        .await;
-        eprintln!(
-            "{isolation}: published {:?} after the commit",
-            committed.elapsed()
-        );
-        assert!(
-            committed.elapsed() <= PROMPT,
-            "{isolation}: published {:?} after the commit, more than {PROMPT:?}",
-            committed.elapsed()
-        );
+        let what = format!("{isolation}: the straddling writer's row");
+        published_promptly(&client, &log, &what, Instant::now()).await;
         terminate_cleanly(&mut relay);
     }
+}
+
+/// The advisory lock the writer of the test below waits for inside its INSERT.
+const HOLD_INSERT: i64 = 0x686f_6c64; // "hold"
+
+/// A writer's wake-up check and its row are two moments of one INSERT: PostgreSQL computes
+/// the row (and its column defaults) first, and a transaction that has written nothing
+/// yet gets its transaction id only when the row is written. Here a writer's INSERT, the
+/// first statement of its transaction, stops between the two (a BEFORE ROW trigger waits
+/// for an advisory lock the test holds) while the relay goes to sleep, then commits. A
+/// check that read the sleep sequence while the writer had no transaction id lets the
+/// relay sleep without waiting for that writer: it meets the row at its 5 s look. One
+/// that gives the transaction its id first keeps the relay polling until the writer ends.
+/// (The id sequence's `nextval` also gives the transaction its id, when it writes the
+/// sequence to the WAL: once every 32 values. The test takes one value first, so that
+/// the writer's does not.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_writer_stopped_between_its_wake_check_and_its_row_is_not_left_waiting() {
+    let env = Env::new(relay().poll_interval("200ms")).await;
+    let client = env.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE FUNCTION public.test_hold() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 PERFORM pg_advisory_lock({HOLD_INSERT});
+                 PERFORM pg_advisory_unlock({HOLD_INSERT});
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER test_hold BEFORE INSERT ON public.outbox
+                 FOR EACH ROW EXECUTE FUNCTION public.test_hold();
+             SELECT pg_advisory_lock({HOLD_INSERT});
+             SELECT nextval(pg_get_serial_sequence('public.outbox', 'id'));"
+        ))
+        .await
+        .unwrap();
+    let writer = env.client().await;
+    let insert = tokio::spawn(async move {
+        writer
+            .batch_execute(
+                "BEGIN; \
+                 INSERT INTO public.outbox (topic, key, payload) VALUES ('events.wake', 'held', 'x'); \
+                 COMMIT",
+            )
+            .await
+    });
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND objid = {HOLD_INSERT}"
+    );
+    wait_until(
+        "the writer to stop inside its INSERT",
+        Duration::from_secs(10),
+        async || count(&client, &waiting).await == 1,
+    )
+    .await;
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_asleep(&client, 1).await;
+    // Long enough for a relay that did not wait for the writer to confirm its sleep.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    client
+        .execute(&format!("SELECT pg_advisory_unlock({HOLD_INSERT})"), &[])
+        .await
+        .unwrap();
+    insert.await.unwrap().expect("the writer commits");
+    published_promptly(&client, &log, "the stopped writer's row", Instant::now()).await;
+    terminate_cleanly(&mut relay);
 }
 
 async fn insert_one_in(tx: &tokio_postgres::Transaction<'_>, key: &str) {
@@ -336,9 +439,108 @@ async fn insert_one_in(tx: &tokio_postgres::Transaction<'_>, key: &str) {
     .unwrap();
 }
 
-/// The trigger and function the releases before this one installed: NOTIFY on every
+/// The wake-up trigger of the release before this one: NOTIFY while a relay sleeps, with
+/// the check in the trigger's WHEN condition instead of the attempts column's default.
+const WAKE_TRIGGER: &str = "
+CREATE OR REPLACE FUNCTION public.outbox_relay_wake() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('outbox_relay', TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME);
+    RETURN NULL;
+END
+$$;
+ALTER TABLE public.outbox ALTER COLUMN attempts SET DEFAULT 0;
+CREATE TRIGGER outbox_relay_wake
+    AFTER INSERT ON public.outbox
+    FOR EACH STATEMENT
+    WHEN (pg_catalog.pg_sequence_last_value('\"public\".\"outbox_sleeping\"'::pg_catalog.regclass) IS NOT NULL)
+    EXECUTE FUNCTION public.outbox_relay_wake();
+";
+
+/// The wake-ups of `public.outbox`: its triggers, and `nudge` for the attempts column's
+/// default when it calls `outbox_relay_nudge`.
+async fn wake_ups(client: &tokio_postgres::Client) -> Vec<String> {
+    column::<String, _>(
+        client,
+        "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'public.outbox'::regclass \
+         AND NOT tgisinternal \
+         UNION ALL \
+         SELECT 'nudge' FROM pg_attrdef d JOIN pg_attribute a \
+             ON a.attrelid = d.adrelid AND a.attnum = d.adnum \
+         WHERE d.adrelid = 'public.outbox'::regclass AND a.attname = 'attempts' \
+           AND pg_get_expr(d.adbin, d.adrelid) LIKE '%outbox_relay_nudge(%'",
+        &[],
+    )
+    .await
+}
+
+/// After `migrate`: the wake-up is the attempts column's default, no trigger is left, and
+/// the `pending` rows are all there.
+async fn assert_upgraded(client: &tokio_postgres::Client, pending: i64) {
+    assert_eq!(wake_ups(client).await, ["nudge"], "the trigger is replaced");
+    assert_eq!(
+        count(client, "SELECT count(*) FROM public.outbox").await,
+        pending,
+        "migrate left every pending row"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upgrading_from_the_wake_trigger_moves_the_check_into_the_default() {
+    let env = Env::new(relay()).await;
+    let client = env.client().await;
+    client.batch_execute(WAKE_TRIGGER).await.unwrap();
+    assert_eq!(wake_ups(&client).await, ["outbox_relay_wake"]);
+    seed(&client, 1_000, 20, 0).await;
+    let mut pending: Vec<i64> = ids(&client).await;
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains("wake-up installed"), "{}", text(&out));
+    assert_upgraded(&client, 1_000).await;
+    // Running migrate again changes nothing; `--no-notify` takes the wake-up out, and
+    // gives the column its plain default back.
+    assert!(env.migrate(&[]).status.success());
+    assert_eq!(wake_ups(&client).await, ["nudge"]);
+    let out = env.migrate(&["--no-notify"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        text(&out).contains("no wake-up (relays poll)"),
+        "{}",
+        text(&out)
+    );
+    assert!(wake_ups(&client).await.is_empty());
+    assert_eq!(
+        column::<String, Vec<_>>(
+            &client,
+            "SELECT pg_get_expr(adbin, adrelid) FROM pg_attrdef d JOIN pg_attribute a \
+             ON a.attrelid = d.adrelid AND a.attnum = d.adnum \
+             WHERE d.adrelid = 'public.outbox'::regclass AND a.attname = 'attempts'",
+            &[],
+        )
+        .await,
+        ["0"]
+    );
+    assert!(env.migrate(&[]).status.success());
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_for_empty_outbox(&client, "the rows to be published after the upgrade", 30).await;
+    wait_asleep(&client, 1).await;
+    let committed = Instant::now();
+    pending.push(insert_one(&client, "after").await);
+    published_promptly(
+        &client,
+        &log,
+        "a row committed after the upgrade",
+        committed,
+    )
+    .await;
+    terminate_cleanly(&mut relay);
+    audit(&pending, &env.stored().await).assert_nothing_lost_in_order();
+}
+
+/// The trigger and function two releases before this one installed: NOTIFY on every
 /// INSERT statement.
 const PREVIOUS_TRIGGER: &str = "
+ALTER TABLE public.outbox ALTER COLUMN attempts SET DEFAULT 0;
 CREATE OR REPLACE FUNCTION public.outbox_relay_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -356,7 +558,7 @@ CREATE INDEX outbox_pending_idx ON public.outbox (id)
 ";
 
 #[tokio::test(flavor = "multi_thread")]
-async fn upgrading_from_the_previous_release_keeps_every_pending_row_and_its_order() {
+async fn upgrading_from_the_notify_trigger_keeps_every_pending_row_and_its_order() {
     let env = Env::new(relay()).await;
     let client = env.client().await;
     client.batch_execute(PREVIOUS_TRIGGER).await.unwrap();
@@ -388,19 +590,7 @@ async fn upgrading_from_the_previous_release_keeps_every_pending_row_and_its_ord
         .await,
         0
     );
-    let triggers: Vec<String> = column(
-        &client,
-        "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'public.outbox'::regclass \
-         AND NOT tgisinternal",
-        &[],
-    )
-    .await;
-    assert_eq!(triggers, vec!["outbox_relay_wake".to_owned()]);
-    assert_eq!(
-        count(&client, "SELECT count(*) FROM public.outbox").await,
-        2_000,
-        "migrate left every pending row"
-    );
+    assert_upgraded(&client, 2_000).await;
     // The relay's role needs the new table: `check` says so, and the grant file gives it.
     let out = env.relay(&["check"]);
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use tokio_postgres::{GenericClient, Row};
 
 use super::super::{ask_each, SourceError};
-use super::{by_table, claim_indexes, index_name, merge, Found, WakeTrigger};
+use super::{by_table, claim_indexes, index_name, merge, Found, Wakeup};
 use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 
 /// Whether each schema `$1` exists (NULL when it does not) and this role may use it
@@ -71,20 +71,59 @@ SELECT has_column_privilege(to_regclass(q.name), q.col, 'UPDATE')
   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS q(name, col, n)
  ORDER BY q.n";
 
-/// The wake-up triggers enabled on table `$1`, and whether this role may keep its sleep
-/// marks in table `$2` with sequence `$3`.
-const WAKE_SQL: &str = "\
+/// Whether a column default of the table `$rel` (an SQL expression of its `regclass`) calls
+/// `outbox_relay_nudge`: the wake-up `migrate` installs (`migrations/notify.sql`).
+macro_rules! nudged {
+    ($rel:literal) => {
+        concat!(
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_attrdef d
+                       JOIN pg_catalog.pg_depend p
+                         ON p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass
+                        AND p.objid = d.oid
+                        AND p.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                       JOIN pg_catalog.pg_proc f ON f.oid = p.refobjid
+                      WHERE d.adrelid = ",
+            $rel,
+            " AND f.proname = 'outbox_relay_nudge')"
+        )
+    };
+}
+
+/// Whether table `$1` has the wake-up default.
+const NUDGE_SQL: &str = concat!("SELECT ", nudged!("to_regclass($1::text)"));
+
+/// The wake-ups of table `$1` (the default, as `outbox_relay_nudge`, and the triggers of
+/// earlier releases, enabled), and whether this role may keep its sleep marks in table
+/// `$2` with sequence `$3`.
+const WAKE_SQL: &str = concat!(
+    "\
 SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger
               WHERE tgrelid = to_regclass(q.name)
                 AND tgname IN ('outbox_relay_wake', 'outbox_relay_notify')
-                AND tgenabled <> 'D'),
+                AND tgenabled <> 'D'
+             UNION ALL
+             SELECT 'outbox_relay_nudge' WHERE ",
+    nudged!("to_regclass(q.name)"),
+    "),
        COALESCE(has_table_privilege(to_regclass(q.sleepers), 'SELECT')
             AND has_table_privilege(to_regclass(q.sleepers), 'INSERT')
             AND has_table_privilege(to_regclass(q.sleepers), 'UPDATE')
             AND has_table_privilege(to_regclass(q.sleepers), 'DELETE')
             AND has_sequence_privilege(to_regclass(q.sleeping), 'UPDATE'), false)
   FROM unnest($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS q(name, sleepers, sleeping, n)
- ORDER BY q.n";
+ ORDER BY q.n"
+);
+
+/// Whether `table` has the wake-up `migrate` installs (`migrations/notify.sql`).
+pub(crate) async fn has_nudge(
+    client: &impl GenericClient,
+    table: &TableConfig,
+) -> Result<bool, SourceError> {
+    Ok(client
+        .query_one(NUDGE_SQL, &[&table.name.quoted()])
+        .await?
+        .get(0))
+}
 
 /// Whether the order column of each of `tables` has unique values by an index.
 async fn orders_unique(
@@ -415,14 +454,14 @@ pub(super) async fn check_relay_tables(
     Ok(by_table(found.len(), problems))
 }
 
-/// Which wake-up trigger each of the tables `found` has enabled (this release's when both
-/// are there), and what keeps the relay from using it: with this release's trigger, the
-/// relay marks itself asleep in the schema's `outbox_relay_sleepers`
+/// Which wake-up each of the tables `found` has (the gated one when an older trigger is
+/// there too), and what keeps the relay from using it: with a gated wake-up, the relay
+/// marks itself asleep in the schema's `outbox_relay_sleepers`
 /// ([`super::super::sleepers`]).
-pub(super) async fn wake_triggers(
+pub(super) async fn wake_ups(
     client: &impl GenericClient,
     found: &[&Found<'_>],
-) -> Result<(Vec<WakeTrigger>, Vec<Vec<String>>), SourceError> {
+) -> Result<(Vec<Wakeup>, Vec<Vec<String>>), SourceError> {
     let names: Vec<String> = found.iter().map(|f| f.table.name.quoted()).collect();
     let sleepers: Vec<String> = found
         .iter()
@@ -439,7 +478,10 @@ pub(super) async fn wake_triggers(
         .enumerate()
         .map(|(i, (f, row))| {
             let (names, allowed): (Vec<String>, bool) = (row.get(0), row.get(1));
-            if names.iter().any(|n| n == "outbox_relay_wake") {
+            if names
+                .iter()
+                .any(|n| n == "outbox_relay_nudge" || n == "outbox_relay_wake")
+            {
                 let (sleepers, sleeping) = (&sleepers[i], &sleeping[i]);
                 let problem = (!allowed).then(|| {
                     format!(
@@ -451,11 +493,11 @@ pub(super) async fn wake_triggers(
                         f.table.name
                     )
                 });
-                (WakeTrigger::Gated, problem.into_iter().collect())
+                (Wakeup::Gated, problem.into_iter().collect())
             } else if names.is_empty() {
-                (WakeTrigger::None, Vec::new())
+                (Wakeup::None, Vec::new())
             } else {
-                (WakeTrigger::Every, Vec::new())
+                (Wakeup::Every, Vec::new())
             }
         })
         .unzip())

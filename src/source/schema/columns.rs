@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use super::{PayloadType, TableShape, WakeTrigger};
+use super::{PayloadType, TableShape, Wakeup};
 use crate::config::{OnPublish, OptionalColumn, RelayConfig, TableConfig};
 
 /// Checks every column the configuration names against the table's columns (`types`:
@@ -81,7 +81,7 @@ pub(super) fn check_columns(
         payload,
         headers,
         created_at,
-        wake: WakeTrigger::None,
+        wake: Wakeup::None,
     })
 }
 

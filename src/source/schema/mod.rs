@@ -2,7 +2,7 @@
 //!
 //! The checks ask about every table at once ([`inspect_all`]): each kind of question
 //! (schema, columns, unique order column, claim indexes, privileges, the relay's own
-//! tables, the wake-up trigger) is one statement over arrays of the tables' names, one
+//! tables, the wake-up) is one statement over arrays of the tables' names, one
 //! element per table or per (table, item), unrolled by `unnest(...) WITH ORDINALITY` and
 //! answered one row per element in their order. A relay of 500 tables asks the same eight
 //! statements as a relay of one, where about 14 a table (7,000, 0.7 s before its first
@@ -26,11 +26,11 @@ use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
 mod catalog;
 mod columns;
 
-pub(crate) use catalog::order_is_unique;
 use catalog::{
     check_indexes, check_privileges, check_relay_tables, check_schemas, find_columns,
-    unique_problems, wake_triggers,
+    unique_problems, wake_ups,
 };
+pub(crate) use catalog::{has_nudge, order_is_unique};
 use columns::check_columns;
 
 /// How the payload column is turned into message bytes.
@@ -50,19 +50,20 @@ pub(crate) struct TableShape {
     pub(crate) headers: Option<Ident>,
     /// The creation-time column, when the table has one.
     pub(crate) created_at: Option<Ident>,
-    /// Which wake-up trigger the table has.
-    pub(crate) wake: WakeTrigger,
+    /// Which wake-up the table has.
+    pub(crate) wake: Wakeup,
 }
 
-/// The trigger that wakes idle relays when rows of a table commit.
+/// What wakes idle relays when rows of a table commit (`migrations/notify.sql`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WakeTrigger {
+pub(crate) enum Wakeup {
     /// None (`migrate --no-notify`, or disabled): relays poll the table.
     None,
     /// A previous release's `outbox_relay_notify`: every INSERT statement notifies.
     Every,
-    /// `outbox_relay_wake`: an INSERT notifies while a relay is asleep on the table
-    /// ([`super::sleepers`]).
+    /// The attempts column's default `outbox_relay_nudge`, or the trigger
+    /// `outbox_relay_wake` of the release before it: an INSERT notifies while a relay is
+    /// asleep on the table ([`super::sleepers`]).
     Gated,
 }
 
@@ -138,7 +139,7 @@ async fn check_found(
         check_indexes(client, found, relay.on_publish),
         check_privileges(client, found, relay),
         check_relay_tables(client, found),
-        wake_triggers(client, found),
+        wake_ups(client, found),
     )?;
     for more in [unique, indexes, privileges, relay_tables, wake_problems] {
         for (problems, more) in problems.iter_mut().zip(more) {

@@ -57,7 +57,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) distant: bool,
     /// Only the application's writers: W (pgbench's commit rate on the bare table, the
-    /// migrated one, and with a relay draining it, with and without the NOTIFY trigger);
+    /// migrated one, and with a relay draining it, with and without the wake-up);
     /// see `write_path.rs`.
     #[arg(long)]
     pub(crate) write_path: bool,

@@ -19,7 +19,7 @@
 //! Prints one markdown table; each drain also as a ratio to min(A, B) for its ordering
 //! mode and broker.
 //!
-//! - D. Steady state: `outbox-relay run` with the default relay settings (NOTIFY trigger
+//! - D. Steady state: `outbox-relay run` with the default relay settings (the wake-up
 //!   installed), an open-loop writer committing small transactions every 10 ms at 1k, 2k, 5k
 //!   and 20k rows/s, and a consumer subscribed to the subjects: commit-to-consumer latency
 //!   p50/p99/max per rate; then the time from SIGTERM to exit of the idle relay.
@@ -44,7 +44,7 @@
 //! `--envelope` only V (CloudEvents in binary mode against no envelope, `drain.rs`),
 //! `--write-path` only W (`write_path.rs`: the application's commit rate under pgbench
 //! writers, run by `pgbench.rs`, on a bare table, on the table `migrate` leaves, and with
-//! a relay draining it with and without the NOTIFY trigger; `--write-secs`,
+//! a relay draining it with and without the wake-up; `--write-secs`,
 //! `--write-rounds`, `--writers`).
 //!
 //! Flags and their defaults: `outbox-bench --help` ([`args::Args`]). One idea per module:

@@ -5,12 +5,12 @@
 //!   started at once on one table of 200,000 rows, on 2,000 keys and on 20 hot keys; the
 //!   aggregate rate, timed from the first start to the last exit, as a ratio to 1 x 4.
 //! - R. Replicas already running, as sidecars are: the same shapes as `outbox-relay run`
-//!   processes (NOTIFY trigger installed), started on the empty table and ready
+//!   processes (the wake-up installed), started on the empty table and ready
 //!   (`/readyz`), then 200,000 rows committed in one transaction; the aggregate rate from
 //!   that commit to the stream holding every row, as a ratio to 1 x 4. No process
 //!   start-up or exit is in its timing, which S's drains pay once per relay.
-//! - I. Idle tables: `outbox-relay run` watching 1, 10 and 50 quiet tables (NOTIFY
-//!   trigger installed), and 50 without it (polling only), and 500 with the trigger when
+//! - I. Idle tables: `outbox-relay run` watching 1, 10 and 50 quiet tables (the
+//!   wake-up installed), and 50 without it (polling only), and 500 with the wake-up when
 //!   `I500` is named; start-up is timed from the process's start to the stream holding the
 //!   one row each table held (every table's first claim); over 15 s after that, the cores
 //!   the relay and every PostgreSQL process used and the transactions per second
@@ -431,7 +431,7 @@ impl Bench {
             .get(0))
     }
 
-    /// `outbox-relay migrate` with the config at `path`: with the NOTIFY trigger, or
+    /// `outbox-relay migrate` with the config at `path`: with the wake-up, or
     /// without it (`--no-notify` removes it).
     pub(crate) fn migrate(&self, path: &std::path::Path, notify: bool) -> Result<()> {
         let mut migrate = Command::new(&self.a.relay);
@@ -477,7 +477,7 @@ impl Bench {
             std::fs::write(&path, self.scale_config(workers, batch, &tables) + &http)?;
             configs.push((path, addr));
         }
-        // Sidecars next to an application that writes its outbox: the trigger wakes them.
+        // Sidecars next to an application that writes its outbox: NOTIFY wakes them.
         self.migrate(&configs[0].0, true)?;
         let mut children = Vec::new();
         for (path, _) in &configs {

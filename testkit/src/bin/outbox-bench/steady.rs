@@ -106,7 +106,7 @@ impl Running {
 
 impl Bench {
     /// An empty table and stream, `outbox-relay run` with the default relay settings plus
-    /// `relay` (lines of `[relay]`), the NOTIFY trigger the default migrate installs, and
+    /// `relay` (lines of `[relay]`), the wake-up the default migrate installs, and
     /// a consumer subscribed to the subjects.
     async fn start_running(&self, name: &str, relay: &str) -> Result<Running> {
         use futures_util::StreamExt;

@@ -8,13 +8,13 @@
 //! in six arms, each on a table of its own schema:
 //!
 //! - `bare`: the columns `migrate` creates ([`BARE`]: `CREATE TABLE ... LIKE` the migrated
-//!   table), its primary key, no other index, no trigger;
+//!   table, `attempts` with its plain default 0), its primary key, no other index;
 //! - `migrate`: the table as `outbox-relay migrate` of the binary under test leaves it
-//!   (its indexes, its NOTIFY trigger, its bookkeeping tables), no relay running;
+//!   (its indexes, its wake-up, its bookkeeping tables), no relay running;
 //! - `bare + UPDATE`, `migrate + UPDATE`: the same two tables, each transaction a business
 //!   UPDATE of one of 1,000 `accounts` rows before the INSERT;
 //! - `no-notify + relay`, `migrate + relay`: one table switched before each run by
-//!   running `migrate --no-notify` or `migrate` (no trigger SQL lives here), with
+//!   running `migrate --no-notify` or `migrate` (no wake-up SQL lives here), with
 //!   `outbox-relay run` (default relay settings, NATS sink) draining it meanwhile.
 //!
 //! Each run also counts PostgreSQL's CPU time per commit (every `postgres` process, the
@@ -123,7 +123,7 @@ impl Arm {
     }
 
     /// With a relay running: `Some(notify)`, the `migrate` run before (with or without its
-    /// trigger).
+    /// wake-up).
     fn relay(self) -> Option<bool> {
         match self {
             Arm::Polled => Some(false),
@@ -234,12 +234,15 @@ impl Bench {
         let migrated = self.write_config(MIGRATED, None)?;
         self.migrate(&migrated, true)?;
         // LIKE copies the columns, their NOT NULLs, defaults and identity, and no index or
-        // trigger: the same row as the migrated table's, whatever the release adds.
+        // trigger: the same row as the migrated table's, whatever the release adds. The
+        // attempts column's default is the wake-up (migrations/notify.sql): the contract's
+        // plain 0 instead.
         client
             .batch_execute(&format!(
                 "CREATE TABLE {BARE}.outbox (LIKE {MIGRATED}.outbox \
                  INCLUDING DEFAULTS INCLUDING IDENTITY); \
-                 ALTER TABLE {BARE}.outbox ADD PRIMARY KEY (id)"
+                 ALTER TABLE {BARE}.outbox ADD PRIMARY KEY (id); \
+                 ALTER TABLE {BARE}.outbox ALTER COLUMN attempts SET DEFAULT 0"
             ))
             .await?;
         for schema in [BARE, MIGRATED] {
