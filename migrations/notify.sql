@@ -18,9 +18,13 @@
 -- misses no row (src/relay/sleep.rs) needs every writer that read NULL to have had its
 -- id by then.
 --
--- Releases before this one installed a statement trigger instead, `outbox_relay_wake` or
--- (before that) `outbox_relay_notify`; both are dropped here. Their functions stay
--- (other tables of the schema may still use them until they are migrated).
+-- This file creates the function; `migrate` then sets the column's default to
+--     <schema>.outbox_relay_nudge('<schema>.<table>_sleeping', '<schema>.<table>')
+-- and drops the statement trigger releases before this one installed (`outbox_relay_wake`
+-- or, before that, `outbox_relay_notify`), each only where the table differs
+-- (src/source/migrate.rs): both lock the table, which a run that changes nothing must not.
+-- The old triggers' functions stay (other tables of the schema may still use them until
+-- they are migrated).
 
 CREATE OR REPLACE FUNCTION {{schema}}.outbox_relay_nudge(sleeping regclass, payload text)
 RETURNS integer
@@ -35,8 +39,3 @@ $$;
 -- Every role that inserts outbox rows calls it, also where default privileges withhold
 -- EXECUTE from PUBLIC.
 GRANT EXECUTE ON FUNCTION {{schema}}.outbox_relay_nudge(regclass, text) TO PUBLIC;
-
-DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};
-DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};
-ALTER TABLE {{table}} ALTER COLUMN {{attempts}}
-    SET DEFAULT {{schema}}.outbox_relay_nudge({{sleeping_literal}}::pg_catalog.regclass, {{payload_literal}});

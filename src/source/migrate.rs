@@ -148,12 +148,16 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
+/// The wake-up's function (`migrations/notify.sql`): no lock on the table.
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
-/// `--no-notify`: neither of the triggers earlier releases installed.
-const DROP_NOTIFY_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};\n\
-                               DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
-/// `--no-notify` on a table with the wake-up: the attempts column's plain default again.
+/// The wake-up: the attempts column's default calls the function.
+const NUDGE_SQL: &str = "ALTER TABLE {{table}} ALTER COLUMN {{attempts}} SET DEFAULT \
+     {{schema}}.outbox_relay_nudge({{sleeping_literal}}::pg_catalog.regclass, {{payload_literal}})";
+/// No wake-up: the attempts column's plain default again.
 const DROP_NUDGE_SQL: &str = "ALTER TABLE {{table}} ALTER COLUMN {{attempts}} SET DEFAULT 0";
+/// The triggers earlier releases installed for the wake-up.
+const DROP_TRIGGERS_SQL: &str = "DROP TRIGGER IF EXISTS outbox_relay_wake ON {{table}};\n\
+                                 DROP TRIGGER IF EXISTS outbox_relay_notify ON {{table}};";
 
 /// Serializes concurrent `migrate` runs. A constant, so it needs no hash function.
 const MIGRATE_LOCK: i64 = 0x6f75_7462_6f78; // "outbox"
@@ -549,14 +553,23 @@ async fn migrate_in_transaction(
         .await?;
         report.applied.push(format!("{:04}_{}", m.version, m.name));
     }
+    // Each change below locks the table against the application's writers (and waits for
+    // them): only what differs is changed, so a run that finds it all in place takes no
+    // such lock.
+    let wake = schema::wake_state(&tx, table).await?;
+    if wake.trigger {
+        tx.batch_execute(&render(DROP_TRIGGERS_SQL, table)).await?;
+    }
     if notify {
         tx.batch_execute(&render(NOTIFY_SQL, table)).await?;
-    } else {
-        tx.batch_execute(&render(DROP_NOTIFY_SQL, table)).await?;
-        // Only the relay's own default goes: a mapped column may have one of its owner's.
-        if schema::has_nudge(&tx, table).await? {
-            tx.batch_execute(&render(DROP_NUDGE_SQL, table)).await?;
+        // The default names the table and its sleep sequence: a renamed table's is set anew.
+        let payload = literal(&table.name.to_string());
+        if !wake.nudge.is_some_and(|d| d.contains(&payload)) {
+            tx.batch_execute(&render(NUDGE_SQL, table)).await?;
         }
+    } else if wake.nudge.is_some() {
+        // Only the relay's own default goes: a mapped column may have one of its owner's.
+        tx.batch_execute(&render(DROP_NUDGE_SQL, table)).await?;
     }
     tx.commit().await?;
     Ok(report)
@@ -642,7 +655,7 @@ mod tests {
             .iter()
             .flat_map(|m| std::iter::once(m.sql).chain(m.concurrent_indexes.iter().map(|i| i.sql)))
             .chain([UNIQUE_ORDER_INDEX.sql])
-            .chain([NOTIFY_SQL, DROP_NOTIFY_SQL, DROP_NUDGE_SQL])
+            .chain([NOTIFY_SQL, NUDGE_SQL, DROP_NUDGE_SQL, DROP_TRIGGERS_SQL])
         {
             let out = render(sql, &table);
             assert!(!out.contains("{{"), "{out}");

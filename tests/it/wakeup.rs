@@ -537,6 +537,35 @@ async fn upgrading_from_the_wake_trigger_moves_the_check_into_the_default() {
     audit(&pending, &env.stored().await).assert_nothing_lost_in_order();
 }
 
+/// Running `migrate` again, as a deploy job does, changes nothing, so it takes no lock on
+/// the outbox that waits for the application's open transactions (and holds new writes
+/// behind it while it waits). Here a writer's transaction that inserted a row stays open
+/// across the run, with the wake-up and with `--no-notify`.
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_run_again_waits_for_no_open_writer() {
+    let env = Env::new(relay()).await;
+    for args in [&[][..], &["--no-notify"][..]] {
+        assert!(env.migrate(args).status.success());
+        let mut writer = env.client().await;
+        let tx = writer.transaction().await.unwrap();
+        insert_one_in(&tx, "open").await;
+        let started = Instant::now();
+        let out = env.migrate(args);
+        let took = started.elapsed();
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        assert!(
+            text(&out).contains("up to date"),
+            "{args:?}: {}",
+            text(&out)
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "{args:?}: migrate took {took:?} with a writer's transaction open"
+        );
+        tx.commit().await.unwrap();
+    }
+}
+
 /// The trigger and function two releases before this one installed: NOTIFY on every
 /// INSERT statement.
 const PREVIOUS_TRIGGER: &str = "

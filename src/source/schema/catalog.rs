@@ -71,26 +71,33 @@ SELECT has_column_privilege(to_regclass(q.name), q.col, 'UPDATE')
   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS q(name, col, n)
  ORDER BY q.n";
 
-/// Whether a column default of the table `$rel` (an SQL expression of its `regclass`) calls
-/// `outbox_relay_nudge`: the wake-up `migrate` installs (`migrations/notify.sql`).
-macro_rules! nudged {
-    ($rel:literal) => {
-        concat!(
-            "EXISTS (SELECT 1 FROM pg_catalog.pg_attrdef d
-                       JOIN pg_catalog.pg_depend p
-                         ON p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass
-                        AND p.objid = d.oid
-                        AND p.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
-                       JOIN pg_catalog.pg_proc f ON f.oid = p.refobjid
-                      WHERE d.adrelid = ",
-            $rel,
-            " AND f.proname = 'outbox_relay_nudge')"
-        )
+/// Whether the column default `d` (a row of `pg_attrdef`) calls `outbox_relay_nudge`: the
+/// wake-up `migrate` installs (`migrations/notify.sql`).
+macro_rules! nudges {
+    () => {
+        "EXISTS (SELECT 1 FROM pg_catalog.pg_depend p
+                   JOIN pg_catalog.pg_proc f ON f.oid = p.refobjid
+                  WHERE p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass
+                    AND p.objid = d.oid
+                    AND p.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                    AND f.proname = 'outbox_relay_nudge')"
     };
 }
 
-/// Whether table `$1` has the wake-up default.
-const NUDGE_SQL: &str = concat!("SELECT ", nudged!("to_regclass($1::text)"));
+/// For `migrate`: whether table `$1` has a trigger of an earlier release's wake-up, and the
+/// default of its column `$2` when that is the wake-up (as PostgreSQL prints it).
+const WAKE_STATE_SQL: &str = concat!(
+    "\
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
+                WHERE tgrelid = to_regclass($1::text)
+                  AND tgname IN ('outbox_relay_wake', 'outbox_relay_notify')),
+       (SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid)
+          FROM pg_catalog.pg_attrdef d
+          JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+         WHERE d.adrelid = to_regclass($1::text) AND a.attname = $2 AND ",
+    nudges!(),
+    ")"
+);
 
 /// The wake-ups of table `$1` (the default, as `outbox_relay_nudge`, and the triggers of
 /// earlier releases, enabled), and whether this role may keep its sleep marks in table
@@ -102,8 +109,9 @@ SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger
                 AND tgname IN ('outbox_relay_wake', 'outbox_relay_notify')
                 AND tgenabled <> 'D'
              UNION ALL
-             SELECT 'outbox_relay_nudge' WHERE ",
-    nudged!("to_regclass(q.name)"),
+             SELECT 'outbox_relay_nudge' FROM pg_catalog.pg_attrdef d
+              WHERE d.adrelid = to_regclass(q.name) AND ",
+    nudges!(),
     "),
        COALESCE(has_table_privilege(to_regclass(q.sleepers), 'SELECT')
             AND has_table_privilege(to_regclass(q.sleepers), 'INSERT')
@@ -114,15 +122,31 @@ SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger
  ORDER BY q.n"
 );
 
-/// Whether `table` has the wake-up `migrate` installs (`migrations/notify.sql`).
-pub(crate) async fn has_nudge(
+/// What wakes the relays of a table now, as `migrate` needs to know it to change only what
+/// differs (each change locks the table).
+#[derive(Debug)]
+pub(crate) struct WakeState {
+    /// A trigger of an earlier release (`outbox_relay_wake`, `outbox_relay_notify`).
+    pub(crate) trigger: bool,
+    /// The attempts column's default when it is the wake-up, as PostgreSQL prints it.
+    pub(crate) nudge: Option<String>,
+}
+
+/// The wake-up `table` has.
+pub(crate) async fn wake_state(
     client: &impl GenericClient,
     table: &TableConfig,
-) -> Result<bool, SourceError> {
-    Ok(client
-        .query_one(NUDGE_SQL, &[&table.name.quoted()])
-        .await?
-        .get(0))
+) -> Result<WakeState, SourceError> {
+    let row = client
+        .query_one(
+            WAKE_STATE_SQL,
+            &[&table.name.quoted(), &table.columns.attempts.as_str()],
+        )
+        .await?;
+    Ok(WakeState {
+        trigger: row.get(0),
+        nudge: row.get(1),
+    })
 }
 
 /// Whether the order column of each of `tables` has unique values by an index.

@@ -30,7 +30,7 @@ use catalog::{
     check_indexes, check_privileges, check_relay_tables, check_schemas, find_columns,
     unique_problems, wake_ups,
 };
-pub(crate) use catalog::{has_nudge, order_is_unique};
+pub(crate) use catalog::{order_is_unique, wake_state};
 use columns::check_columns;
 
 /// How the payload column is turned into message bytes.
