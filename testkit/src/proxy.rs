@@ -39,6 +39,8 @@ pub struct Proxy {
     accepted: Arc<Mutex<u64>>,
     /// See [`Proxy::round_trips`].
     turns: Arc<AtomicU64>,
+    /// See [`Proxy::awaiting_answers`].
+    awaiting: Arc<AtomicU64>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -56,7 +58,11 @@ impl Proxy {
         let (stop, stop_rx) = tokio::sync::oneshot::channel();
         let counter = accepted.clone();
         let turns = Arc::new(AtomicU64::new(0));
-        let turns_counted = turns.clone();
+        let awaiting = Arc::new(AtomicU64::new(0));
+        let counts = Counts {
+            turns: turns.clone(),
+            awaiting: awaiting.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name(format!("proxy-{}", addr.port()))
             .spawn(move || {
@@ -71,7 +77,7 @@ impl Proxy {
                         generation: generation_rx,
                         frozen_upto: frozen_rx,
                     };
-                    let accept = accept_loop(listener, upstream, watches, counter, turns_counted);
+                    let accept = accept_loop(listener, upstream, watches, counter, counts);
                     tokio::select! {
                         _ = accept => {}
                         _ = stop_rx => {}
@@ -85,6 +91,7 @@ impl Proxy {
             frozen_upto,
             accepted,
             turns,
+            awaiting,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -125,6 +132,14 @@ impl Proxy {
         self.turns.load(Ordering::SeqCst)
     }
 
+    /// Connections whose last request has had no answer delivered yet. After the server
+    /// has answered everything (its sessions idle), this reaches 0 once the proxy has passed
+    /// the answers on; a latency set before then would hold back an answer and make the
+    /// client's next request look like part of the same turn.
+    pub fn awaiting_answers(&self) -> u64 {
+        self.awaiting.load(Ordering::SeqCst)
+    }
+
     /// Connections accepted since start.
     pub fn accepted(&self) -> u64 {
         *self.accepted.lock().unwrap()
@@ -156,7 +171,7 @@ async fn accept_loop(
     upstream: SocketAddr,
     watches: Watches,
     accepted: Arc<Mutex<u64>>,
-    turns: Arc<AtomicU64>,
+    counts: Counts,
 ) {
     while let Ok((client, _)) = listener.accept().await {
         let serial = {
@@ -169,7 +184,7 @@ async fn accept_loop(
             generation,
             frozen_upto,
         } = watches.clone();
-        let turns = turns.clone();
+        let counts = counts.clone();
         tokio::spawn(async move {
             let Ok(server) = TcpStream::connect(upstream).await else {
                 return; // the client sees its connection closed, as with a dead server
@@ -187,7 +202,7 @@ async fn accept_loop(
             let answered = Arc::new(AtomicBool::new(true));
             let up_turns = Turns::Up {
                 answered: answered.clone(),
-                turns,
+                counts: counts.clone(),
             };
             let up = pump(
                 client_read,
@@ -201,7 +216,10 @@ async fn accept_loop(
                 client_write,
                 fault,
                 frozen,
-                Turns::Down(answered),
+                Turns::Down {
+                    answered: answered.clone(),
+                    awaiting: counts.awaiting.clone(),
+                },
             );
             let mut generation = generation;
             // Either direction ending (EOF, error) or a newer generation closes both.
@@ -209,6 +227,10 @@ async fn accept_loop(
                 _ = up => {}
                 _ = down => {}
                 _ = generation.wait_for(|g| *g != born) => {}
+            }
+            // A closed connection awaits nothing.
+            if !answered.swap(true, Ordering::SeqCst) {
+                counts.awaiting.fetch_sub(1, Ordering::SeqCst);
             }
         });
     }
@@ -221,15 +243,25 @@ struct Frozen {
     upto: watch::Receiver<u64>,
 }
 
-/// A connection's part of [`Proxy::round_trips`], by direction.
+/// The proxy's counters: [`Proxy::round_trips`] and [`Proxy::awaiting_answers`].
+#[derive(Clone)]
+struct Counts {
+    turns: Arc<AtomicU64>,
+    awaiting: Arc<AtomicU64>,
+}
+
+/// A connection's part of the [`Counts`], by direction.
 enum Turns {
-    /// Client to server: a chunk read while `answered` is a new turn.
+    /// Client to server: a chunk read while `answered` is a new turn, and awaits an answer.
     Up {
         answered: Arc<AtomicBool>,
-        turns: Arc<AtomicU64>,
+        counts: Counts,
     },
     /// Server to client: a chunk delivered sets `answered`.
-    Down(Arc<AtomicBool>),
+    Down {
+        answered: Arc<AtomicBool>,
+        awaiting: Arc<AtomicU64>,
+    },
 }
 
 /// Copies `from` to `to`, applying the fault: a chunk read at time t is written at
@@ -252,9 +284,10 @@ async fn pump(
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if let Turns::Up { answered, turns } = turns {
+            if let Turns::Up { answered, counts } = turns {
                 if answered.swap(false, Ordering::SeqCst) {
-                    turns.fetch_add(1, Ordering::SeqCst);
+                    counts.turns.fetch_add(1, Ordering::SeqCst);
+                    counts.awaiting.fetch_add(1, Ordering::SeqCst);
                 }
             }
             let chunk = (tokio::time::Instant::now(), buf[..n].to_vec());
@@ -289,8 +322,10 @@ async fn pump(
             // may read it and send its next request, and the other pump read that, before
             // this task runs again; the request then counted as no new round trip (seen
             // once in CI: a claim and its commit counted 1 instead of 2).
-            if let Turns::Down(answered) = turns {
-                answered.store(true, Ordering::SeqCst);
+            if let Turns::Down { answered, awaiting } = turns {
+                if !answered.swap(true, Ordering::SeqCst) {
+                    awaiting.fetch_sub(1, Ordering::SeqCst);
+                }
             }
             if to.write_all(&chunk).await.is_err() {
                 return;

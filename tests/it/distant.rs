@@ -43,7 +43,7 @@ async fn distant(
 
 /// Waits until the relay's sessions have no transaction open: a `ROLLBACK` sent unwaited
 /// has reached the server (so it is counted before what follows, not with it).
-async fn settled(client: &tokio_postgres::Client) {
+async fn settled(client: &tokio_postgres::Client, proxy: &testkit::Proxy) {
     wait_until("the sessions idle", Duration::from_secs(5), async || {
         count(
             client,
@@ -53,6 +53,14 @@ async fn settled(client: &tokio_postgres::Client) {
         .await
             == 0
     })
+    .await;
+    // And every answer passed on: one still in the proxy would be delayed by a latency set
+    // now, and the next request sent behind it would not count as a round trip.
+    wait_until(
+        "the answers delivered",
+        Duration::from_secs(5),
+        async || proxy.awaiting_answers() == 0,
+    )
     .await;
 }
 
@@ -100,7 +108,7 @@ async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_
         // The statements' first use prepares them (or learns their types): not counted.
         claim_and_delete(&source, &[1]).await;
         empty_claim(&source).await;
-        settled(&client).await;
+        settled(&client, &proxy).await;
         proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
         let before = proxy.round_trips();
         claim_and_delete(&source, &[2, 3]).await;
@@ -108,7 +116,7 @@ async fn a_batch_waits_two_round_trips_begin_with_the_claim_and_the_delete_with_
         let before = proxy.round_trips();
         empty_claim(&source).await;
         empty_claim(&source).await;
-        settled(&client).await;
+        settled(&client, &proxy).await;
         let empty = proxy.round_trips() - before;
         assert_eq!(
             (batch, empty),
@@ -202,7 +210,7 @@ async fn the_next_claim_goes_with_the_commit_and_sees_what_it_committed() {
         };
         // The statements' first use prepares them (or learns their types): not counted.
         assert_eq!(batch(&[1], &[8]).await.unwrap(), (1, vec![8]));
-        settled(&client).await;
+        settled(&client, &proxy).await;
 
         proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
         let before = proxy.round_trips();
@@ -248,7 +256,7 @@ async fn the_next_claim_goes_with_the_commit_and_sees_what_it_committed() {
             error.contains("division by zero"),
             "the delete's error, got: {error}"
         );
-        settled(&client).await;
+        settled(&client, &proxy).await;
         assert_eq!(
             column::<i64, Vec<i64>>(&client, "SELECT id FROM public.outbox ORDER BY id", &[]).await,
             vec![4, 5, 6, 7, 8],
@@ -319,7 +327,7 @@ async fn a_deep_claim_above_lane_0_waits_one_round_trip_and_takes_each_keys_olde
             .in_transaction(async |tx| Ok(claim(tx, 1).await))
             .await
             .unwrap();
-        settled(&client).await;
+        settled(&client, &proxy).await;
 
         proxy.set(testkit::Fault::Latency(Duration::from_millis(20)));
         let before = proxy.round_trips();
