@@ -44,6 +44,9 @@ GRANT SELECT, INSERT, UPDATE ON public.outbox_relay_rates TO outbox_relay;
 -- sleeps. Not needed after `migrate --no-notify`.
 GRANT SELECT, INSERT, UPDATE, DELETE ON public.outbox_relay_sleepers TO outbox_relay;
 GRANT UPDATE ON SEQUENCE public.outbox_sleeping TO outbox_relay;
+-- Held rows (migration 0008): claims read there which keys are held back. The outbox's
+-- triggers write it, with their owner's rights: the relay only reads.
+GRANT SELECT ON public.outbox_relay_held TO outbox_relay;
 -- Optional: lets the relay see other roles' sessions in pg_stat_activity, so the
 -- outbox_relay_oldest_snapshot_age_seconds gauge and its WARN can name a session of any
 -- role that keeps VACUUM from cleaning the table (read-only statistics, no data).

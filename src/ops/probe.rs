@@ -1,8 +1,8 @@
 //! The probe task: every [`PROBE_INTERVAL`], is PostgreSQL reachable, is the broker (for
 //! `/readyz` and the `dependency_up` gauges), and the circuit gauges; every
 //! [`GAUGE_INTERVAL`], the gauges that read the database: backlog, oldest pending age and
-//! rows waiting to retry per table (from the pending and retry indexes), dead tuples, and
-//! the vacuum horizon with its WARN (see [`crate::source::vacuum`]).
+//! rows waiting to retry per table (from the pending rows and `outbox_relay_held`), dead
+//! tuples, and the vacuum horizon with its WARN (see [`crate::source::vacuum`]).
 //!
 //! The backlog gauges count the pending rows, which costs in proportion to the backlog, in
 //! every relay of the table. So they are read only when something shows them: `drain`'s

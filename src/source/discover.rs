@@ -30,7 +30,8 @@ SELECT (p.i - 1)::int4, n.nspname::text, c.relname::text
   JOIN pg_catalog.pg_namespace n ON n.nspname LIKE p.schema_like
   JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname LIKE p.table_like
  WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition
-   AND c.relname NOT IN ('outbox_relay_pauses', 'outbox_relay_rates', 'outbox_relay_sleepers')
+   AND c.relname NOT IN ('outbox_relay_pauses', 'outbox_relay_rates', 'outbox_relay_sleepers',
+                         'outbox_relay_held')
  ORDER BY p.i, n.nspname, c.relname";
 
 /// The tables `patterns` (entries that name a pattern) match now: a table once per

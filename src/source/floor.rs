@@ -20,9 +20,10 @@
 //! > before their transaction had an xid (see *The sweep*).
 //!
 //! Rows with a failure history (waiting for a retry, or released by `requeue`, which sets
-//! `next_attempt_at`) are found below the floor through the retry index. So a claim that
-//! reads `id >= F`, plus `S`, plus the retry index, sees every pending row: its window is
-//! still a prefix of the pending rows, and the head rule of [`super::claim`] holds.
+//! `next_attempt_at`) are found below the floor in `outbox_relay_held`. So a claim that
+//! reads `id >= F`, plus `S`, plus the rows with a failure history below `F`, sees every
+//! pending row: its window is still a prefix of the pending rows, and the head rule of
+//! [`super::claim`] holds.
 //! Stragglers are fresh rows held back by an earlier held row of their key (dead, or with a
 //! failure history): the floor passes them rather than stay behind a dead row for days.
 //! They are looked up by primary key, at most [`STRAGGLER_CAP`]; beyond that their keys are
@@ -51,7 +52,7 @@
 //! `r` was drawn before `c` (ids from one sequence grow), `c` was committed before the first
 //! look, so `r`'s transaction had begun before it, and with an xid below that look's `xmax`:
 //! it had ended before the later look, which would have seen `r`. Rows that become pending
-//! again later (`requeue`) get `next_attempt_at` and the retry index.
+//! again later (`requeue`) get `next_attempt_at` and a row in `outbox_relay_held`.
 //!
 //! A candidate waits for its fence while batches run; it is not replaced by a newer one
 //! meanwhile (under steady load some transaction is always running, and a fresher
@@ -94,7 +95,7 @@
 //! key's pending rows in id order. For a key not withheld, nothing changed. For a
 //! withheld key `K`, the claim sees exactly its pending rows below `w(K)`: the fresh ones
 //! among them are in `S` (none of `K`'s fresh rows below `F` is unlisted below `w(K)`),
-//! and its rows with a failure history are read through the retry index. Hiding is by id
+//! and its rows with a failure history are found in `outbox_relay_held`. Hiding is by id
 //! alone, not by whether the key is still held, so no change to the table between the
 //! keeper's look and a claim (a held row coming due, published, re-queued or deleted by
 //! hand) can make a later row look like a head: the worst it does is leave `K` waiting.
@@ -166,7 +167,7 @@ const SLOW_STEP: Duration = Duration::from_millis(20);
 /// Steps are spaced by at least this many times their own duration (about 5% duty).
 const SWEEP_SPACING: u32 = 19;
 
-/// What claims read: start at `value`; below it, read the stragglers and the retry index;
+/// What claims read: start at `value`; below it, read the stragglers and the rows with a failure history;
 /// leave alone what [`FloorView::hides`].
 #[derive(Debug, Clone)]
 pub struct FloorView {

@@ -61,9 +61,9 @@ enum Kept {
     /// Only for `on_publish = "mark"` (the pending index, see [`schema::PENDING_INDEX`]):
     /// in delete mode it is not built, and one an earlier release built is dropped.
     MarkMode,
-    /// On none: an earlier release built it, and another index serves its reads now (the
-    /// dead index: every dead row is in the held index, by its key and order value too).
-    Retired,
+    /// On none: an earlier release built it, and something else serves its reads now
+    /// (the reason).
+    Retired(&'static str),
 }
 
 impl Kept {
@@ -74,7 +74,7 @@ impl Kept {
             Kept::Always => None,
             Kept::MarkMode if on_publish == OnPublish::Mark => None,
             Kept::MarkMode => Some("on_publish = \"delete\" claims through the primary key"),
-            Kept::Retired => Some("the held index finds the dead rows"),
+            Kept::Retired(why) => Some(why),
         }
     }
 }
@@ -94,7 +94,7 @@ pub const MIGRATIONS: &[Migration] = &[
             ConcurrentIndex {
                 name: "{{dead_index}}",
                 sql: include_str!("../../migrations/0001_dead_index.concurrent.sql"),
-                kept: Kept::Retired,
+                kept: Kept::Retired(HELD_ROWS_FIND_THEM),
             },
         ],
     },
@@ -105,7 +105,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{held_index}}",
             sql: include_str!("../../migrations/0002_held_index.concurrent.sql"),
-            kept: Kept::Always,
+            kept: Kept::Retired(HELD_ROWS_FIND_THEM),
         }],
     },
     Migration {
@@ -115,7 +115,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{retry_index}}",
             sql: include_str!("../../migrations/0003_retry_index.concurrent.sql"),
-            kept: Kept::Always,
+            kept: Kept::Retired(HELD_ROWS_FIND_THEM),
         }],
     },
     Migration {
@@ -146,7 +146,17 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../migrations/0007_sleepers.sql"),
         concurrent_indexes: &[],
     },
+    Migration {
+        version: 8,
+        name: "held_rows",
+        sql: include_str!("../../migrations/0008_held_rows.sql"),
+        concurrent_indexes: &[],
+    },
 ];
+
+/// Why the dead, held and retry indexes are dropped: migration 0008's table holds the rows
+/// they held, and a new row pays for none of it.
+const HELD_ROWS_FIND_THEM: &str = "outbox_relay_held finds the held rows";
 
 /// The wake-up's function (`migrations/notify.sql`): no lock on the table.
 const NOTIFY_SQL: &str = include_str!("../../migrations/notify.sql");
@@ -580,7 +590,19 @@ fn render(sql: &str, table: &TableConfig) -> String {
     let index = |suffix: &str| schema::index_name(table, suffix);
     let c = &table.columns;
     let sleeping = crate::source::sleepers::sleeping_of(&table.name);
+    let raw = |column: &crate::config::Ident| literal(column.as_str());
+    let hold_arguments = [
+        literal(&table.name.to_string()),
+        raw(&c.order),
+        raw(&c.key),
+        raw(&c.published_at),
+        raw(&c.dead_at),
+        raw(&c.next_attempt_at),
+    ]
+    .join(", ");
     sql.replace("{{sleeping_literal}}", &literal(&sleeping))
+        .replace("{{hold_arguments}}", &hold_arguments)
+        .replace("{{table_literal}}", &literal(&table.name.to_string()))
         .replace("{{payload_literal}}", &literal(&table.name.to_string()))
         .replace("{{sleeping}}", &sleeping)
         .replace("{{table}}", &table.name.quoted())
@@ -610,9 +632,8 @@ mod tests {
     use super::*;
     use crate::config::{Columns, TableName, Template};
 
-    /// A fresh row of a delete-mode table enters the primary key and the bucket index,
-    /// and PostgreSQL checks the held and retry indexes' predicates for it: no index
-    /// more. Mark mode adds the pending index.
+    /// A fresh row of a delete-mode table enters the primary key and the bucket index: no
+    /// index more. Mark mode adds the pending index.
     #[test]
     fn migrate_keeps_only_the_indexes_the_relay_reads() {
         let kept = |on_publish| -> Vec<&str> {
@@ -623,18 +644,10 @@ mod tests {
                 .map(|i| i.name)
                 .collect()
         };
-        assert_eq!(
-            kept(OnPublish::Delete),
-            ["{{held_index}}", "{{retry_index}}", "{{bucket_index}}"]
-        );
+        assert_eq!(kept(OnPublish::Delete), ["{{bucket_index}}"]);
         assert_eq!(
             kept(OnPublish::Mark),
-            [
-                "{{pending_index}}",
-                "{{held_index}}",
-                "{{retry_index}}",
-                "{{bucket_index}}"
-            ]
+            ["{{pending_index}}", "{{bucket_index}}"]
         );
     }
 

@@ -381,9 +381,10 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     // Back to the table as migration 0001 left it.
     client
         .batch_execute(
-            "DROP INDEX public.outbox_held_idx;
+            "DROP TRIGGER outbox_relay_hold ON public.outbox;
+             DROP TRIGGER outbox_relay_hold_delete ON public.outbox;
              ALTER TABLE public.outbox DROP COLUMN next_attempt_at;
-             DELETE FROM public.outbox_relay_migrations WHERE version = 2;",
+             DELETE FROM public.outbox_relay_migrations WHERE version IN (2, 8);",
         )
         .await
         .unwrap();
@@ -400,9 +401,7 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
-        stdout.contains(
-            "applied 0002_next_attempt_at, index \"outbox_held_idx\" (built concurrently)"
-        ),
+        stdout.contains("applied 0002_next_attempt_at, 0008_held_rows;"),
         "{stdout}"
     );
     assert_eq!(
@@ -413,11 +412,12 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     assert_eq!(
         count(
             &client,
-            "SELECT count(*) FROM pg_index WHERE indexrelid = 'public.outbox_held_idx'::regclass \
-             AND indisvalid"
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'public.outbox'::regclass \
+             AND tgname LIKE 'outbox_relay_hold%'"
         )
         .await,
-        1
+        3,
+        "the triggers that keep the held rows"
     );
     // The relay's role needs UPDATE on the new column; check names the GRANT.
     client

@@ -22,6 +22,7 @@ mod failover;
 mod faults;
 mod flat_cost;
 mod hardening;
+mod held;
 mod kafka_leaders;
 mod kafka_mock;
 mod kafka_tansu;

@@ -50,6 +50,16 @@ SELECT (SELECT i.indisvalid FROM pg_catalog.pg_index i WHERE i.indexrelid = to_r
   FROM unnest($1::text[]) WITH ORDINALITY AS q(name, n)
  ORDER BY q.n";
 
+/// How many of the triggers that keep `outbox_relay_held` (migration 0008) each table `$1`
+/// has, enabled.
+const HOLD_TRIGGERS_SQL: &str = "\
+SELECT (SELECT count(*) FROM pg_catalog.pg_trigger t
+         WHERE t.tgrelid = to_regclass(q.name) AND t.tgenabled <> 'D'
+           AND t.tgname IN ('outbox_relay_hold', 'outbox_relay_hold_delete',
+                            'outbox_relay_hold_truncate'))::int4
+  FROM unnest($1::text[]) WITH ORDINALITY AS q(name, n)
+ ORDER BY q.n";
+
 /// Whether each relation `$1` exists, and which of [`TABLE_PRIVILEGES`] this role holds
 /// on it (false when it does not exist).
 const RELATIONS_SQL: &str = "\
@@ -312,6 +322,36 @@ pub(super) async fn check_indexes(
     Ok(by_table(found.len(), problems))
 }
 
+/// The triggers that keep `outbox_relay_held`, on each of the tables `found`: a table
+/// without them would have its failed rows missing there, and the claims would no longer
+/// hold their keys' later rows back.
+pub(super) async fn check_hold_triggers(
+    client: &impl GenericClient,
+    found: &[&Found<'_>],
+) -> Result<Vec<Vec<String>>, SourceError> {
+    let names: Vec<String> = found.iter().map(|f| f.table.name.quoted()).collect();
+    let rows = ask_each(client, HOLD_TRIGGERS_SQL, &[&names]).await?;
+    let problems = found
+        .iter()
+        .enumerate()
+        .zip(rows)
+        .filter_map(|((i, f), row)| {
+            (row.get::<_, i32>(0) != 3).then(|| {
+                (
+                    i,
+                    format!(
+                        "table {}: the triggers outbox_relay_hold, outbox_relay_hold_delete and \
+                     outbox_relay_hold_truncate (migration 0008), which keep the held rows in \
+                     outbox_relay_held, are missing or disabled: run `outbox-relay migrate` \
+                     as the table's owner",
+                        f.table.name
+                    ),
+                )
+            })
+        });
+    Ok(by_table(found.len(), problems))
+}
+
 /// Whether `row` of [`RELATIONS_SQL`] says this role holds each of `privileges` (a list
 /// such as `SELECT, INSERT`).
 fn holds(row: &Row, privileges: &str) -> bool {
@@ -418,6 +458,15 @@ const PAUSES: RelayTable = (
     "pause, resume and the bad-row valve keep their state there",
 );
 
+/// The held rows, which every table needs (migration 0008): claims read there which keys
+/// are held back. Its triggers on the outbox table write it.
+const HELD: RelayTable = (
+    "outbox_relay_held",
+    "0008",
+    "SELECT",
+    "claims read there which keys are held back",
+);
+
 /// The rate buckets, which a table with `max_rate` needs (migration 0006).
 const RATES: RelayTable = (
     "outbox_relay_rates",
@@ -427,7 +476,7 @@ const RATES: RelayTable = (
 );
 
 /// The relay's own tables in the schema of each of the tables `found`, there and usable
-/// by this role: [`PAUSES`], and with `max_rate` [`RATES`].
+/// by this role: [`PAUSES`], [`HELD`], and with `max_rate` [`RATES`].
 pub(super) async fn check_relay_tables(
     client: &impl GenericClient,
     found: &[&Found<'_>],
@@ -437,7 +486,7 @@ pub(super) async fn check_relay_tables(
         .enumerate()
         .flat_map(|(i, f)| {
             let rates = f.table.max_rate.is_some().then_some(RATES);
-            std::iter::once(PAUSES).chain(rates).map(move |needed| {
+            [PAUSES, HELD].into_iter().chain(rates).map(move |needed| {
                 (
                     i,
                     f.table,

@@ -27,8 +27,8 @@ mod catalog;
 mod columns;
 
 use catalog::{
-    check_indexes, check_privileges, check_relay_tables, check_schemas, find_columns,
-    unique_problems, wake_ups,
+    check_hold_triggers, check_indexes, check_privileges, check_relay_tables, check_schemas,
+    find_columns, unique_problems, wake_ups,
 };
 pub(crate) use catalog::{order_is_unique, wake_state};
 use columns::check_columns;
@@ -134,14 +134,22 @@ async fn check_found(
             (shape, problems)
         })
         .unzip();
-    let (unique, indexes, privileges, relay_tables, (wakes, wake_problems)) = futures_util::try_join!(
+    let (unique, indexes, holds, privileges, relay_tables, (wakes, wake_problems)) = futures_util::try_join!(
         unique_problems(client, found),
         check_indexes(client, found, relay.on_publish),
+        check_hold_triggers(client, found),
         check_privileges(client, found, relay),
         check_relay_tables(client, found),
         wake_ups(client, found),
     )?;
-    for more in [unique, indexes, privileges, relay_tables, wake_problems] {
+    for more in [
+        unique,
+        indexes,
+        holds,
+        privileges,
+        relay_tables,
+        wake_problems,
+    ] {
         for (problems, more) in problems.iter_mut().zip(more) {
             problems.extend(more);
         }
@@ -165,11 +173,8 @@ pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
 
 /// The indexes every claim relies on, by suffix: without one of them a claim scans the
 /// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub(crate) const CLAIM_INDEXES: &[(&str, &str)] = &[
-    ("held_idx", "rows that hold back their key (migration 0002)"),
-    ("retry_idx", "rows with a failure history (migration 0003)"),
-    ("bucket_idx", "pending rows by key bucket (migration 0004)"),
-];
+pub(crate) const CLAIM_INDEXES: &[(&str, &str)] =
+    &[("bucket_idx", "pending rows by key bucket (migration 0004)")];
 
 /// The pending index (migration 0001), which `on_publish = "mark"` needs on top of
 /// [`CLAIM_INDEXES`]: published rows stay in the table until retention deletes them, and

@@ -66,22 +66,24 @@ fn probes(p: &Parts) -> Probes {
         key,
         published_at,
         dead_at,
-        next,
         pending,
         due,
-        retrying,
         not_behind_dead,
-        waiting,
         low_stragglers,
         low_retrying,
         created_at,
         ordering,
+        held_rows,
+        of_table,
         ..
     } = p;
     Probes {
         claimable: (
             format!("(EXISTS (SELECT 1 FROM {t} WHERE {pending} AND {due} AND {id} >= (SELECT "),
-            format!("::bigint)) OR EXISTS (SELECT 1 FROM {t} WHERE {retrying} AND {due}))"),
+            format!(
+                "::bigint)) OR EXISTS (SELECT 1 FROM {held_rows} WHERE {of_table} \
+                 AND d.dead_at IS NULL AND d.next_attempt_at <= now()))"
+            ),
         ),
         publishable_exists: match ordering {
             Ordering::Key => format!(
@@ -91,8 +93,9 @@ fn probes(p: &Parts) -> Probes {
             Ordering::None => format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE {pending})"),
         },
         waiting: format!(
-            "SELECT count(*), (min({next}) - now())::text, \
-             extract(epoch FROM min({next}) - now())::float8 FROM {t} WHERE {waiting}"
+            "SELECT count(*), (min(d.next_attempt_at) - now())::text, \
+             extract(epoch FROM min(d.next_attempt_at) - now())::float8 FROM {held_rows} \
+             WHERE {of_table} AND d.dead_at IS NULL AND d.next_attempt_at > now()"
         ),
         backlog: format!(
             "SELECT (SELECT count(*) FROM {t} WHERE {pending} AND {id} >= (SELECT $1::bigint)) \
@@ -129,6 +132,7 @@ fn status(p: &Parts) -> Status {
         waiting,
         held_back,
         created_at,
+        held_rows,
         ..
     } = p;
     Status {
@@ -153,7 +157,8 @@ fn status(p: &Parts) -> Status {
              d.{next}::text, d.{last_error}::text, d.{key}::text, \
              (SELECT count(*) FROM {t} o WHERE o.{key} = d.{key} AND o.{id} > d.{id} \
              AND o.{published_at} IS NULL AND o.{dead_at} IS NULL) \
-             FROM {t} d WHERE {held} ORDER BY d.{id} LIMIT $1"
+             FROM (SELECT d.id FROM {held_rows} WHERE {held} ORDER BY d.id LIMIT $1) h \
+             JOIN {t} d ON d.{id} = h.id ORDER BY d.{id}"
         ),
     }
 }
@@ -171,16 +176,22 @@ fn requeue(p: &Parts) -> Requeue {
     } = p;
     Requeue {
         // Released rows keep `next_attempt_at` (due now), and with it their place in the
-        // held index until published: see `held_in_window`.
+        // held rows until published: see `held_in_window`.
         ids: format!(
             "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
              WHERE {id} = ANY($1::bigint[]) AND {dead_at} IS NOT NULL \
              AND {published_at} IS NULL RETURNING {id}::bigint"
         ),
-        waiting: format!("UPDATE {t} SET {next} = now() WHERE {waiting} RETURNING {id}::bigint"),
+        waiting: format!(
+            "UPDATE {t} SET {next} = now() WHERE {id} = ANY ({}) AND {waiting} \
+             RETURNING {id}::bigint",
+            p.held_ids("d.dead_at IS NULL AND d.next_attempt_at > now()")
+        ),
         all: format!(
             "UPDATE {t} SET {dead_at} = NULL, {attempts} = 0, {next} = now() \
-             WHERE {dead_at} IS NOT NULL AND {published_at} IS NULL RETURNING {id}::bigint"
+             WHERE {id} = ANY ({}) AND {dead_at} IS NOT NULL AND {published_at} IS NULL \
+             RETURNING {id}::bigint",
+            p.held_ids("d.dead_at IS NOT NULL")
         ),
     }
 }
@@ -201,7 +212,7 @@ fn replay(p: &Parts) -> Replay {
     } = p;
     Replay {
         // Like requeue, a replayed row is due now with `next_attempt_at` set, not NULL:
-        // that is how claims find it below the claim floor (the retry index) and how
+        // that is how claims find it below the claim floor (in `outbox_relay_held`) and how
         // bucket reads past a first window hold its key's later pending rows back until
         // it is published.
         ids: format!(
@@ -233,8 +244,9 @@ fn replay(p: &Parts) -> Replay {
         // The last: every held row is due now. Every hold, this replay's and one a replay
         // that stopped part way left (run it again to finish it): see docs/operations.md.
         release: format!(
-            "UPDATE {t} SET {next} = now() WHERE {pending} AND {next} = {REPLAY_HOLD} \
-             RETURNING {id}::bigint"
+            "UPDATE {t} SET {next} = now() WHERE {id} = ANY ({}) AND {pending} \
+             AND {next} = {REPLAY_HOLD} RETURNING {id}::bigint",
+            p.held_ids(&format!("d.next_attempt_at = {REPLAY_HOLD}"))
         ),
         // `until` is never later than now, the replay's start: rows committed while it
         // runs are not replayed (those of keys it does not hold could be published by then).

@@ -33,7 +33,10 @@ pub(super) fn statements(p: &Parts, window_rows: i64) -> Claim {
             size,
         ),
         claim_unordered_low: budgeted(
-            &format!("{pending} AND {next} IS NOT NULL AND {next} <= now() AND ({id} + 0) < $2"),
+            &format!(
+                "{id} = ANY ({}) AND {pending} AND {next} IS NOT NULL AND {next} <= now()",
+                p.held_ids("d.dead_at IS NULL AND d.next_attempt_at <= now() AND d.id < $2")
+            ),
             columns,
             t,
             id,

@@ -17,12 +17,11 @@ pub(super) fn statements(p: &Parts) -> Floor {
         t,
         id,
         key,
-        published_at,
-        dead_at,
-        next,
         retrying,
         fresh,
         held_back_row,
+        held_rows,
+        of_table,
         ..
     } = p;
     let (held_keys, not_held_back) = match p.ordering {
@@ -60,13 +59,11 @@ pub(super) fn statements(p: &Parts) -> Floor {
              AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \
              GROUP BY o.{key}) g) s",
         ),
-        // `key::text`: the keys come as text whatever the column's type. For a text or
-        // varchar key the cast is no cast at all, and the held index answers.
+        // The keys come as text whatever the column's type, as `outbox_relay_held` keeps them.
         withheld_released: format!(
             "SELECT h.k FROM unnest($1::text[], $2::int8[]) AS h(k, w) \
-             WHERE NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key}::text = h.k \
-             AND d.{id} < h.w AND d.{published_at} IS NULL \
-             AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL))"
+             WHERE NOT EXISTS (SELECT 1 FROM {held_rows} WHERE {of_table} AND d.key = h.k \
+             AND (d.id + 0) < h.w)"
         ),
         sweep: format!(
             "SELECT o.{id}::bigint, {held_back_row}, o.{key}::text FROM {t} o WHERE {fresh} \

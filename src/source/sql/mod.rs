@@ -75,7 +75,7 @@ pub struct TableSql {
     /// [`RowLayout`] describes.
     pub(super) claim_unordered: String,
     /// `ordering = "none"`: the same for rows below the floor `$2` with a failure history
-    /// (the retry index).
+    /// (found in `outbox_relay_held`).
     pub(super) claim_unordered_low: String,
     /// `ordering = "key"`, a claim's first window: order values, keys, payload sizes and
     /// buckets of the oldest pending, due rows, at most `$1` (and at most
@@ -341,7 +341,7 @@ impl TableSql {
 
     /// A boolean expression, true when the table may hold a row a claim would take: a
     /// pending, due row from the floor (parameter `$n`) on, or a due row with a failure
-    /// history anywhere (the retry index). What it leaves out, the caller knows: the
+    /// history anywhere (found in `outbox_relay_held`). What it leaves out, the caller knows: the
     /// floor's stragglers. True also for rows a claim leaves alone (a held key's), which
     /// only costs that claim. One index probe each when the table has no such row.
     pub(super) fn claimable(&self, n: usize) -> String {

@@ -8,7 +8,7 @@ use super::{bucket_of, RowLayout, FIRST_WINDOW, HELD_LISTED};
 /// Which read a hold-back test is for, and so which rows hold back their key's later
 /// rows: a claim's first window (dead or waiting rows, `held`), its bucket reads (past a
 /// first window, any row with a failure history too: `held_in_window`), or the floor's
-/// look (dead rows and rows with a failure history, the held index's own predicate).
+/// look (dead rows and rows with a failure history: every held row of the table).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Read {
     Window,
@@ -36,6 +36,10 @@ pub(super) struct Parts {
     held_in_window: String,
     held_with_history: String,
     pub(crate) obucket: String,
+    /// The schema's `outbox_relay_held` (migration 0008), aliased `d`, and the test that
+    /// keeps this table's rows of it.
+    pub(crate) held_rows: String,
+    pub(crate) of_table: String,
     pub(crate) retrying: String,
     pub(crate) fresh: String,
     pub(crate) low_stragglers: String,
@@ -70,13 +74,22 @@ impl Parts {
         // Not waiting for a later attempt. `now()` is the transaction's start: one instant
         // for every statement of a claim, so its window and its locks agree.
         let due = format!("({next} IS NULL OR {next} <= now())");
+        let held_rows = format!(
+            "{} d",
+            crate::source::schema_table(&table.name, "outbox_relay_held")
+        );
+        let of_table = format!(
+            "d.table_name = '{}'",
+            table.name.to_string().replace('\'', "''")
+        );
         let names = Names {
-            t: &t,
             id: &id,
             key: &key,
             published_at: &published_at,
             dead_at: &dead_at,
             next: &next,
+            held_rows: &held_rows,
+            of_table: &of_table,
         };
         let holds = hold_parts(&names, &pending, ordering);
         let waiting = format!("{pending} AND {next} > now()");
@@ -101,6 +114,8 @@ impl Parts {
             held_in_window: holds.held_in_window,
             held_with_history: holds.held_with_history,
             obucket,
+            held_rows,
+            of_table,
             retrying: below.retrying,
             fresh: below.fresh,
             low_stragglers: below.low_stragglers,
@@ -118,12 +133,12 @@ impl Parts {
     /// The `held_keys` CTE a statement defines for [`Parts::not_held_back`]: the
     /// key and order value of the held rows of `read`'s rule, at most [`HELD_LISTED`]
     /// and one (complete when there are no more than [`HELD_LISTED`]). `MATERIALIZED`,
-    /// so each statement reads the held index once, and only if a row it reads needs it.
+    /// so each statement reads the held rows once, and only if a row it reads needs it.
     pub(crate) fn held_keys(&self, read: Read) -> String {
-        let Parts { t, id, key, .. } = self;
+        let Parts { held_rows, .. } = self;
         format!(
-            "held_keys AS MATERIALIZED (SELECT d.{key} AS k, d.{id} AS i FROM {t} d \
-             WHERE {} AND d.{key} IS NOT NULL LIMIT {})",
+            "held_keys AS MATERIALIZED (SELECT d.key AS k, d.id AS i FROM {held_rows} \
+             WHERE {} AND d.key IS NOT NULL LIMIT {})",
             self.held_for(read),
             HELD_LISTED + 1
         )
@@ -156,31 +171,37 @@ impl Parts {
     ///    case, where no row pays for anything else;
     /// 2. `held_keys` is complete and the row's key is not in it: no held row of its key;
     /// 3. unless the key has a held row below `from`, so below this row (held back), the
-    ///    probe itself: an index lookup on the held index.
+    ///    probe itself: an index lookup in `outbox_relay_held`.
     ///
     /// 2 and 3 are `NOT IN` over the CTE, which PostgreSQL answers with a hash table
     /// built once per statement ("hashed SubPlan", in generic plans too; checked by
-    /// `a_claims_reads_tell_held_keys_by_a_hash_table`), where the probe costs a descent
-    /// of the held index and a heap visit for every row read. With a third of the keys
+    /// `a_claims_reads_tell_held_keys_by_a_hash_table`), where the probe costs an index
+    /// descent and a heap visit for every row read. With a third of the keys
     /// held (a Kafka broker down, benchmark K) every row a claim or a floor look read paid
     /// the probe, and the held-back rows above the floor were most of what a first window
     /// and a look read.
     pub(crate) fn not_held_back(&self, read: Read, from: Option<&str>) -> String {
-        let Parts { t, id, key, .. } = self;
+        let Parts {
+            id, key, held_rows, ..
+        } = self;
         let held = self.held_for(read);
         let probe = format!(
-            "NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {held} \
-             AND d.{id} < o.{id})"
+            "NOT EXISTS (SELECT 1 FROM {held_rows} WHERE d.key = o.{key}::text AND {held} \
+             AND (d.id + 0) < o.{id})"
         );
         let exact = match from {
             None => probe,
             Some(from) => format!(
                 "((SELECT count(*) FROM held_keys) <= {HELD_LISTED} \
-                 AND o.{key} NOT IN (SELECT k FROM held_keys)) \
-                 OR (o.{key} NOT IN (SELECT k FROM held_keys WHERE i < {from}) AND {probe})"
+                 AND o.{key}::text NOT IN (SELECT k FROM held_keys)) \
+                 OR (o.{key}::text NOT IN (SELECT k FROM held_keys WHERE i < {from}) \
+                 AND {probe})"
             ),
         };
-        format!("(o.{key} IS NULL OR NOT EXISTS (SELECT 1 FROM {t} d WHERE {held}) OR {exact})")
+        format!(
+            "(o.{key} IS NULL OR NOT EXISTS (SELECT 1 FROM {held_rows} WHERE {held}) \
+             OR {exact})"
+        )
     }
 
     fn held_for(&self, read: Read) -> &str {
@@ -202,20 +223,40 @@ impl Parts {
         stragglers_part(&self.id, o, ids)
     }
 
-    /// Below the floor `floor`: rows with a failure history, from the retry index.
+    /// Below the floor `floor`: rows with a failure history, found in `outbox_relay_held`.
     pub(crate) fn retry_part(&self, o: &str, floor: &str, ids: &str) -> String {
-        retry_part(&self.id, &self.next, o, floor, ids)
+        retry_part(&self.names(), o, floor, ids)
+    }
+
+    /// The ids of this table's held rows that `condition` (on `d`, a row of
+    /// `outbox_relay_held`) keeps, as an array: `id = ANY (...)` of it is a lookup by
+    /// primary key for each, whatever the planner thinks of the held rows' number.
+    pub(crate) fn held_ids(&self, condition: &str) -> String {
+        held_ids(&self.names(), condition)
+    }
+
+    fn names(&self) -> Names<'_> {
+        Names {
+            id: &self.id,
+            key: &self.key,
+            published_at: &self.published_at,
+            dead_at: &self.dead_at,
+            next: &self.next,
+            held_rows: &self.held_rows,
+            of_table: &self.of_table,
+        }
     }
 }
 
 /// The quoted names of one table that the fragment builders below share.
 struct Names<'a> {
-    t: &'a str,
     id: &'a str,
     key: &'a str,
     published_at: &'a str,
     dead_at: &'a str,
     next: &'a str,
+    held_rows: &'a str,
+    of_table: &'a str,
 }
 
 /// The fragments that tell which rows hold back the later rows of their key (see
@@ -232,56 +273,58 @@ struct HoldParts {
 /// [`HoldParts`] of the table `names` names.
 fn hold_parts(names: &Names, pending: &str, ordering: Ordering) -> HoldParts {
     let Names {
-        t,
         id,
         key,
-        published_at,
-        dead_at,
-        next,
+        held_rows,
+        of_table,
+        ..
     } = *names;
 
     // A *held* row holds back the later rows of its key: dead (until re-queued or
-    // deleted), or waiting for its next attempt. The held index covers exactly these
-    // rows (migrations/0002_held_index.concurrent.sql), so the probes of a claim's
-    // reads are index lookups, and only the reads' last resort: see
-    // `Parts::not_held_back` (with no held row in the table, the common case, the
-    // uncorrelated test in front spares every row the per-key probe).
-    let held =
-        format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now())");
+    // deleted), or waiting for its next attempt. Every such row is mirrored in
+    // `outbox_relay_held` (migration 0008: its triggers keep it exact at every commit),
+    // by key and order value, so the probes of a claim's reads are index lookups there,
+    // and only the reads' last resort: see `Parts::not_held_back` (with no held row in
+    // the table, the common case, the uncorrelated test in front spares every row the
+    // per-key probe). The fragments below are conditions on `d`, a row of it. A probe
+    // for one key's rows before a row hides the order bound from the planner (`+ 0`):
+    // with the bound visible and no statistics yet on the table (a new one), PostgreSQL
+    // took its primary key for the probe, a range of every held row of the table before
+    // the row, where the key's index finds that key's few.
+    let held = format!("{of_table} AND (d.dead_at IS NOT NULL OR d.next_attempt_at > now())");
     // In a claim's bucket reads past its first window (`$1` past it), a row with a failure history
     // (`next_attempt_at` set: waiting, or released by `requeue`, which sets it to the
     // time of the requeue) holds back its key too. A key left out of the first window
     // because its head was held must not reappear in a later one with a later row as
     // its "head" when a requeue committed between the two windows; the head itself is
-    // due and is taken by the next claim's first window. Every arm implies the held
-    // index's predicate, so the probes stay on that small index.
+    // due and is taken by the next claim's first window.
     let held_in_window = format!(
-        "d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} > now() \
-         OR ($1 > '{FIRST_WINDOW}'::bigint AND d.{next} IS NOT NULL))"
+        "{of_table} AND (d.dead_at IS NOT NULL OR d.next_attempt_at > now() \
+         OR ($1 > '{FIRST_WINDOW}'::bigint AND d.next_attempt_at IS NOT NULL))"
     );
     // Work left for `drain`: rows held back by a *waiting* row become publishable when
     // it is due, so only a dead row takes its key's rows out of the count.
-    let dead = format!("d.{dead_at} IS NOT NULL AND d.{published_at} IS NULL");
+    let dead = format!("{of_table} AND d.dead_at IS NOT NULL");
     let not_behind_dead = format!(
-        "(NOT EXISTS (SELECT 1 FROM {t} d WHERE {dead}) \
-         OR NOT EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND {dead} \
-         AND d.{id} < o.{id}))"
+        "(NOT EXISTS (SELECT 1 FROM {held_rows} WHERE {dead}) \
+         OR NOT EXISTS (SELECT 1 FROM {held_rows} WHERE d.key = o.{key}::text AND {dead} \
+         AND (d.id + 0) < o.{id}))"
     );
     // Whether a fresh row is held back by an earlier held row of its key (dead, or with
-    // a failure history): the held index answers it.
-    let held_with_history =
-        format!("d.{published_at} IS NULL AND (d.{dead_at} IS NOT NULL OR d.{next} IS NOT NULL)");
+    // a failure history): any held row of the table.
+    let held_with_history = of_table.to_owned();
     let held_back_row = match ordering {
         Ordering::Key => format!(
-            "(o.{key} IS NOT NULL AND EXISTS (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} \
-             AND d.{id} < o.{id} AND {held_with_history}))"
+            "(o.{key} IS NOT NULL AND EXISTS (SELECT 1 FROM {held_rows} \
+             WHERE d.key = o.{key}::text AND (d.id + 0) < o.{id} AND {held_with_history}))"
         ),
         Ordering::None => "false".to_owned(),
     };
     let held_back = match ordering {
         Ordering::Key => format!(
             "count(*) FILTER (WHERE {pending} AND {key} IS NOT NULL AND EXISTS \
-             (SELECT 1 FROM {t} d WHERE d.{key} = o.{key} AND d.{id} < o.{id} AND {held}))"
+             (SELECT 1 FROM {held_rows} WHERE d.key = o.{key}::text AND (d.id + 0) < o.{id} \
+             AND {held}))"
         ),
         Ordering::None => "0::bigint".to_owned(),
     };
@@ -314,8 +357,11 @@ fn floor_parts(names: &Names, pending: &str) -> FloorParts {
         ..
     } = *names;
     // The floor's bookkeeping (super::floor): rows with a failure history are found
-    // below the floor through the retry index; the others are *fresh*.
-    let retrying = format!("{pending} AND {next} IS NOT NULL");
+    // below the floor in `outbox_relay_held`; the others are *fresh*.
+    let retrying = format!(
+        "{id} = ANY ({}) AND {pending} AND {next} IS NOT NULL",
+        held_ids(names, "d.dead_at IS NULL")
+    );
     let fresh = format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{next} IS NULL");
     // Bounds on the order column are written `(SELECT $n)`: an index condition all the
     // same, but a value the planner does not see. Seen, a bound in the first bucket of
@@ -325,14 +371,12 @@ fn floor_parts(names: &Names, pending: &str) -> FloorParts {
     // a large drain slowed as it went (perf: get_actual_variable_range under the
     // planner; benchmark F measures a large table against a small one).
     // Below the floor: the stragglers, by primary key (skipped outright, a one-time
-    // filter, when there are none), and rows with a failure history, from the retry
-    // index. The order column is hidden from the retry part's bounds (`+ 0`) so that no
-    // plan - a cached generic one included - answers it with a range scan of the
-    // pending index below the floor: that range holds the entries of every row
-    // published since the last VACUUM (a generic plan did, and with a snapshot held
-    // the latency climbed minute after minute: benchmark G).
+    // filter, when there are none), and rows with a failure history, by their ids in
+    // `outbox_relay_held`: never a range scan of the table below the floor, which holds
+    // the entries of every row published since the last VACUUM (a generic plan once
+    // did, and with a snapshot held the latency climbed minute after minute: benchmark G).
     let low_stragglers = stragglers_part(id, "", "$2::bigint[]");
-    let low_retrying = retry_part(id, next, "", "$1", "$2::bigint[]");
+    let low_retrying = retry_part(names, "", "$1", "$2::bigint[]");
     FloorParts {
         retrying,
         fresh,
@@ -412,6 +456,19 @@ fn stragglers_part(id: &str, o: &str, ids: &str) -> String {
     format!("cardinality({ids}) > 0 AND {o}{id} = ANY({ids})")
 }
 
-fn retry_part(id: &str, next: &str, o: &str, floor: &str, ids: &str) -> String {
-    format!("{o}{next} IS NOT NULL AND ({o}{id} + 0) < {floor} AND {o}{id} <> ALL({ids})")
+fn retry_part(names: &Names, o: &str, floor: &str, ids: &str) -> String {
+    let Names { id, next, .. } = *names;
+    format!(
+        "{o}{id} = ANY ({}) AND {o}{next} IS NOT NULL AND {o}{id} <> ALL({ids})",
+        held_ids(names, &format!("d.dead_at IS NULL AND d.id < {floor}"))
+    )
+}
+
+fn held_ids(names: &Names, condition: &str) -> String {
+    let Names {
+        held_rows,
+        of_table,
+        ..
+    } = *names;
+    format!("ARRAY(SELECT d.id FROM {held_rows} WHERE {of_table} AND {condition})")
 }

@@ -41,12 +41,12 @@ pub(super) fn statements(p: &Parts) -> Settle {
              FROM unnest($1::bigint[], $2::text[], $3::int8[]) AS f(id, err, wait) \
              WHERE o.{id} = f.id"
         ),
-        // Through the retry index (its predicate is implied): at most the held keys'
-        // heads and the rows waiting for a retry are read.
+        // Only the rows waiting for a retry are read (found in `outbox_relay_held`).
         release_postponed: format!(
-            "UPDATE {t} SET {next} = now() WHERE {published_at} IS NULL \
+            "UPDATE {t} SET {next} = now() WHERE {id} = ANY ({}) AND {published_at} IS NULL \
              AND {dead_at} IS NULL AND {next} > now() \
-             AND starts_with({last_error}, $1::text)"
+             AND starts_with({last_error}, $1::text)",
+            p.held_ids("d.dead_at IS NULL AND d.next_attempt_at > now()")
         ),
     }
 }

@@ -29,10 +29,12 @@ pub async fn grant_relay_role(client: &tokio_postgres::Client, table: &str) {
         .replace("public.outbox_relay_pauses", "{pauses}")
         .replace("public.outbox_relay_rates", "{rates}")
         .replace("public.outbox_relay_sleepers", "{sleepers}")
+        .replace("public.outbox_relay_held", "{held}")
         .replace("public.outbox", table)
         .replace("{pauses}", &format!("{schema}.outbox_relay_pauses"))
         .replace("{rates}", &format!("{schema}.outbox_relay_rates"))
-        .replace("{sleepers}", &format!("{schema}.outbox_relay_sleepers"));
+        .replace("{sleepers}", &format!("{schema}.outbox_relay_sleepers"))
+        .replace("{held}", &format!("{schema}.outbox_relay_held"));
     client
         .batch_execute(&sql)
         .await
