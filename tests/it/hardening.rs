@@ -593,12 +593,11 @@ async fn a_released_row_holds_back_its_key_in_a_claims_later_windows() {
     let client = env.client().await;
     client
         .batch_execute(
-            "INSERT INTO public.outbox (topic, key, payload, next_attempt_at) VALUES
-               ('events.a', 'k', '1', now() - interval '1 second'),
-               ('events.a', 'k', '2', NULL),
-               ('events.a', 'other', '3', NULL),
-               ('events.a', 'w', '4', now() + interval '1 hour'),
-               ('events.a', 'w', '5', NULL)",
+            "INSERT INTO public.outbox (topic, key, payload) VALUES
+               ('events.a', 'k', '1'), ('events.a', 'k', '2'), ('events.a', 'other', '3'),
+               ('events.a', 'w', '4'), ('events.a', 'w', '5');
+             UPDATE public.outbox SET next_attempt_at = now() - interval '1 second' WHERE id = 1;
+             UPDATE public.outbox SET next_attempt_at = now() + interval '1 hour' WHERE id = 4;",
         )
         .await
         .unwrap();

@@ -463,7 +463,7 @@ async fn wake_ups(client: &tokio_postgres::Client) -> Vec<String> {
     column::<String, _>(
         client,
         "SELECT tgname::text FROM pg_trigger WHERE tgrelid = 'public.outbox'::regclass \
-         AND NOT tgisinternal \
+         AND NOT tgisinternal AND tgname NOT LIKE 'outbox\\_relay\\_hold%' \
          UNION ALL \
          SELECT 'nudge' FROM pg_attrdef d JOIN pg_attribute a \
              ON a.attrelid = d.adrelid AND a.attnum = d.adnum \
