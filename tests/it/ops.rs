@@ -907,10 +907,14 @@ async fn status_as_json_is_one_document_with_the_contract_fields() {
     client
         .batch_execute(
             "INSERT INTO public.outbox (topic, key, payload, published_at) \
-             SELECT 'events.p', NULL, 'x', now() FROM generate_series(1, 5)",
+             SELECT 'events.p', NULL, 'x', now() FROM generate_series(1, 5); \
+             UPDATE public.outbox SET dead_at = dead_at, next_attempt_at = next_attempt_at \
+             WHERE dead_at IS NOT NULL OR next_attempt_at IS NOT NULL",
         )
         .await
         .unwrap();
+    // The failed rows above are written as a relay writes them, by UPDATE (the last
+    // statement), which gives each its row in outbox_relay_held.
     assert!(env
         .relay(&["pause", "--reason", "broker upgrade"])
         .status

@@ -73,11 +73,14 @@ fn window(p: &Parts, window_rows: i64) -> String {
         "WITH {held_keys}, \
          {low}, \
          main AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-         {osize} AS size, {obucket} AS bucket \
+         {osize} AS size, {obucket} AS bucket, {odue} AS due \
          FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
-         ORDER BY o.{id} LIMIT {window_rows}) \
-         SELECT id, key, size, bucket FROM low UNION ALL \
-         SELECT id, key, size, bucket FROM main ORDER BY id LIMIT $1",
+         ORDER BY o.{id} LIMIT {window_rows}), \
+         read AS (SELECT id, key, size, bucket, due FROM low UNION ALL \
+         SELECT id, key, size, bucket, due FROM main) \
+         {taken} ORDER BY id LIMIT $1",
+        odue = p.odue(),
+        taken = Parts::blocked_in("read"),
         held_keys = p.held_keys(Read::Window),
         low = low(
             p,
@@ -128,14 +131,18 @@ fn pick_read(p: &Parts) -> String {
         "WITH pick AS MATERIALIZED (SELECT c.b FROM unnest($3::int4[]) AS c(b) \
          WHERE pg_try_advisory_xact_lock($6::int4, c.b) LIMIT $7), {held_keys}, \
          {low}, \
-         main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket \
+         main AS MATERIALIZED (SELECT w.id, w.key, w.size, w.bucket, w.due \
          FROM pick, LATERAL (SELECT o.{id}::bigint AS id, \
-         o.{key}::text AS key, {osize} AS size, pick.b AS bucket FROM {t} o \
+         o.{key}::text AS key, {osize} AS size, pick.b AS bucket, {odue} AS due FROM {t} o \
          WHERE {obucket} = pick.b AND o.{attempts} >= 0 \
          AND ({obucket}, o.{id}) >= (pick.b, (SELECT $4::bigint)) AND {bucket_filter} \
          ORDER BY o.{id} LIMIT (SELECT $2::int8)) w), \
-         seen AS (SELECT id, key, size, bucket FROM low WHERE bucket IN (SELECT b FROM pick) \
-         UNION ALL SELECT id, key, size, bucket FROM main)",
+         read AS (SELECT id, key, size, bucket, due FROM low \
+         WHERE bucket IN (SELECT b FROM pick) \
+         UNION ALL SELECT id, key, size, bucket, due FROM main), \
+         seen AS ({taken})",
+        odue = p.odue(),
+        taken = Parts::blocked_in("read"),
         held_keys = p.held_keys(Read::Buckets),
         low = low(p, Read::Buckets, "$4", "$5::bigint[]"),
         osize = p.size_of("o."),
@@ -157,10 +164,11 @@ fn low(p: &Parts, read: Read, floor: &str, stragglers: &str) -> String {
     let filter = p.claim_filter(read, None);
     format!(
         "low AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key, \
-         {osize} AS size, {obucket} AS bucket FROM {t} o WHERE {straggling} \
+         {osize} AS size, {obucket} AS bucket, {odue} AS due FROM {t} o WHERE {straggling} \
          AND {filter} \
-         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket} FROM {t} o \
-         WHERE {retrying} AND {filter})",
+         UNION ALL SELECT o.{id}::bigint, o.{key}::text, {osize}, {obucket}, {odue} \
+         FROM {t} o WHERE {retrying} AND {filter})",
+        odue = p.odue(),
         osize = p.size_of("o."),
         straggling = p.stragglers_part("o.", stragglers),
         retrying = p.retry_part("o.", floor, stragglers),

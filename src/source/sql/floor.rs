@@ -21,6 +21,9 @@ pub(super) fn statements(p: &Parts) -> Floor {
         fresh,
         held_back_row,
         held_rows,
+        published_at,
+        dead_at,
+        next,
         of_table,
         ..
     } = p;
@@ -37,10 +40,16 @@ pub(super) fn statements(p: &Parts) -> Floor {
         // all held back (read only up to it, at most `$2`).
         // Held back or not: see `Parts::not_held_back` (without key order, nothing is, and
         // the statement lists no held keys).
+        // A candidate inserted with `next_attempt_at` in the future (a scheduled publish)
+        // is fresh only until it has its row in `outbox_relay_held`: `m` gives it one (its
+        // UPDATE fires the trigger), so the next look passes it and claims find it there.
+        // A data-modifying CTE runs once whether or not the statement reads it.
         advance: format!(
             "WITH {held_keys}c AS MATERIALIZED (SELECT o.{id}::bigint AS id FROM {t} o \
              WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) AND {not_held_back} \
              ORDER BY o.{id} LIMIT 1), \
+             m AS (UPDATE {t} SET {next} = {next} WHERE {id} = (SELECT id FROM c) \
+             AND {published_at} IS NULL AND {dead_at} IS NULL AND {next} > now()), \
              h AS MATERIALIZED (SELECT o.{id}::bigint AS id, o.{key}::text AS key FROM {t} o \
              WHERE {fresh} AND o.{id} >= (SELECT $1::bigint) \
              AND o.{id} < COALESCE((SELECT id FROM c), 9223372036854775807) \

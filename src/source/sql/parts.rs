@@ -144,7 +144,9 @@ impl Parts {
         )
     }
 
-    /// What a claim's read keeps: pending, due rows that [`Parts::not_held_back`].
+    /// What a claim's read keeps: pending rows that [`Parts::not_held_back`], due, or
+    /// not due and [`Parts::unmirrored`]: such a row holds back its key's later rows in
+    /// the read ([`Parts::blocked_in`]), and is never taken itself.
     pub(crate) fn claim_filter(&self, read: Read, from: Option<&str>) -> String {
         let Parts {
             published_at,
@@ -154,8 +156,42 @@ impl Parts {
         } = self;
         format!(
             "o.{published_at} IS NULL AND o.{dead_at} IS NULL \
-             AND (o.{next} IS NULL OR o.{next} <= now()) AND {}",
+             AND (o.{next} IS NULL OR o.{next} <= now() OR {}) AND {}",
+            self.unmirrored(),
             self.not_held_back(read, from)
+        )
+    }
+
+    /// Whether a row `o` a claim's read keeps is due (the read's `due` column).
+    pub(crate) fn odue(&self) -> String {
+        let next = &self.next;
+        format!("(o.{next} IS NULL OR o.{next} <= now())")
+    }
+
+    /// Whether row `o` has no row in `outbox_relay_held`. Only a row inserted with
+    /// `next_attempt_at` set (a scheduled publish) can be held without one: the triggers
+    /// see every UPDATE and DELETE, and no INSERT (a trigger that did would cost every
+    /// INSERT of the application more than the two indexes it replaced). Such a row is
+    /// always in a claim's read when it matters: from the floor on, a read is a prefix of
+    /// the pending rows, and the floor never passes such a row (it counts as fresh, see
+    /// `FloorParts::fresh`, and the floor's look gives it its row in the held rows).
+    pub(crate) fn unmirrored(&self) -> String {
+        let Parts {
+            id,
+            held_rows,
+            of_table,
+            ..
+        } = self;
+        format!("NOT EXISTS (SELECT 1 FROM {held_rows} WHERE {of_table} AND d.id = o.{id})")
+    }
+
+    /// The rows of CTE `rows` (columns `id, key, size, bucket, due`) a claim may take: due,
+    /// and not after a row of their key that is not due (one without its row in
+    /// `outbox_relay_held`: see [`Parts::unmirrored`]; the others were left out).
+    pub(crate) fn blocked_in(rows: &str) -> String {
+        format!(
+            "SELECT id, key, size, bucket FROM {rows} r WHERE r.due AND NOT EXISTS \
+             (SELECT 1 FROM {rows} b WHERE NOT b.due AND b.key = r.key AND b.id < r.id)"
         )
     }
 
@@ -354,6 +390,8 @@ fn floor_parts(names: &Names, pending: &str) -> FloorParts {
         published_at,
         dead_at,
         next,
+        held_rows,
+        of_table,
         ..
     } = *names;
     // The floor's bookkeeping (super::floor): rows with a failure history are found
@@ -362,7 +400,12 @@ fn floor_parts(names: &Names, pending: &str) -> FloorParts {
         "{id} = ANY ({}) AND {pending} AND {next} IS NOT NULL",
         held_ids(names, "d.dead_at IS NULL")
     );
-    let fresh = format!("o.{published_at} IS NULL AND o.{dead_at} IS NULL AND o.{next} IS NULL");
+    // A row inserted with `next_attempt_at` set counts as fresh until it has its row in
+    // `outbox_relay_held` (see `Parts::unmirrored`): the floor does not pass it before.
+    let fresh = format!(
+        "o.{published_at} IS NULL AND o.{dead_at} IS NULL AND (o.{next} IS NULL \
+         OR NOT EXISTS (SELECT 1 FROM {held_rows} WHERE {of_table} AND d.id = o.{id}))"
+    );
     // Bounds on the order column are written `(SELECT $n)`: an index condition all the
     // same, but a value the planner does not see. Seen, a bound in the first bucket of
     // the column's histogram (`i64::MIN` for a claim's first window; the floor, right
