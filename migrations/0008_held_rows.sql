@@ -26,7 +26,8 @@ CREATE INDEX IF NOT EXISTS outbox_relay_held_key_idx
 -- The triggers' function, one per schema. Its arguments name the outbox table (as
 -- `schema.table`) and its order, key, published_at, dead_at and next_attempt_at columns
 -- (mapped with [tables.columns]). SECURITY DEFINER: a role that may update the outbox
--- keeps the mirror without any privilege on it.
+-- keeps the mirror without any privilege on it. Its statements are static, so PL/pgSQL
+-- plans them once per session.
 CREATE OR REPLACE FUNCTION {{schema}}.outbox_relay_hold() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
@@ -34,23 +35,20 @@ DECLARE
     new_row jsonb;
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
-        EXECUTE format('DELETE FROM %I.outbox_relay_held WHERE table_name = $1', TG_TABLE_SCHEMA)
-            USING TG_ARGV[0];
+        DELETE FROM {{schema}}.outbox_relay_held WHERE table_name = TG_ARGV[0];
         RETURN NULL;
     END IF;
     old_row := to_jsonb(OLD);
-    EXECUTE format('DELETE FROM %I.outbox_relay_held WHERE table_name = $1 AND id = $2',
-                   TG_TABLE_SCHEMA)
-        USING TG_ARGV[0], (old_row ->> TG_ARGV[1])::bigint;
+    DELETE FROM {{schema}}.outbox_relay_held
+     WHERE table_name = TG_ARGV[0] AND id = (old_row ->> TG_ARGV[1])::bigint;
     IF TG_OP = 'UPDATE' THEN
         new_row := to_jsonb(NEW);
         IF new_row -> TG_ARGV[3] = 'null'::jsonb
            AND (new_row -> TG_ARGV[4] <> 'null'::jsonb OR new_row -> TG_ARGV[5] <> 'null'::jsonb)
         THEN
-            EXECUTE format('INSERT INTO %I.outbox_relay_held VALUES ($1, $2, $3, $4, $5)',
-                           TG_TABLE_SCHEMA)
-                USING TG_ARGV[0], (new_row ->> TG_ARGV[1])::bigint, new_row ->> TG_ARGV[2],
-                      (new_row ->> TG_ARGV[5])::timestamptz, (new_row ->> TG_ARGV[4])::timestamptz;
+            INSERT INTO {{schema}}.outbox_relay_held
+            VALUES (TG_ARGV[0], (new_row ->> TG_ARGV[1])::bigint, new_row ->> TG_ARGV[2],
+                    (new_row ->> TG_ARGV[5])::timestamptz, (new_row ->> TG_ARGV[4])::timestamptz);
         END IF;
     END IF;
     RETURN NULL;
