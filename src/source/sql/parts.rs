@@ -190,8 +190,10 @@ impl Parts {
     /// `outbox_relay_held`: see [`Parts::unmirrored`]; the others were left out).
     pub(crate) fn blocked_in(rows: &str) -> String {
         format!(
-            "SELECT id, key, size, bucket FROM {rows} r WHERE r.due AND NOT EXISTS \
-             (SELECT 1 FROM {rows} b WHERE NOT b.due AND b.key = r.key AND b.id < r.id)"
+            "SELECT r.id, r.key, r.size, r.bucket FROM {rows} r LEFT JOIN \
+             (SELECT b.key, min(b.id) AS first FROM {rows} b WHERE NOT b.due \
+             AND b.key IS NOT NULL GROUP BY b.key) b ON b.key = r.key \
+             WHERE r.due AND (b.first IS NULL OR r.id < b.first)"
         )
     }
 
