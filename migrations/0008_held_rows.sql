@@ -27,26 +27,28 @@ CREATE INDEX IF NOT EXISTS outbox_relay_held_key_idx
 -- `schema.table`) and its order, key, published_at, dead_at and next_attempt_at columns
 -- (mapped with [tables.columns]). SECURITY DEFINER: a role that may update the outbox
 -- keeps the mirror without any privilege on it. Its statements are static, so PL/pgSQL
--- plans them once per session.
+-- plans them once per session; they name the table through the function's search_path,
+-- not in its body, where a schema name could end the quoted text. pg_catalog comes
+-- first, so nothing in the schema stands in for a built-in.
 CREATE OR REPLACE FUNCTION {{schema}}.outbox_relay_hold() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, {{schema}}, pg_temp AS $$
 DECLARE
     old_row jsonb;
     new_row jsonb;
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
-        DELETE FROM {{schema}}.outbox_relay_held WHERE table_name = TG_ARGV[0];
+        DELETE FROM outbox_relay_held WHERE table_name = TG_ARGV[0];
         RETURN NULL;
     END IF;
     old_row := to_jsonb(OLD);
-    DELETE FROM {{schema}}.outbox_relay_held
+    DELETE FROM outbox_relay_held
      WHERE table_name = TG_ARGV[0] AND id = (old_row ->> TG_ARGV[1])::bigint;
     IF TG_OP = 'UPDATE' THEN
         new_row := to_jsonb(NEW);
         IF new_row -> TG_ARGV[3] = 'null'::jsonb
            AND (new_row -> TG_ARGV[4] <> 'null'::jsonb OR new_row -> TG_ARGV[5] <> 'null'::jsonb)
         THEN
-            INSERT INTO {{schema}}.outbox_relay_held
+            INSERT INTO outbox_relay_held
             VALUES (TG_ARGV[0], (new_row ->> TG_ARGV[1])::bigint, new_row ->> TG_ARGV[2],
                     (new_row ->> TG_ARGV[5])::timestamptz, (new_row ->> TG_ARGV[4])::timestamptz);
         END IF;
