@@ -41,18 +41,28 @@ BEGIN
         RETURN NULL;
     END IF;
     old_row := to_jsonb(OLD);
-    DELETE FROM outbox_relay_held
-     WHERE table_name = TG_ARGV[0] AND id = (old_row ->> TG_ARGV[1])::bigint;
     IF TG_OP = 'UPDATE' THEN
         new_row := to_jsonb(NEW);
         IF new_row -> TG_ARGV[3] = 'null'::jsonb
            AND (new_row -> TG_ARGV[4] <> 'null'::jsonb OR new_row -> TG_ARGV[5] <> 'null'::jsonb)
         THEN
-            INSERT INTO outbox_relay_held
+            -- Held after the change. Its row is written in place (a retry rescheduled
+            -- changes no indexed column of it), unless its order value changed.
+            IF new_row -> TG_ARGV[1] <> old_row -> TG_ARGV[1] THEN
+                DELETE FROM outbox_relay_held
+                 WHERE table_name = TG_ARGV[0] AND id = (old_row ->> TG_ARGV[1])::bigint;
+            END IF;
+            INSERT INTO outbox_relay_held AS h
             VALUES (TG_ARGV[0], (new_row ->> TG_ARGV[1])::bigint, new_row ->> TG_ARGV[2],
-                    (new_row ->> TG_ARGV[5])::timestamptz, (new_row ->> TG_ARGV[4])::timestamptz);
+                    (new_row ->> TG_ARGV[5])::timestamptz, (new_row ->> TG_ARGV[4])::timestamptz)
+                ON CONFLICT (table_name, id) DO UPDATE
+               SET key = excluded.key, next_attempt_at = excluded.next_attempt_at,
+                   dead_at = excluded.dead_at;
+            RETURN NULL;
         END IF;
     END IF;
+    DELETE FROM outbox_relay_held
+     WHERE table_name = TG_ARGV[0] AND id = (old_row ->> TG_ARGV[1])::bigint;
     RETURN NULL;
 END
 $$;

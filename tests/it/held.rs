@@ -125,6 +125,20 @@ async fn held_rows_are_mirrored_exactly_whoever_changes_them() {
         5,
     )
     .await;
+    // Rescheduled while held (its row in the mirror written in place), and a held row
+    // given another order value.
+    after(
+        &owner,
+        "UPDATE public.outbox SET next_attempt_at = now() + interval '2 hours' WHERE id = 1",
+        5,
+    )
+    .await;
+    after(
+        &owner,
+        "UPDATE public.outbox SET id = id + 100 WHERE id = 5",
+        5,
+    )
+    .await;
     after(&owner, "TRUNCATE public.outbox", 0).await;
 }
 

@@ -246,8 +246,8 @@ struct Picked {
 }
 
 impl Picked {
-    /// Splits a pick's answer: each row read is the locked row's columns (NULL when not
-    /// locked) then the four of the read; a bucket got is a row of NULLs but its bucket.
+    /// Splits a pick's answer: a row locked has its columns first (the rest NULL), a row
+    /// read its four columns last (the rest NULL), a bucket got only its bucket.
     fn split(read: &[Row], layout: &RowLayout, cap: Candidates) -> Picked {
         let at = layout.width();
         let mut picked = Picked {
@@ -257,14 +257,13 @@ impl Picked {
             locked: HashMap::new(),
         };
         for r in read {
-            if r.get::<_, Option<i64>>(at).is_none() {
-                picked.got.push(r.get(at + 3));
-                continue;
-            }
-            picked.window.push(Candidate::from_row_at(r, at));
             if r.get::<_, Option<i64>>(0).is_some() {
                 let row = ClaimedRow::from_row(r, layout);
                 picked.locked.insert(row.id, row);
+            } else if r.get::<_, Option<i64>>(at).is_some() {
+                picked.window.push(Candidate::from_row_at(r, at));
+            } else {
+                picked.got.push(r.get(at + 3));
             }
         }
         picked.window.sort_unstable_by_key(|c| c.id);

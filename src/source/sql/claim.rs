@@ -77,9 +77,10 @@ fn window(p: &Parts, window_rows: i64) -> String {
          FROM {t} o WHERE o.{id} >= (SELECT $2::bigint) AND {window_filter} \
          ORDER BY o.{id} LIMIT {window_rows}), \
          read AS (SELECT id, key, size, bucket, due FROM low UNION ALL \
-         SELECT id, key, size, bucket, due FROM main) \
+         SELECT id, key, size, bucket, due FROM main), {blockers} \
          {taken} ORDER BY id LIMIT $1",
         odue = p.odue(),
+        blockers = Parts::blockers("read"),
         taken = Parts::blocked_in("read"),
         held_keys = p.held_keys(Read::Window),
         low = low(
@@ -139,9 +140,10 @@ fn pick_read(p: &Parts) -> String {
          ORDER BY o.{id} LIMIT (SELECT $2::int8)) w), \
          read AS (SELECT id, key, size, bucket, due FROM low \
          WHERE bucket IN (SELECT b FROM pick) \
-         UNION ALL SELECT id, key, size, bucket, due FROM main), \
+         UNION ALL SELECT id, key, size, bucket, due FROM main), {blockers}, \
          seen AS ({taken})",
         odue = p.odue(),
+        blockers = Parts::blockers("read"),
         taken = Parts::blocked_in("read"),
         held_keys = p.held_keys(Read::Buckets),
         low = low(p, Read::Buckets, "$4", "$5::bigint[]"),
@@ -177,9 +179,13 @@ fn low(p: &Parts, read: Read, floor: &str, stragglers: &str) -> String {
 
 /// The bucket read (`pick_read`, above), and in the same statement the row locks on
 /// the first `$8` rows read (in id order) that are still pending and due,
-/// `SKIP LOCKED`: every row read comes back with its candidate columns last, after
-/// the locked row's columns (NULL when it was not locked). One round trip where a
-/// pick and its lock round took two (`source::claim`, *Round trips*).
+/// `SKIP LOCKED`. It answers three kinds of rows, told apart by which columns are NULL:
+/// each row locked (its columns, then four NULLs), each row read (NULLs, then its
+/// candidate columns), each bucket got (NULLs, then the bucket). One round trip where a
+/// pick and its lock round took two (`source::claim`, *Round trips*). The rows locked
+/// and the rows read are not joined in SQL: the planner, which cannot tell how many rows
+/// a pick reads, took a nested loop for that join, comparing every row read with every
+/// row locked.
 fn pick_lock(p: &Parts) -> String {
     let Parts {
         t,
@@ -196,8 +202,8 @@ fn pick_lock(p: &Parts) -> String {
          OVER (ORDER BY id ROWS UNBOUNDED PRECEDING) AS run FROM seen) r \
          WHERE run - size < $9::bigint ORDER BY id LIMIT $8)) \
          AND {pending} AND {due} ORDER BY {id} FOR UPDATE SKIP LOCKED) \
-         SELECT l.*, s.id, s.key, s.size, s.bucket FROM seen s \
-         LEFT JOIN locked l ON l.c0 = s.id \
+         SELECT l.*, NULL, NULL, NULL, NULL FROM locked l \
+         UNION ALL SELECT {nulls}, s.id, s.key, s.size, s.bucket FROM seen s \
          UNION ALL SELECT {nulls}, NULL, NULL, NULL, b FROM pick",
         names = (0..p.layout.width())
             .map(|i| format!("c{i}"))
