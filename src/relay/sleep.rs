@@ -160,7 +160,7 @@ pub(crate) async fn poll(
         }
         let work = async {
             if !gated.is_empty() {
-                follow_listener(wakes, source, &gated, &mut marks).await;
+                follow_listener(wakes, source, &gated, &names, &mut marks).await;
                 crowd_ends = mark(wakes, source, &names, &mut marks)
                     .await
                     .map(tokio::time::Instant::from_std);
@@ -192,7 +192,13 @@ pub(crate) async fn poll(
 
 /// Step 6 for a LISTEN session that ended: its marks are forgotten (with every other
 /// dead session's), and what this poller knew of them reset.
-async fn follow_listener(wakes: &Wakes, source: &Source, gated: &[&TableName], marks: &mut Marks) {
+async fn follow_listener(
+    wakes: &Wakes,
+    source: &Source,
+    gated: &[&TableName],
+    names: &[&TableName],
+    marks: &mut Marks,
+) {
     let (generation, pid) = wakes.listener();
     if generation == marks.generation {
         return;
@@ -205,6 +211,11 @@ async fn follow_listener(wakes: &Wakes, source: &Source, gated: &[&TableName], m
         if let Err(e) = forgotten {
             tracing::debug!(error = %e, "Could not remove the sleep marks of ended sessions");
             return; // tried again at the next poll
+        }
+    }
+    for (t, mark) in marks.tables.iter().enumerate() {
+        if mark.asleep {
+            tracing::debug!(table = %names[t], "Awake: the LISTEN session changed, its sleep mark removed");
         }
     }
     marks.pid = pid;
@@ -243,9 +254,11 @@ async fn mark(
     }
     for &t in &to_wake {
         marks.tables[t] = Mark::default();
+        tracing::debug!(table = %names[t], "Awake: sleep mark cleared, writers stop notifying");
     }
     for &t in &to_sleep {
         marks.tables[t].asleep = true;
+        tracing::debug!(table = %names[t], "Sleep mark set; polling until it is settled");
     }
     unsure.extend(to_sleep);
     if !unsure.is_empty() {
@@ -371,8 +384,8 @@ async fn poll_once(
                 // Step 5: this poll began after the one that saw the mark settled.
                 let confirm = !rows && pending(t) && marks.tables[t].settled;
                 wakes.polled(t, ticket, rows);
-                if confirm {
-                    wakes.move_sleep(t, generation, Sleep::Pending, Sleep::Asleep);
+                if confirm && wakes.move_sleep(t, generation, Sleep::Pending, Sleep::Asleep) {
+                    tracing::debug!(table = %tables[t].config.name, "Asleep: NOTIFY covers the table");
                 }
             }
             Err(_) => wakes.raise(t, true),
