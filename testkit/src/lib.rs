@@ -4,7 +4,8 @@
 //!
 //! Every server is a child process that dies with its owner: dropping the handle kills it
 //! and removes its directory, and `PR_SET_PDEATHSIG` kills it even if the owning thread
-//! dies without unwinding (a test killed by a timeout, `kill -9` of the demo).
+//! dies without unwinding (a test killed by a timeout, `kill -9` of the demo). The
+//! directories of an owner that died so are removed by the next server started.
 //!
 //! One module per harness; everything public is re-exported here, so users write
 //! `testkit::Postgres`, never the module path:

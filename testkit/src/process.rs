@@ -3,8 +3,9 @@
 //! with its resource usage.
 //!
 //! Starts nothing itself. What it sets up is torn down by its users: a scratch directory
-//! is removed by the owning server's `Drop`, and [`die_with_parent`] makes the kernel send
-//! SIGKILL to a child whose spawning thread exits without unwinding.
+//! is removed by the owning server's `Drop` (or, when its owner died without one, when the
+//! next is made), and [`die_with_parent`] makes the kernel send SIGKILL to a child whose
+//! spawning thread exits without unwinding.
 
 use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
@@ -35,16 +36,53 @@ pub fn free_port() -> u16 {
 }
 
 /// A fresh empty directory under the system temp dir, removed by the server's Drop.
+///
+/// A Drop that never ran (the owner killed by SIGKILL, a test runner's timeout or Ctrl-C
+/// of the benchmark) leaves its directories behind: a PostgreSQL cluster's is gigabytes
+/// after a benchmark. So first the directories of owners that are gone are removed.
 pub(crate) fn scratch_dir(kind: &str) -> Result<PathBuf> {
     static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    remove_orphaned_scratch_dirs();
     let dir = std::env::temp_dir().join(format!(
-        "outbox-relay-{kind}-{}-{}",
+        "{SCRATCH_PREFIX}{kind}-{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
     Ok(dir)
+}
+
+/// Every scratch directory's name starts so: `outbox-relay-<kind>-<owner pid>-<n>`.
+const SCRATCH_PREFIX: &str = "outbox-relay-";
+
+/// Removes the scratch directories whose owner process no longer exists. The servers in
+/// them died with their owner (see [`die_with_parent`]). A directory whose pid was taken
+/// by another process since is left alone: that costs disk space, never a live server's
+/// files.
+fn remove_orphaned_scratch_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(owner) = name.to_str().and_then(scratch_owner) else {
+            continue;
+        };
+        if !Path::new("/proc").join(owner.to_string()).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// The owner pid in a scratch directory's name (`outbox-relay-<kind>-<pid>-<n>`).
+fn scratch_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(SCRATCH_PREFIX)?;
+    let mut parts = rest.rsplitn(3, '-');
+    parts.next()?.parse::<usize>().ok()?;
+    let pid = parts.next()?.parse().ok()?;
+    parts.next().filter(|kind| !kind.is_empty())?;
+    Some(pid)
 }
 
 /// Makes the child receive SIGKILL when the thread that spawned it exits (so a failed

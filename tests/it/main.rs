@@ -39,6 +39,7 @@ mod pgbouncer_harness;
 mod recovery;
 mod replay;
 mod retention;
+mod scratch;
 mod security;
 mod stalls;
 mod trace_context;
