@@ -1233,6 +1233,47 @@ async fn the_relay_reads_the_outbox_through_its_indexes_even_when_it_planned_on_
     assert_eq!(seq, 0, "sequential scans of the outbox ({idx} index scans)");
 }
 
+/// Section 8 (History): a claim's plan holds whatever the statistics say. Autovacuum's
+/// analyze of a drained outbox leaves its pages and no row counted on them, so the
+/// planner takes the table for empty. An unordered claim planned so (each new session
+/// plans its statements, and the relay's keep the generic plan) joined its locked ids
+/// back to the table by walking the whole primary key and working the ids out again for
+/// every entry: every claim of the refilled table ran into `statement_timeout`, and a
+/// drain of 600,000 rows stood still for 30 s (benchmark C, ordering = "none").
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unordered_drain_keeps_its_pace_on_a_refilled_outbox_analyzed_empty() {
+    let env = Env::new(relay().ordering("none").workers(4).batch_size(500)).await;
+    let config = std::fs::read_to_string(&env.config).unwrap().replace(
+        "pool_size = 16",
+        "pool_size = 16\nstatement_timeout = \"2s\"",
+    );
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    seed(&client, 50_000, 100, 0).await;
+    client
+        .batch_execute("DELETE FROM public.outbox; ANALYZE public.outbox")
+        .await
+        .unwrap();
+    let stats = client
+        .query_one(
+            "SELECT relpages, reltuples FROM pg_class WHERE oid = 'public.outbox'::regclass",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (pages, tuples): (i32, f32) = (stats.get(0), stats.get(1));
+    assert!(pages > 0 && tuples == 0.0, "{pages} pages, {tuples} rows");
+    seed(&client, 50_000, 100, 0).await;
+    let out = env.relay(&["drain", "--timeout", "60s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert!(
+        !text(&out).contains("statement timeout"),
+        "claims ran into statement_timeout: {}",
+        text(&out)
+    );
+    assert_eq!(env.stored().await.len(), 50_000);
+}
+
 /// Issue 55: the start-up checks of a relay's tables (schema, columns, unique order
 /// column, claim indexes, privileges, the relay's own tables, the wake-up trigger) ask the
 /// catalog a fixed number of statements, whatever the number of tables: each kind of

@@ -183,3 +183,52 @@ async fn retention_outside_mark_mode_or_without_created_at_is_refused_with_the_f
         text(&out)
     );
 }
+
+/// Section 8 (History): retention's delete keeps its plan on the statistics autovacuum
+/// leaves on an outbox it analyzed empty (its pages, no row counted on them). Planned
+/// there, the delete joined the rows it chose back to the table by walking the whole
+/// primary key and choosing them again for every entry, and ran into `statement_timeout`
+/// at every chunk: published rows were never deleted. Here 50,000 rows published an hour
+/// ago go within the wait, and no statement of the relay times out.
+#[tokio::test(flavor = "multi_thread")]
+async fn retention_keeps_its_pace_on_a_refilled_outbox_analyzed_empty() {
+    let env = Env::new(mark_with_retention()).await;
+    let config = std::fs::read_to_string(&env.config).unwrap().replace(
+        "pool_size = 16",
+        "pool_size = 16\nstatement_timeout = \"2s\"",
+    );
+    std::fs::write(&env.config, config).unwrap();
+    let client = env.client().await;
+    seed(&client, 50_000, 100, 0).await;
+    client
+        .batch_execute("DELETE FROM public.outbox; ANALYZE public.outbox")
+        .await
+        .unwrap();
+    let stats = client
+        .query_one(
+            "SELECT relpages, reltuples FROM pg_class WHERE oid = 'public.outbox'::regclass",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (pages, tuples): (i32, f32) = (stats.get(0), stats.get(1));
+    assert!(pages > 0 && tuples == 0.0, "{pages} pages, {tuples} rows");
+    seed(&client, 50_000, 100, 0).await;
+    client
+        .batch_execute("UPDATE public.outbox SET published_at = now() - interval '1 hour'")
+        .await
+        .unwrap();
+    let (mut relay, log) = env.spawn_run_logged();
+    wait_until(
+        "every row published an hour ago to be deleted",
+        Duration::from_secs(30),
+        async || count(&client, "SELECT count(*) FROM public.outbox").await == 0,
+    )
+    .await;
+    terminate_cleanly(&mut relay);
+    let log = std::fs::read_to_string(log).unwrap();
+    assert!(
+        !log.contains("statement timeout"),
+        "a statement ran into statement_timeout:\n{log}"
+    );
+}

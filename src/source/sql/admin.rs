@@ -220,7 +220,7 @@ fn replay(p: &Parts) -> Replay {
              AND {published_at} IS NOT NULL AND {dead_at} IS NULL), \
              replayed AS (UPDATE {t} SET {published_at} = NULL, {attempts} = 0, \
              {last_error} = NULL, {next} = now() \
-             WHERE {id} IN (SELECT {id} FROM chosen) AND NOT $2::bool RETURNING {id}) \
+             WHERE {id} = ANY (ARRAY(SELECT {id} FROM chosen)) AND NOT $2::bool RETURNING {id}) \
              SELECT {id}::bigint FROM chosen ORDER BY 1"
         ),
         // The first of `replay`'s transactions: each key's first row to replay is pending
@@ -290,8 +290,8 @@ fn hold(p: &Parts, candidates: &str) -> String {
     let kept = format!("{published_at} IS NOT NULL AND {dead_at} IS NULL");
     format!(
         "UPDATE {t} SET {published_at} = NULL, {attempts} = 0, {last_error} = NULL, \
-         {next} = {REPLAY_HOLD} WHERE {id} IN (SELECT DISTINCT ON ({key}) {id} FROM {t} \
-         WHERE {candidates} AND {kept} AND {key} IS NOT NULL ORDER BY {key}, {id}) \
+         {next} = {REPLAY_HOLD} WHERE {id} = ANY (ARRAY(SELECT DISTINCT ON ({key}) {id} FROM {t} \
+         WHERE {candidates} AND {kept} AND {key} IS NOT NULL ORDER BY {key}, {id})) \
          AND {kept} RETURNING {id}::bigint"
     )
 }

@@ -1,6 +1,12 @@
 //! Every statement the relay runs against an outbox table, built once at start-up from the
 //! validated configuration. Identifiers are quoted by [`crate::config::Ident`]; every value
 //! is a bound parameter.
+//!
+//! A statement that acts on rows chosen by a subquery of the same table names them as an
+//! array, `id = ANY (ARRAY(SELECT ...))`, never as `id IN (SELECT ...)`: planned on the
+//! statistics of an outbox analyzed empty, the join of `IN` became a walk of the whole
+//! primary key that ran the subquery again for every entry (see [`budgeted`]); an array's
+//! ids can only be looked up in the index.
 
 use crate::config::{OnPublish, Ordering, TableConfig};
 
@@ -222,6 +228,13 @@ pub(crate) fn table_tag(name: &str) -> i32 {
 /// A locking claim of the rows `filter` selects, in order, that returns only the prefix
 /// within the byte budget. Sizes are read under the lock, payloads only for the rows
 /// returned; rows locked beyond the budget stay pending and are let go at commit.
+///
+/// The rows returned are looked up by id as an array, `id = ANY (ARRAY(...))`, not
+/// joined to the picked ids (`id IN (SELECT ...)`): with the statistics autovacuum leaves
+/// on a drained outbox (its pages, no row counted on them) the planner estimated the table
+/// at one row and planned that join as a walk of the whole primary key, computing the
+/// picked ids again for every entry: each claim of a refilled outbox then ran into
+/// `statement_timeout`. An array's ids can only be looked up in the index.
 fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> String {
     format!(
         "WITH locked AS MATERIALIZED (SELECT {id} AS id, {size} AS size FROM {t} \
@@ -229,7 +242,8 @@ fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> Strin
          picked AS (SELECT id FROM (SELECT id, sum(size) OVER (ORDER BY id) AS running, \
          row_number() OVER (ORDER BY id) AS n FROM locked) s \
          WHERE running <= $3::int8 OR (n = 1 AND $4::bool)) \
-         SELECT {columns} FROM {t} WHERE {id} IN (SELECT id FROM picked) ORDER BY {id}"
+         SELECT {columns} FROM {t} WHERE {id} = ANY (ARRAY(SELECT id FROM picked)) \
+         ORDER BY {id}"
     )
 }
 

@@ -23,9 +23,9 @@ pub(super) fn statements(p: &Parts) -> Retention {
                  {published_at} < {cutoff} AS old, {created_at} >= {cutoff} AS young, \
                  {published_at} >= {cutoff} AS ripening \
                  FROM {t} WHERE {id} > (SELECT $1::bigint) ORDER BY {id} LIMIT $2), \
-                 gone AS (DELETE FROM {t} WHERE {id} IN (SELECT o.{id} FROM {t} o \
+                 gone AS (DELETE FROM {t} WHERE {id} = ANY (ARRAY(SELECT o.{id} FROM {t} o \
                  WHERE o.{id} = ANY(ARRAY(SELECT id FROM chunk WHERE old)) \
-                 AND o.{published_at} < {cutoff} FOR UPDATE SKIP LOCKED) RETURNING 1) \
+                 AND o.{published_at} < {cutoff} FOR UPDATE SKIP LOCKED)) RETURNING 1) \
                  SELECT (SELECT max(id) FROM chunk), (SELECT count(*) FROM chunk), \
                  (SELECT count(*) FROM gone), \
                  COALESCE((SELECT bool_or(young) FROM chunk), false), \
