@@ -1243,27 +1243,9 @@ async fn the_relay_reads_the_outbox_through_its_indexes_even_when_it_planned_on_
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unordered_drain_keeps_its_pace_on_a_refilled_outbox_analyzed_empty() {
     let env = Env::new(relay().ordering("none").workers(4).batch_size(500)).await;
-    let config = std::fs::read_to_string(&env.config).unwrap().replace(
-        "pool_size = 16",
-        "pool_size = 16\nstatement_timeout = \"2s\"",
-    );
-    std::fs::write(&env.config, config).unwrap();
+    set_statement_timeout(&env, "2s");
     let client = env.client().await;
-    seed(&client, 50_000, 100, 0).await;
-    client
-        .batch_execute("DELETE FROM public.outbox; ANALYZE public.outbox")
-        .await
-        .unwrap();
-    let stats = client
-        .query_one(
-            "SELECT relpages, reltuples FROM pg_class WHERE oid = 'public.outbox'::regclass",
-            &[],
-        )
-        .await
-        .unwrap();
-    let (pages, tuples): (i32, f32) = (stats.get(0), stats.get(1));
-    assert!(pages > 0 && tuples == 0.0, "{pages} pages, {tuples} rows");
-    seed(&client, 50_000, 100, 0).await;
+    refill_analyzed_empty(&client, 50_000).await;
     let out = env.relay(&["drain", "--timeout", "60s"]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(

@@ -211,6 +211,37 @@ pub fn text(out: &Output) -> String {
     )
 }
 
+/// Sets `postgres.statement_timeout` in `env`'s config file.
+pub fn set_statement_timeout(env: &Env, timeout: &str) {
+    let config = std::fs::read_to_string(&env.config).unwrap().replace(
+        "pool_size = 16",
+        &format!("pool_size = 16\nstatement_timeout = \"{timeout}\""),
+    );
+    std::fs::write(&env.config, config).unwrap();
+}
+
+/// What autovacuum leaves on an outbox that a drain emptied, refilled: `rows` rows (100
+/// keys) inserted and deleted, ANALYZE (the table's pages, and statistics that count no
+/// row on them, asserted), then `rows` rows again, not analyzed. A statement planned now
+/// takes the table for empty.
+pub async fn refill_analyzed_empty(client: &tokio_postgres::Client, rows: i64) {
+    seed(client, rows, 100, 0).await;
+    client
+        .batch_execute("DELETE FROM public.outbox; ANALYZE public.outbox")
+        .await
+        .unwrap();
+    let stats = client
+        .query_one(
+            "SELECT relpages, reltuples FROM pg_class WHERE oid = 'public.outbox'::regclass",
+            &[],
+        )
+        .await
+        .unwrap();
+    let (pages, tuples): (i32, f32) = (stats.get(0), stats.get(1));
+    assert!(pages > 0 && tuples == 0.0, "{pages} pages, {tuples} rows");
+    seed(client, rows, 100, 0).await;
+}
+
 /// Inserts `rows` rows spread over `keys` keys (`k0`..), and, every `null_every` rows, one
 /// row with a NULL key. Headers carry `n` and the key, so the checker reads the key back
 /// from the stream.
