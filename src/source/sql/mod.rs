@@ -229,12 +229,9 @@ pub(crate) fn table_tag(name: &str) -> i32 {
 /// within the byte budget. Sizes are read under the lock, payloads only for the rows
 /// returned; rows locked beyond the budget stay pending and are let go at commit.
 ///
-/// The rows returned are looked up by id as an array, `id = ANY (ARRAY(...))`, not
-/// joined to the picked ids (`id IN (SELECT ...)`): with the statistics autovacuum leaves
-/// on a drained outbox (its pages, no row counted on them) the planner estimated the table
-/// at one row and planned that join as a walk of the whole primary key, computing the
-/// picked ids again for every entry: each claim of a refilled outbox then ran into
-/// `statement_timeout`. An array's ids can only be looked up in the index.
+/// The rows returned are looked up by id as an array (the module doc's rule): joined with
+/// `IN`, a claim of an outbox refilled after an analyze of it empty walked the whole
+/// primary key once per row picked and ran into `statement_timeout`.
 fn budgeted(filter: &str, columns: &str, t: &str, id: &str, size: &str) -> String {
     format!(
         "WITH locked AS MATERIALIZED (SELECT {id} AS id, {size} AS size FROM {t} \
