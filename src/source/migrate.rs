@@ -9,9 +9,12 @@
 //! an index left invalid by an interrupted build is dropped and built again. A
 //! transaction-level advisory lock serializes the transactional part of concurrent
 //! `migrate` runs (several sidecars starting at once); the index builds need none (see
-//! [`build_concurrently`]). Nothing here drops or rewrites user data. The pending index
-//! is built only for `on_publish = "mark"`; in delete mode one an earlier release built is
-//! dropped `CONCURRENTLY`, writes going on meanwhile ([`schema::PENDING_INDEX`]).
+//! [`build_concurrently`]). Nothing here drops or rewrites user data. An index the
+//! configured relays do not read is not built, and one an earlier run built is dropped
+//! `CONCURRENTLY`, writes going on meanwhile: the pending index is built only for
+//! `on_publish = "mark"` ([`schema::PENDING_INDEX`]), the bucket index only for
+//! `ordering = "key"` ([`schema::BUCKET_INDEX`]). So run `migrate` with the configuration
+//! the relays run with.
 
 use std::fmt;
 use std::time::Duration;
@@ -20,7 +23,7 @@ use tokio_postgres::Client;
 
 use super::session::{self, SessionLimits, SessionMode};
 use super::{schema, SourceError};
-use crate::config::{Config, Ident, OnPublish, PostgresConfig, TableConfig};
+use crate::config::{Config, Ident, OnPublish, Ordering, PostgresConfig, RelayConfig, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -61,19 +64,25 @@ enum Kept {
     /// Only for `on_publish = "mark"` (the pending index, see [`schema::PENDING_INDEX`]):
     /// in delete mode it is not built, and one an earlier release built is dropped.
     MarkMode,
+    /// Only for `ordering = "key"` (the bucket index, see [`schema::BUCKET_INDEX`]):
+    /// unordered claims read no key buckets, so for them it is not built, and one built
+    /// earlier is dropped.
+    KeyOrder,
     /// On none: an earlier release built it, and something else serves its reads now
     /// (the reason).
     Retired(&'static str),
 }
 
 impl Kept {
-    /// Why `migrate` drops the index for relays that handle published rows as
-    /// `on_publish` says, or `None` when it keeps it.
-    fn dropped_because(self, on_publish: OnPublish) -> Option<&'static str> {
+    /// Why `migrate` drops the index for relays configured as `relay` says (how they
+    /// handle published rows, which order they keep), or `None` when it keeps it.
+    fn dropped_because(self, relay: &RelayConfig) -> Option<&'static str> {
         match self {
             Kept::Always => None,
-            Kept::MarkMode if on_publish == OnPublish::Mark => None,
+            Kept::MarkMode if relay.on_publish == OnPublish::Mark => None,
             Kept::MarkMode => Some("on_publish = \"delete\" claims through the primary key"),
+            Kept::KeyOrder if relay.ordering == Ordering::Key => None,
+            Kept::KeyOrder => Some("ordering = \"none\" reads no key buckets"),
             Kept::Retired(why) => Some(why),
         }
     }
@@ -125,7 +134,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{bucket_index}}",
             sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
-            kept: Kept::Always,
+            kept: Kept::KeyOrder,
         }],
     },
     Migration {
@@ -291,7 +300,6 @@ pub async fn migrate_table(
     notify: bool,
     deadline: Duration,
 ) -> Result<MigrateReport, SourceError> {
-    let on_publish = config.relay.on_publish;
     let mut report = within(deadline, migrate_in_transaction(client, table, notify)).await?;
     if !within(deadline, schema::order_is_unique(client, table)).await? {
         build_concurrently(client, table, &UNIQUE_ORDER_INDEX, deadline)
@@ -317,7 +325,7 @@ pub async fn migrate_table(
             .push(format!("unique index on {}", table.columns.order));
     }
     for index in MIGRATIONS.iter().flat_map(|m| m.concurrent_indexes) {
-        if let Some(why) = index.kept.dropped_because(on_publish) {
+        if let Some(why) = index.kept.dropped_because(&config.relay) {
             if drop_concurrently(client, table, index, deadline).await? {
                 report.applied.push(format!(
                     "index {} dropped concurrently ({why})",
@@ -632,23 +640,33 @@ mod tests {
     use super::*;
     use crate::config::{Columns, TableName, Template};
 
-    /// A fresh row of a delete-mode table enters the primary key and the bucket index: no
-    /// index more. Mark mode adds the pending index.
+    /// A fresh row of a delete-mode table enters the primary key and, for key order, the
+    /// bucket index: no index more. Mark mode adds the pending index.
     #[test]
     fn migrate_keeps_only_the_indexes_the_relay_reads() {
-        let kept = |on_publish| -> Vec<&str> {
+        let kept = |on_publish: &str, ordering: &str| -> Vec<&str> {
+            let text = format!(
+                "[postgres]\nurl = \"postgres://db/app\"\n[sink]\nkind = \"stdout\"\n\
+                 [relay]\non_publish = \"{on_publish}\"\nordering = \"{ordering}\"\n\
+                 [[tables]]\nname = \"public.outbox\"\n"
+            );
+            let relay = crate::config::from_str(&text, |_| None, Vec::new())
+                .unwrap()
+                .relay;
             MIGRATIONS
                 .iter()
                 .flat_map(|m| m.concurrent_indexes)
-                .filter(|i| i.kept.dropped_because(on_publish).is_none())
+                .filter(|i| i.kept.dropped_because(&relay).is_none())
                 .map(|i| i.name)
                 .collect()
         };
-        assert_eq!(kept(OnPublish::Delete), ["{{bucket_index}}"]);
+        assert_eq!(kept("delete", "key"), ["{{bucket_index}}"]);
         assert_eq!(
-            kept(OnPublish::Mark),
+            kept("mark", "key"),
             ["{{pending_index}}", "{{bucket_index}}"]
         );
+        assert!(kept("delete", "none").is_empty());
+        assert_eq!(kept("mark", "none"), ["{{pending_index}}"]);
     }
 
     #[test]

@@ -436,15 +436,40 @@ async fn migrate_upgrades_a_live_table_without_a_rewrite_and_check_asks_for_the_
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
 }
 
+/// Whether the index `public.<name>` is there and valid.
+async fn valid_index(client: &tokio_postgres::Client, name: &str) -> bool {
+    let row = client
+        .query_one(
+            "SELECT count(*) FROM pg_index \
+             WHERE indexrelid = to_regclass('public.' || $1) AND indisvalid",
+            &[&name],
+        )
+        .await
+        .unwrap();
+    row.get::<_, i64>(0) == 1
+}
+
 /// Whether `public.outbox_pending_idx` is there and valid.
 async fn pending_index(client: &tokio_postgres::Client) -> bool {
-    count(
-        client,
-        "SELECT count(*) FROM pg_index \
-         WHERE indexrelid = to_regclass('public.outbox_pending_idx') AND indisvalid",
-    )
-    .await
-        == 1
+    valid_index(client, "outbox_pending_idx").await
+}
+
+/// `check` fails naming the missing index `name` (`what` it holds) and says to run
+/// `migrate`; `migrate` then builds it.
+async fn check_wants_index_until_migrate_builds_it(env: &Env, name: &str, what: &str) {
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let missing = format!("{name}\" ({what}) is missing: run `outbox-relay migrate`");
+    assert!(text(&out).contains(&missing), "{}", text(&out));
+    migrate_says(env, &format!("index \"{name}\" (built concurrently)"));
+    assert!(valid_index(&env.client().await, name).await, "{name} built");
+}
+
+/// `migrate` succeeds and its report says `what`.
+fn migrate_says(env: &Env, what: &str) {
+    let out = env.migrate(&[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(what), "{}", text(&out));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -458,31 +483,16 @@ async fn mark_mode_needs_the_pending_index_and_delete_mode_goes_without_it() {
         .batch_execute("DROP INDEX public.outbox_pending_idx")
         .await
         .unwrap();
-    let out = env.relay(&["check"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(
-        text(&out).contains("outbox_pending_idx\" (pending rows in order (migration 0001)) is missing: run `outbox-relay migrate`"),
-        "{}",
-        text(&out)
-    );
-    let out = env.migrate(&[]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("index \"outbox_pending_idx\" (built concurrently)"),
-        "{}",
-        text(&out)
-    );
-    assert!(pending_index(&client).await, "built again");
+    check_wants_index_until_migrate_builds_it(
+        &env,
+        "outbox_pending_idx",
+        "pending rows in order (migration 0001)",
+    )
+    .await;
     // Delete mode claims through the primary key: migrate drops the index, and the relay
     // starts and drains without it.
     env.write_config(&relay());
-    let out = env.migrate(&[]);
-    assert!(out.status.success(), "{}", text(&out));
-    assert!(
-        text(&out).contains("index \"outbox_pending_idx\" dropped concurrently"),
-        "{}",
-        text(&out)
-    );
+    migrate_says(&env, "index \"outbox_pending_idx\" dropped concurrently");
     assert!(!pending_index(&client).await, "dropped for delete mode");
     seed(&client, 1_000, 10, 0).await;
     let out = env.relay(&["drain", "--timeout", "30s"]);
@@ -492,6 +502,44 @@ async fn mark_mode_needs_the_pending_index_and_delete_mode_goes_without_it() {
         0
     );
     assert_eq!(env.stored().await.len(), 1_000, "every row published");
+}
+
+/// Unordered claims read the primary key alone: for `ordering = "none"`, `migrate` leaves
+/// the bucket index out (and drops one built for key order), so the application's INSERT
+/// enters one B-tree fewer; key order needs it, and says so until `migrate` builds it.
+#[tokio::test(flavor = "multi_thread")]
+async fn unordered_relays_go_without_the_bucket_index_and_key_order_needs_it() {
+    let env = Env::new(relay().ordering("none")).await;
+    let client = env.client().await;
+    let indexes = "SELECT count(*) FROM pg_index WHERE indrelid = 'public.outbox'::regclass";
+    assert_eq!(count(&client, indexes).await, 1, "the primary key alone");
+    seed(&client, 3_000, 30, 0).await;
+    let out = env.relay(&["drain", "--timeout", "30s"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(env.stored().await.len(), 3_000, "every row published");
+
+    // A key-ordered relay refuses the table until migrate built the index.
+    env.write_config(&relay());
+    check_wants_index_until_migrate_builds_it(
+        &env,
+        "outbox_bucket_idx",
+        "pending rows by key bucket (migration 0004)",
+    )
+    .await;
+    let out = env.relay(&["check"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+
+    // Back to no order: migrate drops it again.
+    env.write_config(&relay().ordering("none"));
+    migrate_says(
+        &env,
+        "index \"outbox_bucket_idx\" dropped concurrently (ordering = \"none\" reads no key buckets)",
+    );
+    assert_eq!(
+        count(&client, indexes).await,
+        1,
+        "the primary key alone again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

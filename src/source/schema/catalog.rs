@@ -278,18 +278,18 @@ pub(super) async fn unique_problems(
     ))
 }
 
-/// The claim indexes `migrate` builds for `on_publish`, of each of the tables `found`:
-/// missing or invalid ones are problems.
+/// The claim indexes `migrate` builds for relays configured as `relay` says, of each of
+/// the tables `found`: missing or invalid ones are problems.
 pub(super) async fn check_indexes(
     client: &impl GenericClient,
     found: &[&Found<'_>],
-    on_publish: OnPublish,
+    relay: &RelayConfig,
 ) -> Result<Vec<Vec<String>>, SourceError> {
     let asked: Vec<(usize, &TableConfig, String, &str)> = found
         .iter()
         .enumerate()
         .flat_map(|(i, f)| {
-            claim_indexes(on_publish).map(move |(suffix, what)| {
+            claim_indexes(relay).map(move |(suffix, what)| {
                 let schema = f.table.name.schema.quoted();
                 (
                     i,

@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use tokio_postgres::GenericClient;
 
 use super::SourceError;
-use crate::config::{Ident, OnPublish, RelayConfig, TableConfig};
+use crate::config::{Ident, OnPublish, Ordering, RelayConfig, TableConfig};
 
 mod catalog;
 mod columns;
@@ -136,7 +136,7 @@ async fn check_found(
         .unzip();
     let (unique, indexes, holds, privileges, relay_tables, (wakes, wake_problems)) = futures_util::try_join!(
         unique_problems(client, found),
-        check_indexes(client, found, relay.on_publish),
+        check_indexes(client, found, relay),
         check_hold_triggers(client, found),
         check_privileges(client, found, relay),
         check_relay_tables(client, found),
@@ -171,24 +171,28 @@ pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
     super::name_for(&table.name, suffix)
 }
 
-/// The indexes every claim relies on, by suffix: without one of them a claim scans the
-/// table. The relay refuses to start (and `check` fails) until `migrate` built them.
-pub(crate) const CLAIM_INDEXES: &[(&str, &str)] =
-    &[("bucket_idx", "pending rows by key bucket (migration 0004)")];
+/// The bucket index (migration 0004), which `ordering = "key"` needs: its claims of a deep
+/// backlog read the pending rows bucket by bucket (`source::claim`, *Buckets*). Unordered
+/// claims read the primary key alone (the pending index in mark mode), so for them a new
+/// row enters one B-tree fewer (`docs/writer-cost.md`).
+pub(crate) const BUCKET_INDEX: (&str, &str) =
+    ("bucket_idx", "pending rows by key bucket (migration 0004)");
 
-/// The pending index (migration 0001), which `on_publish = "mark"` needs on top of
-/// [`CLAIM_INDEXES`]: published rows stay in the table until retention deletes them, and
-/// a claim's read from the floor would pass every one published out of order. In delete
-/// mode the primary key holds only pending, dead and waiting rows, so the claims read it
-/// instead, and a new row enters one B-tree fewer (`docs/writer-cost.md`).
+/// The pending index (migration 0001), which `on_publish = "mark"` needs: published rows
+/// stay in the table until retention deletes them, and a claim's read from the floor
+/// would pass every one published out of order. In delete mode the primary key holds only
+/// pending, dead and waiting rows, so the claims read it instead, and a new row enters
+/// one B-tree fewer (`docs/writer-cost.md`).
 pub(crate) const PENDING_INDEX: (&str, &str) =
     ("pending_idx", "pending rows in order (migration 0001)");
 
-/// The indexes the relay needs on each table when published rows are handled as
-/// `on_publish` says.
+/// The indexes the claims of relays configured as `relay` says rely on, by suffix:
+/// without one of them a claim scans the table. The relay refuses to start (and `check`
+/// fails) until `migrate` built them.
 pub(crate) fn claim_indexes(
-    on_publish: OnPublish,
+    relay: &RelayConfig,
 ) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    let pending = (on_publish == OnPublish::Mark).then_some(&PENDING_INDEX);
-    pending.into_iter().chain(CLAIM_INDEXES)
+    let pending = (relay.on_publish == OnPublish::Mark).then_some(&PENDING_INDEX);
+    let bucket = (relay.ordering == Ordering::Key).then_some(&BUCKET_INDEX);
+    pending.into_iter().chain(bucket)
 }

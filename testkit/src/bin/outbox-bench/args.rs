@@ -74,6 +74,12 @@ pub(crate) struct Args {
     #[arg(long, value_name = "N", default_value_t = 2,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) write_rounds: u32,
+    /// With `--write-path`: the `relay.ordering` of the migrated and relayed arms' config
+    /// (`key`, the default, or `none`: `migrate` builds the indexes that order's claims
+    /// read).
+    #[arg(long, value_name = "ORDER", default_value = "key",
+          value_parser = ["key", "none"])]
+    pub(crate) write_ordering: String,
     /// With `--write-path`: the writer counts, pgbench clients (comma-separated).
     #[arg(long, value_name = "LIST", value_delimiter = ',', default_value = "1,8,32,64",
           value_parser = clap::value_parser!(u32).range(1..))]

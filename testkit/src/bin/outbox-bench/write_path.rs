@@ -10,7 +10,9 @@
 //! - `bare`: the columns `migrate` creates ([`BARE`]: `CREATE TABLE ... LIKE` the migrated
 //!   table, `attempts` with its plain default 0), its primary key, no other index;
 //! - `migrate`: the table as `outbox-relay migrate` of the binary under test leaves it
-//!   (its indexes, its wake-up, its bookkeeping tables), no relay running;
+//!   (its indexes, its wake-up, its bookkeeping tables), no relay running; configured
+//!   with `relay.ordering = "key"`, or as `--write-ordering` says (`none`: no bucket
+//!   index);
 //! - `bare + UPDATE`, `migrate + UPDATE`: the same two tables, each transaction a business
 //!   UPDATE of one of 1,000 `accounts` rows before the INSERT;
 //! - `no-notify + relay`, `migrate + relay`: one table switched before each run by
@@ -258,17 +260,19 @@ impl Bench {
         Ok(Relayed { config, http })
     }
 
-    /// A config for `schema.outbox`: the NATS sink and default relay settings, `http` (an
-    /// `[http]` section) when given.
+    /// A config for `schema.outbox`: the NATS sink and default relay settings but
+    /// `--write-ordering`, `http` (an `[http]` section) when given.
     fn write_config(&self, schema: &str, http: Option<&str>) -> Result<PathBuf> {
         let path = self.dir.join(format!("{schema}.toml"));
         std::fs::write(
             &path,
             format!(
-                "{}[postgres]\nurl = \"{}\"\n[sink]\nkind = \"nats\"\n[sink.nats]\n\
-                 url = \"{}\"\n[[tables]]\nname = \"{schema}.outbox\"\n",
+                "{}[postgres]\nurl = \"{}\"\n[relay]\nordering = \"{}\"\n[sink]\n\
+                 kind = \"nats\"\n[sink.nats]\nurl = \"{}\"\n[[tables]]\n\
+                 name = \"{schema}.outbox\"\n",
                 http.unwrap_or_default(),
                 self.db_url,
+                self.a.write_ordering,
                 self.nats.url()
             ),
         )?;
