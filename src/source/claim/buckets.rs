@@ -149,19 +149,20 @@ fn pick_limits(
     reread: usize,
     reread_bytes: u64,
 ) -> (usize, Candidates) {
-    // Twice a bucket's share of the room, and at least a quarter of the room, so that
-    // a few buckets fill the batch (other claimers may hold most of the buckets asked
-    // for: with an eighth of the room a bucket, a claim after a database restart took
+    // A bucket's share of the room, and at least a quarter of the room, so that a few
+    // buckets fill the batch (other claimers may hold most of the buckets asked for:
+    // with an eighth of the room a bucket, a claim after a database restart took
     // batches far below the batch size), not so many that a pick of many buckets
     // reads many batches (with half the room at least and a third of the keys held back,
     // a pick read several times the rows it locked; a quarter of the room read less and
-    // let the other keys' rows flow faster in benchmark K). Up to the rows it may lock
-    // (a quarter more than the room): a bucket whose keys are partly held elsewhere
-    // still fills the batch in one pick, where reading at most the room needed a second
-    // pick (and round trip) more often (benchmark L).
+    // let the other keys' rows flow faster in benchmark K). Twice the share read and
+    // sent back several rows for each one a single relay's claims took, and cost it
+    // more database time a row than the claims before buckets (benchmark S, 1 x 4).
+    // Up to the rows it may lock (a quarter more than the room): a bucket whose keys
+    // are partly held elsewhere still fills the batch in one pick, where reading at
+    // most the room needed a second pick (and round trip) more often (benchmark L).
     let per_bucket = room
         .div_ceil(want)
-        .saturating_mul(2)
         .max(room / 4)
         .min(room + room / 4)
         .max(1)
@@ -417,6 +418,30 @@ mod tests {
         assert_eq!(of(10, 250), vec![1, 2, 3]);
         assert_eq!(of(10, 200), vec![1, 2]);
         assert_eq!(of(10, 1), vec![1], "a first row whatever its size");
+    }
+
+    /// A pick reads about the room it has, spread over the buckets it asks for, not a
+    /// multiple of it: the rows it reads past what it locks are sent back and cost the
+    /// database for nothing.
+    #[test]
+    fn a_pick_reads_about_its_room_over_the_buckets_it_asks_for() {
+        let plan = KeyPlan::new(super::super::Budget {
+            rows: 500,
+            bytes: u64::MAX,
+        });
+        let read = |want: usize, reread: usize| {
+            let (per_bucket, cap) = pick_limits(&plan, 500, want, reread, 0);
+            (per_bucket * want, cap.rows)
+        };
+        assert_eq!(read(4, 0), (500, 625), "a quarter of the room a bucket");
+        assert_eq!(read(2, 0), (500, 625));
+        assert_eq!(read(1, 0), (500, 625), "the room from one bucket");
+        assert_eq!(
+            read(16, 0),
+            (16 * 125, 625),
+            "at least a quarter of the room a bucket"
+        );
+        assert_eq!(read(4, 10), (540, 635), "and the first window's rows again");
     }
 
     #[test]
