@@ -3,7 +3,7 @@
 //! are reported, not waited for, and so are paused tables that still hold rows.
 
 use super::Shared;
-use crate::source::SourceError;
+use crate::source::{poll, SourceError};
 
 /// What a look at the tables found: whether `drain` is done, and if not, where to look.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -18,9 +18,6 @@ pub(super) enum Left {
     /// The look failed: anything may be left.
     Unknown,
 }
-
-/// How many sessions a look at the tables uses at once.
-const LOOK_SESSIONS: usize = 2;
 
 /// Looks for the first table, in configuration order, that is not paused and has a row a
 /// relay could publish; [`Left::Working`] without a look while a worker is inside a batch.
@@ -64,17 +61,19 @@ pub(super) async fn look_first(shared: &Shared) {
 }
 
 /// The tables, not paused and not let go, that hold a row a relay could publish, in
-/// configuration order; with `first`, only the first of them. The tables are shared out
-/// in runs among [`LOOK_SESSIONS`] sessions, each looking in one transaction.
+/// configuration order; with `first`, only the first of them. One statement asks which
+/// tables hold any row; only those are asked about publishable rows, one statement each:
+/// among hundreds of empty tables a look costs a statement, not one a table.
 async fn publishable(shared: &Shared, first: bool) -> Result<Vec<usize>, SourceError> {
     let tables: Vec<&super::RunTable> = (shared.tables.iter())
         .filter(|t| !t.is_gone() && !shared.wakes.paused(t.index))
         .collect();
-    let run = tables.len().div_ceil(LOOK_SESSIONS).max(1);
-    let looks = tables.chunks(run).map(|tables| {
-        shared.source.in_transaction(async move |tx| {
+    shared
+        .source
+        .in_transaction(async |tx| {
+            let any = poll::any_rows(tx, tables.iter().map(|t| &t.plan.sql)).await?;
             let mut found = Vec::new();
-            for table in tables {
+            for (table, _) in tables.iter().zip(any).filter(|(_, any)| *any) {
                 if table.plan.has_publishable(tx).await? {
                     found.push(table.index);
                     if first {
@@ -84,14 +83,7 @@ async fn publishable(shared: &Shared, first: bool) -> Result<Vec<usize>, SourceE
             }
             Ok(found)
         })
-    });
-    let found = futures_util::future::try_join_all(looks).await?;
-    // Runs in order, each in order: the first found is the first table with rows.
-    let mut found: Vec<usize> = found.into_iter().flatten().collect();
-    if first {
-        found.truncate(1);
-    }
-    Ok(found)
+        .await
 }
 
 /// True when no worker is inside a batch and no table that is not paused has a row a

@@ -1,6 +1,7 @@
-//! The poller's one statement over every table it polls (`relay::sleep`, rule 3), built
-//! and bound here: which tables may hold a row a claim would take, and whether the sleep
-//! marks up to a horizon are settled ([`super::sleepers`]).
+//! One statement over many tables, built and bound here: the poller's (`relay::sleep`,
+//! rule 3), which tables may hold a row a claim would take and whether the sleep marks up
+//! to a horizon are settled ([`super::sleepers`]); and [`any_rows`], which tables hold
+//! any row at all (`drain`'s looks).
 
 use super::sleepers::SETTLED_SQL;
 use super::sql::TableSql;
@@ -52,4 +53,20 @@ impl Poll {
         let row = tx.query_one(sql, &params).await?;
         Ok((row.get(0), row.get(1)))
     }
+}
+
+/// Which of `tables` hold any row at all ([`TableSql::any_row`]), in their order, in one
+/// statement.
+pub(crate) async fn any_rows<'a>(
+    tx: &Tx<'_>,
+    tables: impl Iterator<Item = &'a TableSql>,
+) -> Result<Vec<bool>, SourceError> {
+    let any = tables
+        .map(|sql| sql.any_row.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let row = tx
+        .query_one(&format!("SELECT ARRAY[{any}]::bool[]"), &[])
+        .await?;
+    Ok(row.get(0))
 }

@@ -1308,6 +1308,101 @@ async fn start_up_checks_of_many_tables_ask_a_fixed_number_of_statements() {
     );
 }
 
+/// Issue 55: a `drain` among many empty tables looks at them in a fixed number of
+/// statements, and still finds the rows of the last of them. Counted as the statements
+/// that ask one table whether it holds a publishable row: a drain that asked each table
+/// (at its start and at its end) made two for every table.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_drain_among_many_empty_tables_looks_at_them_in_a_fixed_number_of_statements() {
+    let env = with_statement_counts(relay()).await;
+    let tables = with_more_tables(&env, relay(), "quiet", 100, &[]).await;
+    let client = env.client().await;
+    let per_table = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
+                     WHERE userid = 'outbox_relay'::regrole \
+                       AND query LIKE 'SELECT EXISTS (SELECT $1 FROM %' \
+                       AND query NOT LIKE '%pg_catalog%'";
+    let mut counts = Vec::new();
+    for n in [10, 100] {
+        let more: String = tables[..n]
+            .iter()
+            .map(|t| format!("[[tables]]\nname = \"{t}\"\ntopic = \"{{topic}}\"\n"))
+            .collect();
+        env.write_config(&relay().section(&more));
+        let last = &tables[n - 1];
+        client
+            .execute(
+                &format!("INSERT INTO {last} (topic, key, payload) VALUES ('events.a', 'k', 'x')"),
+                &[],
+            )
+            .await
+            .unwrap();
+        client
+            .batch_execute("SELECT pg_stat_statements_reset()")
+            .await
+            .unwrap();
+        let out = env.relay(&["drain", "--timeout", "30s"]);
+        assert!(out.status.success(), "{}", text(&out));
+        let left = count(&client, &format!("SELECT count(*) FROM {last}")).await;
+        assert_eq!(
+            left,
+            0,
+            "the row of the last of {} tables was drained",
+            n + 1
+        );
+        let asked = count(&client, per_table).await;
+        eprintln!(
+            "drain of {} tables, one row in the last: {asked} looks at one table",
+            n + 1
+        );
+        counts.push(asked);
+    }
+    assert!(
+        counts[1] <= counts[0],
+        "looks at one table in a drain of 11 tables, then 101: {} then {}",
+        counts[0],
+        counts[1]
+    );
+}
+
+/// Issue 55: the start-up check of a relay of many tables reads the catalogs in
+/// proportion to its tables. Counted in buffers `check` reads from the catalogs (hit or
+/// read) a table, with 101 tables migrated: a statement whose plan joins every table's
+/// rows with every other table's (as the wake-up's did) reads about as many buffers a
+/// table as the database has relayed tables, and more as it gets more of them.
+#[tokio::test(flavor = "multi_thread")]
+async fn start_up_checks_of_many_tables_read_the_catalogs_in_proportion_to_them() {
+    const TABLES: i64 = 101;
+    let env = with_statement_counts(relay()).await;
+    with_more_tables(&env, relay(), "many", TABLES as usize - 1, &[]).await;
+    let client = env.client().await;
+    client
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .unwrap();
+    let out = env.relay(&["check"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let statements = rows(
+        &client,
+        "SELECT (shared_blks_hit + shared_blks_read)::text, left(query, 60) \
+         FROM pg_stat_statements WHERE userid = 'outbox_relay'::regrole \
+           AND query ~ 'pg_catalog|to_regclass|has_[a-z]+_privilege' \
+         ORDER BY shared_blks_hit + shared_blks_read DESC",
+    )
+    .await;
+    let worst = &statements[0];
+    let buffers: i64 = worst[0].as_deref().unwrap().parse().unwrap();
+    eprintln!(
+        "{TABLES} tables: {buffers} catalog buffers read by {:?}",
+        worst[1]
+    );
+    assert!(
+        buffers <= TABLES * 50,
+        "{buffers} catalog buffers for {TABLES} tables ({} a table) in one statement: {:?}",
+        buffers / TABLES,
+        worst[1]
+    );
+}
+
 /// Issue 55: tables checked together each get their own problems, as a table checked
 /// alone would, and the good tables among them pass. `check` lists every table's problems
 /// under its name, in the order of its checks, tables in the configuration's order (a

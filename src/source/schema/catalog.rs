@@ -81,16 +81,18 @@ SELECT has_column_privilege(to_regclass(q.name), q.col, 'UPDATE')
   FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS q(name, col, n)
  ORDER BY q.n";
 
-/// Whether the column default `d` (a row of `pg_attrdef`) calls `outbox_relay_nudge`: the
-/// wake-up `migrate` installs (`migrations/notify.sql`).
+/// The column defaults (`pg_attrdef` oids) that call `outbox_relay_nudge`: the wake-up
+/// `migrate` installs (`migrations/notify.sql`). Uncorrelated, so PostgreSQL computes the
+/// set once a statement and hashes it; asked per table as a correlated `EXISTS`, it
+/// planned a join of every table's default against every nudge default, which grew with
+/// the square of the tables a relay has.
 macro_rules! nudges {
     () => {
-        "EXISTS (SELECT 1 FROM pg_catalog.pg_depend p
-                   JOIN pg_catalog.pg_proc f ON f.oid = p.refobjid
-                  WHERE p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass
-                    AND p.objid = d.oid
-                    AND p.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
-                    AND f.proname = 'outbox_relay_nudge')"
+        "SELECT p.objid FROM pg_catalog.pg_depend p
+           JOIN pg_catalog.pg_proc f ON f.oid = p.refobjid
+          WHERE p.classid = 'pg_catalog.pg_attrdef'::pg_catalog.regclass
+            AND p.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+            AND f.proname = 'outbox_relay_nudge'"
     };
 }
 
@@ -104,9 +106,9 @@ SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger
        (SELECT pg_catalog.pg_get_expr(d.adbin, d.adrelid)
           FROM pg_catalog.pg_attrdef d
           JOIN pg_catalog.pg_attribute a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
-         WHERE d.adrelid = to_regclass($1::text) AND a.attname = $2 AND ",
+         WHERE d.adrelid = to_regclass($1::text) AND a.attname = $2 AND d.oid IN (",
     nudges!(),
-    ")"
+    "))"
 );
 
 /// The wake-ups of table `$1` (the default, as `outbox_relay_nudge`, and the triggers of
@@ -119,10 +121,11 @@ SELECT ARRAY(SELECT tgname::text FROM pg_catalog.pg_trigger
                 AND tgname IN ('outbox_relay_wake', 'outbox_relay_notify')
                 AND tgenabled <> 'D'
              UNION ALL
-             SELECT 'outbox_relay_nudge' FROM pg_catalog.pg_attrdef d
-              WHERE d.adrelid = to_regclass(q.name) AND ",
+             SELECT 'outbox_relay_nudge'
+              WHERE to_regclass(q.name) IN (SELECT d.adrelid FROM pg_catalog.pg_attrdef d
+                                             WHERE d.oid IN (",
     nudges!(),
-    "),
+    "))),
        COALESCE(has_table_privilege(to_regclass(q.sleepers), 'SELECT')
             AND has_table_privilege(to_regclass(q.sleepers), 'INSERT')
             AND has_table_privilege(to_regclass(q.sleepers), 'UPDATE')

@@ -13,8 +13,9 @@ pub(super) struct Admin {
 }
 
 /// What is left to publish, read by the probe, `drain`, the poller and the metrics:
-/// `publishable_exists`, `claimable`, `waiting`, `backlog`.
+/// `any_row`, `publishable_exists`, `claimable`, `waiting`, `backlog`.
 pub(super) struct Probes {
+    pub(crate) any_row: String,
     pub(crate) publishable_exists: String,
     pub(crate) claimable: (String, String),
     pub(crate) waiting: String,
@@ -78,6 +79,7 @@ fn probes(p: &Parts) -> Probes {
         ..
     } = p;
     Probes {
+        any_row: format!("EXISTS (SELECT 1 FROM {t})"),
         claimable: (
             format!("(EXISTS (SELECT 1 FROM {t} WHERE {pending} AND {due} AND {id} >= (SELECT "),
             format!(

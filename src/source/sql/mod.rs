@@ -151,6 +151,11 @@ pub struct TableSql {
     /// (their destination is back): those whose `last_error` starts with `$1`, the
     /// sink's mark of a postponed row.
     pub(super) release_postponed: String,
+    /// A boolean expression: whether the table holds any row at all. Planned in a moment,
+    /// where [`TableSql::publishable_exists`] weighs the table's indexes and its held
+    /// rows: a look over many tables asks this of all of them in one statement
+    /// ([`super::poll::any_rows`]), and that only of the tables that hold rows.
+    pub(super) any_row: String,
     /// Whether any row is left that a relay could publish now or after a wait: pending,
     /// and (key order) not held back by a dead row. Public for the tests of its plan.
     pub publishable_exists: String,
@@ -302,6 +307,7 @@ impl TableSql {
             record_failures: settle.record_failures,
             postpone: settle.postpone,
             release_postponed: settle.release_postponed,
+            any_row: admin.probes.any_row,
             publishable_exists: admin.probes.publishable_exists,
             claimable: admin.probes.claimable,
             waiting: admin.probes.waiting,
