@@ -12,8 +12,8 @@
 //! [`build_concurrently`]). Nothing here drops or rewrites user data. An index the
 //! configured relays do not read is not built, and one an earlier run built is dropped
 //! `CONCURRENTLY`, writes going on meanwhile: the pending index is built only for
-//! `on_publish = "mark"` ([`schema::PENDING_INDEX`]), the bucket index only for
-//! `ordering = "key"` ([`schema::BUCKET_INDEX`]). So run `migrate` with the configuration
+//! `on_publish = "mark"` ([`ClaimIndex::Pending`]), the bucket index only for
+//! `ordering = "key"` ([`ClaimIndex::Bucket`]). So run `migrate` with the configuration
 //! the relays run with.
 
 use std::fmt;
@@ -21,9 +21,10 @@ use std::time::Duration;
 
 use tokio_postgres::Client;
 
+use super::schema::{self, ClaimIndex};
 use super::session::{self, SessionLimits, SessionMode};
-use super::{schema, SourceError};
-use crate::config::{Config, Ident, OnPublish, Ordering, PostgresConfig, RelayConfig, TableConfig};
+use super::SourceError;
+use crate::config::{Config, Ident, PostgresConfig, RelayConfig, TableConfig};
 
 /// A numbered migration.
 pub struct Migration {
@@ -53,21 +54,15 @@ struct ConcurrentIndex {
     kept: Kept,
 }
 
-/// On which tables `migrate` keeps an index. Every index costs each of the application's
-/// INSERT statements (PostgreSQL opens it, and checks a partial index's predicate, even
-/// for a row that does not enter it: `docs/writer-cost.md`), so one the relay's reads can
-/// do without is dropped, `CONCURRENTLY`.
+/// On which tables `migrate` keeps an index: one the relay's reads can do without is
+/// dropped, `CONCURRENTLY` (see [`ClaimIndex`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kept {
     /// On every table.
     Always,
-    /// Only for `on_publish = "mark"` (the pending index, see [`schema::PENDING_INDEX`]):
-    /// in delete mode it is not built, and one an earlier release built is dropped.
-    MarkMode,
-    /// Only for `ordering = "key"` (the bucket index, see [`schema::BUCKET_INDEX`]):
-    /// unordered claims read no key buckets, so for them it is not built, and one built
-    /// earlier is dropped.
-    KeyOrder,
+    /// Only for relays whose claims read it: not built for the others, and dropped if an
+    /// earlier release or configuration built it.
+    ReadBy(ClaimIndex),
     /// On none: an earlier release built it, and something else serves its reads now
     /// (the reason).
     Retired(&'static str),
@@ -79,10 +74,7 @@ impl Kept {
     fn dropped_because(self, relay: &RelayConfig) -> Option<&'static str> {
         match self {
             Kept::Always => None,
-            Kept::MarkMode if relay.on_publish == OnPublish::Mark => None,
-            Kept::MarkMode => Some("on_publish = \"delete\" claims through the primary key"),
-            Kept::KeyOrder if relay.ordering == Ordering::Key => None,
-            Kept::KeyOrder => Some("ordering = \"none\" reads no key buckets"),
+            Kept::ReadBy(index) => index.unread_because(relay),
             Kept::Retired(why) => Some(why),
         }
     }
@@ -98,7 +90,7 @@ pub const MIGRATIONS: &[Migration] = &[
             ConcurrentIndex {
                 name: "{{pending_index}}",
                 sql: include_str!("../../migrations/0001_pending_index.concurrent.sql"),
-                kept: Kept::MarkMode,
+                kept: Kept::ReadBy(ClaimIndex::Pending),
             },
             ConcurrentIndex {
                 name: "{{dead_index}}",
@@ -134,7 +126,7 @@ pub const MIGRATIONS: &[Migration] = &[
         concurrent_indexes: &[ConcurrentIndex {
             name: "{{bucket_index}}",
             sql: include_str!("../../migrations/0004_bucket_index.concurrent.sql"),
-            kept: Kept::KeyOrder,
+            kept: Kept::ReadBy(ClaimIndex::Bucket),
         }],
     },
     Migration {

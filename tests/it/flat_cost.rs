@@ -48,11 +48,7 @@ async fn with_more_tables(
     args: &[&str],
 ) -> Vec<String> {
     let names: Vec<String> = (0..n).map(|i| format!("public.{prefix}_{i}")).collect();
-    let more: String = names
-        .iter()
-        .map(|t| format!("[[tables]]\nname = \"{t}\"\ntopic = \"{{topic}}\"\n"))
-        .collect();
-    env.write_config(&relay.section(&more));
+    write_tables_config(env, relay, &names);
     let out = env.migrate(args);
     assert!(out.status.success(), "{}", text(&out));
     let client = env.client().await;
@@ -60,6 +56,15 @@ async fn with_more_tables(
         grant_relay_role(&client, t).await;
     }
     names
+}
+
+/// Writes `relay`'s config with `tables` beside the outbox.
+fn write_tables_config(env: &Env, relay: Relay, tables: &[String]) {
+    let more: String = tables
+        .iter()
+        .map(|t| format!("[[tables]]\nname = \"{t}\"\ntopic = \"{{topic}}\"\n"))
+        .collect();
+    env.write_config(&relay.section(&more));
 }
 
 /// Waits until a `run` relay LISTENs.
@@ -1278,11 +1283,7 @@ async fn start_up_checks_of_many_tables_ask_a_fixed_number_of_statements() {
                      AND query !~ 'pg_stat_user_tables|pg_stat_activity'";
     let mut counts = Vec::new();
     for n in [10, 100] {
-        let more: String = tables[..n]
-            .iter()
-            .map(|t| format!("[[tables]]\nname = \"{t}\"\ntopic = \"{{topic}}\"\n"))
-            .collect();
-        env.write_config(&relay().section(&more));
+        write_tables_config(&env, relay(), &tables[..n]);
         for command in [&["check"][..], &["drain", "--timeout", "30s"]] {
             client
                 .batch_execute("SELECT pg_stat_statements_reset()")
@@ -1308,6 +1309,27 @@ async fn start_up_checks_of_many_tables_ask_a_fixed_number_of_statements() {
     );
 }
 
+/// One row into `table`.
+async fn insert_one_row(client: &tokio_postgres::Client, table: &str) {
+    client
+        .execute(
+            &format!("INSERT INTO {table} (topic, key, payload) VALUES ('events.a', 'k', 'x')"),
+            &[],
+        )
+        .await
+        .unwrap();
+}
+
+/// The relay with `args`, from statement counts set to zero; it must succeed.
+async fn counted_run(env: &Env, client: &tokio_postgres::Client, args: &[&str]) {
+    client
+        .batch_execute("SELECT pg_stat_statements_reset()")
+        .await
+        .unwrap();
+    let out = env.relay(args);
+    assert!(out.status.success(), "{args:?}: {}", text(&out));
+}
+
 /// Issue 55: a `drain` among many empty tables looks at them in a fixed number of
 /// statements, and still finds the rows of the last of them. Counted as the statements
 /// that ask one table whether it holds a publishable row: a drain that asked each table
@@ -1323,25 +1345,10 @@ async fn a_drain_among_many_empty_tables_looks_at_them_in_a_fixed_number_of_stat
                        AND query NOT LIKE '%pg_catalog%'";
     let mut counts = Vec::new();
     for n in [10, 100] {
-        let more: String = tables[..n]
-            .iter()
-            .map(|t| format!("[[tables]]\nname = \"{t}\"\ntopic = \"{{topic}}\"\n"))
-            .collect();
-        env.write_config(&relay().section(&more));
+        write_tables_config(&env, relay(), &tables[..n]);
         let last = &tables[n - 1];
-        client
-            .execute(
-                &format!("INSERT INTO {last} (topic, key, payload) VALUES ('events.a', 'k', 'x')"),
-                &[],
-            )
-            .await
-            .unwrap();
-        client
-            .batch_execute("SELECT pg_stat_statements_reset()")
-            .await
-            .unwrap();
-        let out = env.relay(&["drain", "--timeout", "30s"]);
-        assert!(out.status.success(), "{}", text(&out));
+        insert_one_row(&client, last).await;
+        counted_run(&env, &client, &["drain", "--timeout", "30s"]).await;
         let left = count(&client, &format!("SELECT count(*) FROM {last}")).await;
         assert_eq!(
             left,
@@ -1375,12 +1382,7 @@ async fn start_up_checks_of_many_tables_read_the_catalogs_in_proportion_to_them(
     let env = with_statement_counts(relay()).await;
     with_more_tables(&env, relay(), "many", TABLES as usize - 1, &[]).await;
     let client = env.client().await;
-    client
-        .batch_execute("SELECT pg_stat_statements_reset()")
-        .await
-        .unwrap();
-    let out = env.relay(&["check"]);
-    assert!(out.status.success(), "{}", text(&out));
+    counted_run(&env, &client, &["check"]).await;
     let statements = rows(
         &client,
         "SELECT (shared_blks_hit + shared_blks_read)::text, left(query, 60) \
@@ -1540,20 +1542,9 @@ async fn a_relay_starting_on_many_tables_with_rows_claims_each_about_once() {
     let tables = with_more_tables(&env, relay().workers(4), "busy", TABLES, &[]).await;
     let client = env.client().await;
     for t in &tables {
-        client
-            .execute(
-                &format!("INSERT INTO {t} (topic, key, payload) VALUES ('events.a', 'k', 'x')"),
-                &[],
-            )
-            .await
-            .unwrap();
+        insert_one_row(&client, t).await;
     }
-    client
-        .batch_execute("SELECT pg_stat_statements_reset()")
-        .await
-        .unwrap();
-    let out = env.relay(&["drain", "--timeout", "60s"]);
-    assert!(out.status.success(), "{}", text(&out));
+    counted_run(&env, &client, &["drain", "--timeout", "60s"]).await;
     let windows = count(
         &client,
         "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \

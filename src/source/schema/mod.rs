@@ -171,28 +171,53 @@ pub(crate) fn index_name(table: &TableConfig, suffix: &str) -> String {
     super::name_for(&table.name, suffix)
 }
 
-/// The bucket index (migration 0004), which `ordering = "key"` needs: its claims of a deep
-/// backlog read the pending rows bucket by bucket (`source::claim`, *Buckets*). Unordered
-/// claims read the primary key alone (the pending index in mark mode), so for them a new
-/// row enters one B-tree fewer (`docs/writer-cost.md`).
-pub(crate) const BUCKET_INDEX: (&str, &str) =
-    ("bucket_idx", "pending rows by key bucket (migration 0004)");
+/// An index the claims read under some configurations only. Every index costs each of the
+/// application's INSERT statements (`docs/writer-cost.md`), so `migrate` builds one only
+/// for relays that read it, and drops it otherwise; the start-up check and `check`
+/// require it only of those relays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimIndex {
+    /// The pending index (migration 0001), which `on_publish = "mark"` needs: published
+    /// rows stay in the table until retention deletes them, and a claim's read from the
+    /// floor would pass every one published out of order. In delete mode the primary key
+    /// holds only pending, dead and waiting rows, so the claims read it instead.
+    Pending,
+    /// The bucket index (migration 0004), which `ordering = "key"` needs: its claims of a
+    /// deep backlog read the pending rows bucket by bucket (`source::claim`, *Buckets*).
+    /// Unordered claims read the primary key alone (the pending index in mark mode).
+    Bucket,
+}
 
-/// The pending index (migration 0001), which `on_publish = "mark"` needs: published rows
-/// stay in the table until retention deletes them, and a claim's read from the floor
-/// would pass every one published out of order. In delete mode the primary key holds only
-/// pending, dead and waiting rows, so the claims read it instead, and a new row enters
-/// one B-tree fewer (`docs/writer-cost.md`).
-pub(crate) const PENDING_INDEX: (&str, &str) =
-    ("pending_idx", "pending rows in order (migration 0001)");
+impl ClaimIndex {
+    const ALL: [ClaimIndex; 2] = [ClaimIndex::Pending, ClaimIndex::Bucket];
+
+    /// Its name's suffix, and what it holds.
+    pub(crate) fn index(self) -> &'static (&'static str, &'static str) {
+        match self {
+            ClaimIndex::Pending => &("pending_idx", "pending rows in order (migration 0001)"),
+            ClaimIndex::Bucket => &("bucket_idx", "pending rows by key bucket (migration 0004)"),
+        }
+    }
+
+    /// Why the claims of relays configured as `relay` says never read it, or `None` when
+    /// they rely on it.
+    pub(crate) fn unread_because(self, relay: &RelayConfig) -> Option<&'static str> {
+        match self {
+            ClaimIndex::Pending if relay.on_publish == OnPublish::Mark => None,
+            ClaimIndex::Pending => Some("on_publish = \"delete\" claims through the primary key"),
+            ClaimIndex::Bucket if relay.ordering == Ordering::Key => None,
+            ClaimIndex::Bucket => Some("ordering = \"none\" reads no key buckets"),
+        }
+    }
+}
 
 /// The indexes the claims of relays configured as `relay` says rely on, by suffix:
 /// without one of them a claim scans the table. The relay refuses to start (and `check`
 /// fails) until `migrate` built them.
 pub(crate) fn claim_indexes(
     relay: &RelayConfig,
-) -> impl Iterator<Item = &'static (&'static str, &'static str)> {
-    let pending = (relay.on_publish == OnPublish::Mark).then_some(&PENDING_INDEX);
-    let bucket = (relay.ordering == Ordering::Key).then_some(&BUCKET_INDEX);
-    pending.into_iter().chain(bucket)
+) -> impl Iterator<Item = &'static (&'static str, &'static str)> + '_ {
+    (ClaimIndex::ALL.into_iter())
+        .filter(|i| i.unread_because(relay).is_none())
+        .map(ClaimIndex::index)
 }
