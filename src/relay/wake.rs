@@ -30,8 +30,10 @@
 //!    *busy*: due, with its mark kept, so a look that finds it empty again puts it back
 //!    to sleep without a transaction. A table is woken for good (the poller clears the
 //!    mark, and writers stop notifying) when its NOTIFYs come faster than
-//!    [`BUSY_NOTIFY_RATE`], and then not marked again for [`CROWD_AWAKE`]; or by a raise
-//!    while it is wanted or pending, a pause or a new LISTEN session.
+//!    [`BUSY_NOTIFY_RATE`], and then not marked again for [`CROWD_AWAKE`], polled every
+//!    `poll_interval` meanwhile (a claim that finds it empty does not bring the poll
+//!    forward); or by a raise while it is wanted or pending, a pause or a new LISTEN
+//!    session.
 //! 7. `drain` has no LISTEN and no poller, and must end: the tables a first look finds
 //!    rows in start due ([`Wakes::settle_all_but`]; every table if that look fails), and a
 //!    table settled (then, or by rule 2) stays settled until a look finds rows in it. A round that
@@ -251,6 +253,15 @@ impl Wakes {
         crowd
     }
 
+    /// Table `t` is kept awake for a crowd of writers now (rule 6): unmarked, it is polled
+    /// every `poll_interval` as a table without the wake-up, and a claim that finds it
+    /// empty does not poke the poller. A poll that finds rows wakes every worker, so a
+    /// poll after each empty claim made many claims of a few rows each, on the CPU the
+    /// writers need.
+    fn crowded(&self, t: usize) -> bool {
+        self.crowd_until(t, Instant::now()).is_some()
+    }
+
     /// Rule 6: until when table `t` stays awake for a crowd of writers, if it does now:
     /// the poller does not mark it before then.
     pub(crate) fn crowd_until(&self, t: usize, now: Instant) -> Option<Instant> {
@@ -301,7 +312,7 @@ impl Wakes {
                 Err(now) => word = now,
             }
         }
-        if Sleep::of(word) != Sleep::Asleep {
+        if Sleep::of(word) != Sleep::Asleep && !self.crowded(t) {
             self.sleep.notify_one();
         }
     }
@@ -341,7 +352,7 @@ impl Wakes {
             .sleep
             .compare_exchange(word, new, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
-        if moved && to == Sleep::Wanted {
+        if moved && to == Sleep::Wanted && !self.crowded(t) {
             self.sleep.notify_one();
         }
     }
@@ -857,6 +868,34 @@ mod tests {
         tokio::pin!(poked);
         assert!(poked.as_mut().enable(), "told to clear the mark");
         assert!(w.poll_tickets(false)[0].is_some(), "awake: polled again");
+    }
+
+    #[test]
+    fn a_table_kept_awake_for_a_crowd_is_polled_on_the_interval_not_after_each_empty_claim() {
+        let w = gated();
+        w.set_listening(Some(7));
+        put_to_sleep(&w);
+        w.rows_committed("public.g", BUSY_NOTIFY_RATE);
+        assert_eq!(w.sleep_of(0).0, Sleep::Awake, "a crowd");
+        let poked = w.sleep.notified();
+        tokio::pin!(poked);
+        assert!(poked.as_mut().enable(), "told to clear the mark");
+        for round in 0..3 {
+            w.found_nothing(0, w.begin(0, Instant::now()).expect("due"));
+            assert_eq!(w.sleep_of(0).0, Sleep::Wanted, "round {round}");
+            assert!(w.poll_tickets(false)[0].is_some(), "polled on the interval");
+            let poked = w.sleep.notified();
+            tokio::pin!(poked);
+            assert!(
+                !poked.as_mut().enable(),
+                "round {round}: no poll brought forward"
+            );
+            w.raise(0, true);
+            assert_eq!(w.sleep_of(0).0, Sleep::Awake, "round {round}");
+            let poked = w.sleep.notified();
+            tokio::pin!(poked);
+            assert!(!poked.as_mut().enable(), "round {round}: no mark to clear");
+        }
     }
 
     #[test]

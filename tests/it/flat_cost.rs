@@ -558,6 +558,56 @@ async fn a_polling_relay_asks_about_its_quiet_tables_in_one_statement_a_poll() {
     terminate_cleanly(&mut relay);
 }
 
+/// Issue 52: a crowd of writers that keeps a table busy is polled every `poll_interval`,
+/// not after every claim that finds the table empty. While its writers notify faster than
+/// the busy limit, the table stays awake and unmarked (`relay::wake`, rule 6): each poll
+/// that finds rows wakes every worker, so a poll after every empty claim made more claims
+/// of fewer rows each, CPU the writers share (benchmark W). Counted as the poll statements
+/// over a burst of 8 writers on the default wake-up, unordered (whose claims empty the
+/// table most often): the interval's 10 a second, and a few more as the crowd's time
+/// ends and the table is marked again; several times that when each empty claim pokes
+/// the poller.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_crowd_of_writers_is_polled_every_interval_not_after_every_empty_claim() {
+    let env = with_statement_counts(relay().workers(4).ordering("none")).await;
+    let client = env.client().await;
+    let mut relay = env.spawn_run();
+    wait_for_listen(&client).await;
+    let polls = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
+                 WHERE query LIKE 'SELECT ARRAY[(EXISTS%'";
+    let (before, started) = (count(&client, polls).await, Instant::now());
+    let mut writers = Vec::new();
+    for w in 0..8 {
+        let client = env.client().await;
+        writers.push(tokio::spawn(async move {
+            for i in 0..1_500 {
+                let key = format!("w{w}-{}", i % 10);
+                client
+                    .execute(
+                        "INSERT INTO public.outbox (topic, key, payload) VALUES ('events.a', $1, 'x')",
+                        &[&key],
+                    )
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let took = started.elapsed().as_secs_f64();
+    let polled = count(&client, polls).await - before;
+    wait_for_empty_outbox(&client, "the burst to be published", 30).await;
+    terminate_cleanly(&mut relay);
+    let per_second = polled as f64 / took;
+    eprintln!("12,000 commits in {took:.1} s by 8 writers: {per_second:.1} polls a second");
+    assert!(
+        per_second <= 30.0,
+        "{polled} polls in {took:.1} s ({per_second:.1} a second) while 8 writers kept the \
+         table busy, at a poll_interval of 100 ms: polled after every empty claim?"
+    );
+}
+
 /// A claim's first window is planned a few times per session, not at every claim:
 /// PostgreSQL makes five custom plans of a prepared statement, then keeps its generic plan
 /// when it costs no more. With the window's read bound as `LIMIT $1` the generic plan
