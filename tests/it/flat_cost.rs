@@ -539,11 +539,10 @@ async fn a_polling_relay_asks_about_its_quiet_tables_in_one_statement_a_poll() {
     // The poll statement (`SELECT ARRAY[<one EXISTS per table>]`) over 5 s: 10 a second
     // at 100 ms, a few more when a poll takes a while (the next starts 100 ms after the
     // last began, at once if that passed).
-    let polls = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-                 WHERE query LIKE 'SELECT ARRAY[(EXISTS%'";
-    let (before, started) = (count(&client, polls).await, Instant::now());
+    let polls = "query LIKE 'SELECT ARRAY[(EXISTS%'";
+    let (before, started) = (statement_calls(&client, polls).await, Instant::now());
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let polled = count(&client, polls).await - before;
+    let polled = statement_calls(&client, polls).await - before;
     let polls_per_second = polled as f64 / started.elapsed().as_secs_f64();
     eprintln!("{all} polled tables: {polls_per_second:.1} poll statements/s");
     assert!(
@@ -573,9 +572,8 @@ async fn a_crowd_of_writers_is_polled_every_interval_not_after_every_empty_claim
     let client = env.client().await;
     let mut relay = env.spawn_run();
     wait_for_listen(&client).await;
-    let polls = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-                 WHERE query LIKE 'SELECT ARRAY[(EXISTS%'";
-    let (before, started) = (count(&client, polls).await, Instant::now());
+    let polls = "query LIKE 'SELECT ARRAY[(EXISTS%'";
+    let (before, started) = (statement_calls(&client, polls).await, Instant::now());
     let mut writers = Vec::new();
     for w in 0..8 {
         let client = env.client().await;
@@ -596,7 +594,7 @@ async fn a_crowd_of_writers_is_polled_every_interval_not_after_every_empty_claim
         writer.await.unwrap();
     }
     let took = started.elapsed().as_secs_f64();
-    let polled = count(&client, polls).await - before;
+    let polled = statement_calls(&client, polls).await - before;
     wait_for_empty_outbox(&client, "the burst to be published", 30).await;
     terminate_cleanly(&mut relay);
     let per_second = polled as f64 / took;
@@ -684,12 +682,7 @@ async fn several_relays_on_one_table_look_at_its_floor_about_as_often_as_one() {
     let secs = started.elapsed().as_secs_f64();
     audit(&inserted, &env.stored().await).assert_nothing_lost_in_order();
 
-    let looks = count(
-        &client,
-        "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-         WHERE query LIKE 'WITH c AS MATERIALIZED%'",
-    )
-    .await;
+    let looks = statement_calls(&client, "query LIKE 'WITH c AS MATERIALIZED%'").await;
     // Per relay: one look per 500 rows it claimed, five a second (200 ms apart), up to two
     // a second for sweep steps (a table this small is swept in two), and the first; half
     // as many again as a margin.
@@ -765,14 +758,13 @@ async fn a_relay_starting_on_quiet_tables_looks_at_each_floor_a_few_times() {
     let env = with_statement_counts(relay().workers(4)).await;
     let quiet = with_more_tables(&env, relay().workers(4), "quiet", QUIET, &[]).await;
     let client = env.client().await;
-    let looks = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-                 WHERE query LIKE '%pg_snapshot_xmin(pg_current_snapshot())%'";
-    let before = count(&client, looks).await;
+    let looks = "query LIKE '%pg_snapshot_xmin(pg_current_snapshot())%'";
+    let before = statement_calls(&client, looks).await;
     let mut relay = env.spawn_run();
     wait_for_listen(&client).await;
     // The two active seconds and a margin (an idle keeper looks every 5 s after them).
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let looked = count(&client, looks).await - before;
+    let looked = statement_calls(&client, looks).await - before;
     let tables = QUIET as i64 + 1;
     eprintln!("start-up on {tables} quiet tables: {looked} floor looks");
     one_row_published(&client, &quiet[4], Duration::from_secs(5)).await;
@@ -1327,21 +1319,15 @@ async fn start_up_checks_of_many_tables_ask_a_fixed_number_of_statements() {
     // (Not the vacuum probe's reads of the statistics views, the tables' dead tuples and
     // the snapshots holding back VACUUM, every 5 s: a running relay's, not a check, and a
     // drain that takes longer makes more of them.)
-    let catalog = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-                   WHERE userid = 'outbox_relay'::regrole \
-                     AND query ~ 'pg_catalog|to_regclass|has_[a-z]+_privilege' \
-                     AND query !~ 'pg_stat_user_tables|pg_stat_activity'";
+    let catalog = "userid = 'outbox_relay'::regrole \
+                   AND query ~ 'pg_catalog|to_regclass|has_[a-z]+_privilege' \
+                   AND query !~ 'pg_stat_user_tables|pg_stat_activity'";
     let mut counts = Vec::new();
     for n in [10, 100] {
         write_tables_config(&env, relay(), &tables[..n]);
         for command in [&["check"][..], &["drain", "--timeout", "30s"]] {
-            client
-                .batch_execute("SELECT pg_stat_statements_reset()")
-                .await
-                .unwrap();
-            let out = env.relay(command);
-            assert!(out.status.success(), "{command:?}: {}", text(&out));
-            let asked = count(&client, catalog).await;
+            counted_run(&env, &client, command).await;
+            let asked = statement_calls(&client, catalog).await;
             eprintln!(
                 "{command:?} of {} tables: {asked} catalog statements",
                 n + 1
@@ -1370,6 +1356,16 @@ async fn insert_one_row(client: &tokio_postgres::Client, table: &str) {
         .unwrap();
 }
 
+/// How many times the statements `pg_stat_statements` counted that match `condition`
+/// (on its columns) ran since the counts were last set to zero.
+async fn statement_calls(client: &tokio_postgres::Client, condition: &str) -> i64 {
+    count(
+        client,
+        &format!("SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements WHERE {condition}"),
+    )
+    .await
+}
+
 /// The relay with `args`, from statement counts set to zero; it must succeed.
 async fn counted_run(env: &Env, client: &tokio_postgres::Client, args: &[&str]) {
     client
@@ -1389,10 +1385,9 @@ async fn a_drain_among_many_empty_tables_looks_at_them_in_a_fixed_number_of_stat
     let env = with_statement_counts(relay()).await;
     let tables = with_more_tables(&env, relay(), "quiet", 100, &[]).await;
     let client = env.client().await;
-    let per_table = "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-                     WHERE userid = 'outbox_relay'::regrole \
-                       AND query LIKE 'SELECT EXISTS (SELECT $1 FROM %' \
-                       AND query NOT LIKE '%pg_catalog%'";
+    let per_table = "userid = 'outbox_relay'::regrole \
+                     AND query LIKE 'SELECT EXISTS (SELECT $1 FROM %' \
+                     AND query NOT LIKE '%pg_catalog%'";
     let mut counts = Vec::new();
     for n in [10, 100] {
         write_tables_config(&env, relay(), &tables[..n]);
@@ -1406,7 +1401,7 @@ async fn a_drain_among_many_empty_tables_looks_at_them_in_a_fixed_number_of_stat
             "the row of the last of {} tables was drained",
             n + 1
         );
-        let asked = count(&client, per_table).await;
+        let asked = statement_calls(&client, per_table).await;
         eprintln!(
             "drain of {} tables, one row in the last: {asked} looks at one table",
             n + 1
@@ -1595,10 +1590,9 @@ async fn a_relay_starting_on_many_tables_with_rows_claims_each_about_once() {
         insert_one_row(&client, t).await;
     }
     counted_run(&env, &client, &["drain", "--timeout", "60s"]).await;
-    let windows = count(
+    let windows = statement_calls(
         &client,
-        "SELECT COALESCE(sum(calls), 0)::int8 FROM pg_stat_statements \
-         WHERE userid = 'outbox_relay'::regrole AND query LIKE 'WITH % low AS MATERIALIZED%'",
+        "userid = 'outbox_relay'::regrole AND query LIKE 'WITH % low AS MATERIALIZED%'",
     )
     .await;
     eprintln!("{TABLES} tables of one row each: {windows} first windows read");
